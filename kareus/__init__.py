@@ -1,0 +1,32 @@
+"""
+kareus: cut the energy of training by choosing GPU clocks and overlap together.
+
+``model = kareus.compile(model)`` where you would write ``torch.compile(model)``;
+``print(kareus.explain(model))`` shows what kareus captured and did.
+"""
+
+from kareus.api import KareusBackend, compile
+from kareus.config import Config
+from kareus.errors import (
+    ConfigError,
+    KareusError,
+    NotCompiledError,
+    NotYetCapturedError,
+    PassError,
+)
+from kareus.explain import Report, explain
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "KareusBackend",
+    "KareusError",
+    "NotCompiledError",
+    "NotYetCapturedError",
+    "PassError",
+    "Report",
+    "compile",
+    "explain",
+]

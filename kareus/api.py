@@ -1,0 +1,204 @@
+"""
+``kareus.compile`` and the ``torch.compile`` backend that does the work.
+
+The backend receives each Dynamo graph, runs the structural passes on it, then hands it to
+AOTAutograd with kareus's own forward, backward and inference compilers. Those run the
+analysis and codegen passes and return the rewritten graphs, executed as plain Python (or
+handed to TorchInductor when ``Config.codegen == "inductor"``).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from kareus import passes
+from kareus.config import Config
+from kareus.errors import PassError
+from kareus.passes.base import PassContext, run_passes
+from kareus.region import GraphRecord, Region
+
+T = TypeVar("T")
+_ORIG = "_orig_mod."
+
+
+class KareusBackend:
+    """
+    A ``torch.compile`` backend: ``torch.compile(model, backend=KareusBackend(config))``.
+
+    One backend instance keeps the regions it compiled, which :func:`kareus.explain` reads.
+
+    Args:
+        config: the settings; ``Config()`` when omitted.
+        **overrides: fields of :class:`Config` that replace the config's.
+    """
+
+    def __init__(self, config: Config | None = None, **overrides: Any) -> None:
+        base = config if config is not None else Config()
+        if not isinstance(base, Config):
+            raise TypeError(f"config must be a kareus.Config, got {type(base).__name__}")
+        self.config = base.replace(**overrides) if overrides else base
+        self.regions: list[Region] = []
+
+    def __repr__(self) -> str:
+        return f"KareusBackend({self.config!r}, regions={len(self.regions)})"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        """Compile one Dynamo graph (called by Dynamo, once per graph and recompile)."""
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        region = Region(index=len(self.regions), compile_id=str(compile_id))
+        self.regions.append(region)
+        gm = self._run_graph_passes(region, "dynamo", gm, example_inputs)
+
+        if self.config.codegen == "inductor":
+            return self._hand_to_inductor(region, gm, example_inputs)
+
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def compiler(kind: str, g: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
+            return make_boxed_func(self._run_graph_passes(region, kind, g, inputs).forward)
+
+        return aot_autograd(
+            fw_compiler=functools.partial(compiler, "forward"),
+            bw_compiler=functools.partial(compiler, "backward"),
+            inference_compiler=functools.partial(compiler, "inference"),
+        )(gm, example_inputs)
+
+    def _hand_to_inductor(
+        self, region: Region, gm: fx.GraphModule, example_inputs: Sequence[Any]
+    ) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        def inner(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
+            if kwargs.get("is_backward"):
+                kind = "backward"
+            elif kwargs.get("is_inference"):
+                kind = "inference"
+            else:
+                kind = "forward"
+            return compile_fx_inner(
+                self._run_graph_passes(region, kind, g, inputs), inputs, **kwargs
+            )
+
+        return compile_fx(gm, example_inputs, inner_compile=inner)  # type: ignore[return-value]
+
+    def _run_graph_passes(
+        self, region: Region, kind: str, gm: fx.GraphModule, example_inputs: Sequence[Any]
+    ) -> fx.GraphModule:
+        """Run the pipeline on one graph; on failure keep the captured graph unless strict."""
+        from kareus.passes.base import graph_code
+
+        record = GraphRecord(kind, graph_code(gm), num_inputs=len(example_inputs))
+        region.graphs[kind] = record
+        ctx = PassContext(self.config, kind, region.findings, example_inputs)
+        # The passes rewrite a copy of the graph so that a failure leaves the captured one.
+        work = fx.GraphModule(gm, _copy_graph(gm.graph), class_name=type(gm).__name__)
+        try:
+            out, records = run_passes(work, passes.PIPELINE, ctx)
+        except PassError as err:
+            region.history.extend(getattr(err, "records", []))
+            if self.config.strict:
+                raise
+            note = f"{kind} graph runs as captured, unchanged: {err}"
+            region.notes.append(note)
+            warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=2)
+            record.final_code = record.captured_code
+            return gm
+        region.history.extend(records)
+        record.final_code = graph_code(out)
+        return out
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
+    out = new.graph_copy(graph, {})
+    new.output(out)
+    new._codegen = graph._codegen
+    return new
+
+
+default_backend = KareusBackend()
+"""The backend behind ``torch.compile(model, backend="kareus")`` (shared by such calls)."""
+
+
+def compile(
+    model: T,
+    *,
+    config: Config | None = None,
+    fullgraph: bool = False,
+    dynamic: bool | None = None,
+    **overrides: Any,
+) -> T:
+    """
+    Compile ``model`` with kareus; use the result exactly like ``torch.compile``'s.
+
+    The result shares parameters with ``model``, works with any optimizer and with
+    gradient accumulation, follows ``.train()``/``.eval()``, and its ``state_dict`` has the
+    original model's keys, so checkpoints are interchangeable with the uncompiled model.
+
+    Args:
+        model: an ``nn.Module`` or a function.
+        config: the settings; ``Config()`` when omitted.
+        fullgraph: as in ``torch.compile``: raise on a graph break instead of splitting.
+        dynamic: as in ``torch.compile``.
+        **overrides: fields of :class:`Config` that replace the config's, for example
+            ``nanobatches=1``.
+
+    Returns:
+        The compiled module or function.
+
+    Raises:
+        ConfigError: an override is not a Config field or has a value that is not allowed.
+        TypeError: ``model`` is neither a module nor callable.
+    """
+    if not callable(model):
+        raise TypeError(f"kareus.compile needs an nn.Module or a function, got {type(model)!r}")
+    backend = KareusBackend(config, **overrides)
+    compiled = torch.compile(model, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
+    if isinstance(compiled, nn.Module):
+        compiled._kareus_backend = backend  # type: ignore[assignment]
+        compiled.register_state_dict_post_hook(_strip_orig_prefix)
+        compiled.register_load_state_dict_pre_hook(_add_orig_prefix)
+    else:
+        compiled._kareus_backend = backend  # type: ignore[attr-defined]
+    return compiled  # type: ignore[return-value]
+
+
+def _strip_orig_prefix(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    # torch.compile's wrapper names every key "_orig_mod.<key>"; give back the model's keys.
+    for key in [k for k in state_dict if k.startswith(prefix + _ORIG)]:
+        state_dict[prefix + key[len(prefix) + len(_ORIG) :]] = state_dict.pop(key)
+
+
+def _add_orig_prefix(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+) -> None:
+    # Accept both the model's keys and torch.compile's "_orig_mod." keys.
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        rest = key[len(prefix) :]
+        if not rest.startswith(_ORIG):
+            state_dict[prefix + _ORIG + rest] = state_dict.pop(key)
+
+
+def find_backend(compiled: object) -> KareusBackend | None:
+    """Return the kareus backend that compiled ``compiled``, or None."""
+    backend = getattr(compiled, "_kareus_backend", None)
+    if isinstance(backend, KareusBackend):
+        return backend
+    # torch.compile(model, backend=...) wraps the backend in a chain of callables.
+    obj = getattr(getattr(compiled, "dynamo_ctx", None), "callback", None)
+    for _ in range(16):
+        if obj is None or isinstance(obj, KareusBackend):
+            return obj
+        nxt = getattr(obj, "_torchdynamo_orig_backend", None)
+        obj = nxt if nxt is not None else getattr(obj, "compiler_fn", None)
+    return None

@@ -1,0 +1,155 @@
+"""
+kareus's configuration: one frozen, keyword-only dataclass, validated on construction.
+
+Every field has a docstring, units in its name where it has units, and a check that raises
+:class:`~kareus.errors.ConfigError` naming the field, the value and what is allowed.
+The config round-trips through JSON so that a plan can record the settings it was made with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kareus.errors import ConfigError
+
+_CODEGENS = ("python", "inductor")
+
+
+def _field(default: Any, allowed: str, check: Callable[[Any], bool], doc: str) -> Any:
+    return dataclasses.field(
+        default=default, metadata={"allowed": allowed, "check": check, "doc": doc}
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _known_pass_names() -> tuple[str, ...]:
+    from kareus.passes import PASS_NAMES
+
+    return PASS_NAMES
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """
+    Settings of one ``kareus.compile`` call.
+
+    Build one with keywords (``Config(nanobatches=1)``) or pass the same keywords straight to
+    :func:`kareus.compile`. Change one with :meth:`replace`.
+    """
+
+    nanobatches: int = _field(
+        2,
+        "1 (no split) or 2",
+        lambda v: _is_int(v) and v in (1, 2),
+        "How many nanobatches each repeated block is split into along the batch dimension; "
+        "1 turns the split off.",
+    )
+    batch_dim: int | None = _field(
+        None,
+        "None (detect) or a non-negative int",
+        lambda v: v is None or (_is_int(v) and v >= 0),
+        "The batch dimension of the model's inputs; None detects it from the inputs "
+        "(dimension 0, or 1 for a Megatron-style [seq, batch, hidden] layout).",
+    )
+    allow_random_split: bool = _field(
+        False,
+        "True or False",
+        lambda v: isinstance(v, bool),
+        "Split blocks that contain random ops (dropout). Their random streams then differ "
+        "from the unsplit model's, so results are statistically, not bitwise, equal.",
+    )
+    disable_passes: tuple[str, ...] = _field(
+        (),
+        "a tuple of pass names (see kareus.passes.PASS_NAMES)",
+        lambda v: isinstance(v, tuple) and all(p in _known_pass_names() for p in v),
+        "Passes to skip; a skipped pass is recorded in the pass history.",
+    )
+    codegen: str = _field(
+        "python",
+        f"one of {_CODEGENS}",
+        lambda v: v in _CODEGENS,
+        "How the rewritten graphs run: 'python' executes them as plain Python; 'inductor' "
+        "hands them to TorchInductor after kareus's passes.",
+    )
+    strict: bool = _field(
+        False,
+        "True or False",
+        lambda v: isinstance(v, bool),
+        "Raise when a pass fails. When False, the graph runs as captured (unchanged) and "
+        "the failure is recorded and shown by kareus.explain.",
+    )
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not f.metadata["check"](value):
+                allowed = f.metadata["allowed"]
+                if f.name == "disable_passes":
+                    allowed += f"; known passes: {', '.join(_known_pass_names())}"
+                raise ConfigError(f.name, value, allowed)
+
+    def replace(self, **changes: Any) -> Config:
+        """
+        Return a copy with ``changes`` applied (validated like the constructor).
+
+        Raises:
+            ConfigError: a name is not a field, or a value is not allowed.
+        """
+        _check_names(changes)
+        return dataclasses.replace(self, **_coerce(changes))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the fields as JSON-ready values (tuples become lists)."""
+        return {
+            f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+            for f in dataclasses.fields(self)
+        }
+
+    def to_json(self) -> str:
+        """Return the config as a JSON object."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Config:
+        """
+        Build a config from :meth:`to_dict` output.
+
+        Raises:
+            ConfigError: an unknown field or a value that is not allowed.
+        """
+        _check_names(data)
+        return cls(**_coerce(data))
+
+    @classmethod
+    def from_json(cls, text: str) -> Config:
+        """Build a config from :meth:`to_json` output."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ConfigError("<json>", data, "a JSON object of Config fields")
+        return cls.from_dict(data)
+
+    @staticmethod
+    def describe() -> str:
+        """Return one line per field: name, default, allowed values and meaning."""
+        return "\n".join(
+            f"{f.name} (default {f.default!r}; {f.metadata['allowed']}): {f.metadata['doc']}"
+            for f in dataclasses.fields(Config)
+        )
+
+
+def _check_names(data: Mapping[str, Any]) -> None:
+    names = {f.name for f in dataclasses.fields(Config)}
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(key, value, f"one of the Config fields: {', '.join(sorted(names))}")
+
+
+def _coerce(data: Mapping[str, Any]) -> dict[str, Any]:
+    # JSON has no tuples; accept lists for the tuple-valued fields.
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}

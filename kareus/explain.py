@@ -1,0 +1,121 @@
+"""``kareus.explain``: a printable account of what kareus captured, found and rewrote."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kareus._table import render_table
+from kareus.api import find_backend
+from kareus.config import Config
+from kareus.errors import NotCompiledError, NotYetCapturedError
+from kareus.region import Region
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """
+    What kareus did for one compiled model; ``print(report)`` shows it all.
+
+    Attributes:
+        config: the settings the model was compiled with.
+        regions: one entry per compiled region (Dynamo graph), in capture order.
+    """
+
+    config: Config
+    regions: tuple[Region, ...]
+
+    def graph(self, kind: str, region: int = 0, *, captured: bool = False) -> str:
+        """
+        Return the code of one graph.
+
+        Args:
+            kind: "dynamo", "forward", "backward" or "inference".
+            region: index of the region.
+            captured: the graph as captured instead of as it runs.
+
+        Raises:
+            KeyError: the region has no graph of that kind (yet): a backward graph exists
+                only after the first backward pass, an inference graph only after a call
+                without gradients.
+        """
+        graphs = self.regions[region].graphs
+        if kind not in graphs:
+            raise KeyError(
+                f"region {region} has no {kind!r} graph; it has {sorted(graphs)}. A backward "
+                "graph is captured at the first backward, an inference graph at the first "
+                "call under torch.no_grad()."
+            )
+        rec = graphs[kind]
+        return rec.captured_code if captured else rec.final_code
+
+    def summary(self) -> str:
+        """Return the report without the graphs' code: findings, notes and pass history."""
+        return self._text(with_code=False)
+
+    def __str__(self) -> str:
+        return self._text(with_code=True)
+
+    def _text(self, *, with_code: bool) -> str:
+        parts = [f"kareus report: {len(self.regions)} compiled region(s)", f"config: {self.config}"]
+        parts.extend(_region_text(region, with_code) for region in self.regions)
+        return "\n\n".join(parts)
+
+
+def _region_text(region: Region, with_code: bool) -> str:
+    lines = [f"== region {region.index} (Dynamo compile id {region.compile_id}) =="]
+    for note in region.notes:
+        lines.append(f"note: {note}")
+    for name, finding in region.findings.items():
+        text = finding.to_text() if hasattr(finding, "to_text") else repr(finding)
+        lines.append(f"-- {name} --\n{text}")
+    if region.history:
+        rows = [
+            (
+                r.graph,
+                r.name,
+                r.status,
+                "yes" if r.modified else "no",
+                f"{r.nodes_before} -> {r.nodes_after}" if r.status == "ran" else "",
+                f"{r.duration_s * 1e3:.1f}",
+            )
+            for r in region.history
+        ]
+        lines.append(
+            render_table(
+                "pass history", ("graph", "pass", "status", "modified", "nodes", "ms"), rows
+            )
+        )
+    else:
+        lines.append("pass history: no pass applied to this region's graphs")
+    for kind, rec in region.graphs.items():
+        changed = "rewritten" if rec.final_code != rec.captured_code else "unchanged"
+        head = f"-- {kind} graph ({changed}, {rec.num_inputs} inputs) --"
+        lines.append(f"{head}\n{rec.final_code}" if with_code else head)
+    return "\n".join(lines)
+
+
+def explain(compiled: object) -> Report:
+    """
+    Return the report of a model or function compiled by kareus.
+
+    Args:
+        compiled: the result of :func:`kareus.compile`, or of ``torch.compile`` with the
+            ``"kareus"`` backend or a :class:`~kareus.KareusBackend`.
+
+    Raises:
+        NotCompiledError: (a ``TypeError``) ``compiled`` was not compiled by kareus.
+        NotYetCapturedError: (a ``RuntimeError``) it was, but has not been called yet.
+    """
+    backend = find_backend(compiled)
+    if backend is None:
+        raise NotCompiledError(
+            f"kareus.explain needs a model compiled by kareus, got {type(compiled).__name__}; "
+            "compile it with kareus.compile(model) or torch.compile(model, backend='kareus')."
+        )
+    if not backend.regions:
+        raise NotYetCapturedError(
+            "nothing captured yet: kareus captures graphs on the first call of the compiled "
+            "model; call it once (a forward, and a backward for the backward graph), then "
+            "explain it."
+        )
+    return Report(backend.config, tuple(backend.regions))

@@ -1,0 +1,27 @@
+"""
+kareus's graph passes, one per module, and the pipeline that orders them.
+
+Structural passes run on Dynamo's graph before autograd; analysis and codegen passes run on
+AOTAutograd's forward, backward and inference graphs. Each pass declares which graphs it
+applies to; the runner (:func:`kareus.passes.base.run_passes`) skips the others.
+"""
+
+from __future__ import annotations
+
+from kareus.passes.base import GRAPH_KINDS, GraphPass, PassContext, PassRecord, PassResult
+
+PIPELINE: tuple[GraphPass, ...] = ()
+"""Every pass, in the order it runs."""
+
+PASS_NAMES: tuple[str, ...] = tuple(p.name for p in PIPELINE)
+"""Names accepted by ``Config.disable_passes``."""
+
+__all__ = [
+    "GRAPH_KINDS",
+    "PASS_NAMES",
+    "PIPELINE",
+    "GraphPass",
+    "PassContext",
+    "PassRecord",
+    "PassResult",
+]

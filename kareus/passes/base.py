@@ -1,0 +1,170 @@
+"""
+The pass infrastructure: a pass base class with checked conditions, and the runner.
+
+A pass takes a GraphModule and returns one together with an honest "modified" flag. The
+runner checks the pass's pre- and post-conditions, verifies the flag against the graph's
+code, records name, duration, node counts and the code after, and turns any failure into a
+:class:`~kareus.errors.PassError` that names the pass, the graph, the node and the passes
+already run.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch.fx as fx
+
+from kareus.errors import NodeError, PassError
+
+if TYPE_CHECKING:
+    from kareus.config import Config
+
+GRAPH_KINDS = ("dynamo", "forward", "backward", "inference")
+"""The graphs of one compiled region: Dynamo's (before autograd) and AOTAutograd's three."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PassResult:
+    """What a pass returns: the (possibly new) graph module and whether it changed it."""
+
+    gm: fx.GraphModule
+    modified: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class PassRecord:
+    """One entry of a region's pass history."""
+
+    name: str
+    graph: str
+    status: str  # "ran", "disabled" or "failed"
+    modified: bool = False
+    duration_s: float = 0.0
+    nodes_before: int = 0
+    nodes_after: int = 0
+    code_after: str = ""
+    error: str = ""
+
+
+@dataclasses.dataclass
+class PassContext:
+    """
+    What a pass may read besides its graph.
+
+    Attributes:
+        config: the compile call's configuration.
+        graph: which graph of the region this is (one of :data:`GRAPH_KINDS`).
+        findings: results shared by the passes of one compiled region, keyed by pass name
+            (for example the blocks ``find_blocks`` found, read later by the AOT passes).
+        example_inputs: the example inputs the graph was captured with.
+        passes_run: names of the passes already run on this graph.
+    """
+
+    config: Config
+    graph: str
+    findings: dict[str, Any]
+    example_inputs: Sequence[Any] = ()
+    passes_run: list[str] = dataclasses.field(default_factory=list)
+
+
+class GraphPass(abc.ABC):
+    """
+    Base class of every kareus graph pass.
+
+    Subclasses set :attr:`name` and :attr:`graphs`, implement :meth:`run`, and may add
+    checks in :meth:`requires` (before) and :meth:`ensures` (after; the runner always lints).
+    """
+
+    name: ClassVar[str]
+    graphs: ClassVar[frozenset[str]]
+
+    def requires(self, gm: fx.GraphModule, ctx: PassContext) -> None:  # noqa: B027
+        """Raise :class:`NodeError` or ``ValueError`` when ``gm`` lacks what the pass needs."""
+
+    @abc.abstractmethod
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        """Rewrite or analyse ``gm``; return the result and an honest ``modified`` flag."""
+
+    def ensures(self, gm: fx.GraphModule, ctx: PassContext) -> None:  # noqa: B027
+        """Raise when the rewritten ``gm`` breaks a promise of the pass."""
+
+
+def graph_code(gm: fx.GraphModule) -> str:
+    """Return the Python code of ``gm``'s graph (recomputed from the graph, not cached)."""
+    return gm.graph.python_code(root_module="self").src
+
+
+def run_passes(
+    gm: fx.GraphModule, passes: Sequence[GraphPass], ctx: PassContext
+) -> tuple[fx.GraphModule, list[PassRecord]]:
+    """
+    Run the passes that apply to ``ctx.graph`` in order.
+
+    Returns:
+        The final graph module and one record per pass that applied (disabled ones included).
+
+    Raises:
+        PassError: a pass failed a condition, raised, or reported no change but changed
+            the graph. ``error.records`` holds the records made so far.
+    """
+    records: list[PassRecord] = []
+    for p in passes:
+        if ctx.graph not in p.graphs:
+            continue
+        if p.name in ctx.config.disable_passes:
+            records.append(PassRecord(p.name, ctx.graph, "disabled"))
+            continue
+        before_code = graph_code(gm)
+        nodes_before = len(gm.graph.nodes)
+        start = time.perf_counter()
+        try:
+            p.requires(gm, ctx)
+            result = p.run(gm, ctx)
+            result.gm.graph.lint()
+            p.ensures(result.gm, ctx)
+            after_code = graph_code(result.gm)
+            if not result.modified and after_code != before_code:
+                raise ValueError("the pass reported no change but changed the graph")
+        except Exception as exc:
+            err = _as_pass_error(p.name, ctx, exc)
+            records.append(
+                PassRecord(
+                    p.name,
+                    ctx.graph,
+                    "failed",
+                    duration_s=time.perf_counter() - start,
+                    nodes_before=nodes_before,
+                    error=str(err),
+                )
+            )
+            err.records = records  # type: ignore[attr-defined]
+            raise err from exc
+        gm = result.gm
+        if result.modified:
+            gm.recompile()
+        records.append(
+            PassRecord(
+                p.name,
+                ctx.graph,
+                "ran",
+                modified=result.modified,
+                duration_s=time.perf_counter() - start,
+                nodes_before=nodes_before,
+                nodes_after=len(gm.graph.nodes),
+                code_after=after_code,
+            )
+        )
+        ctx.passes_run.append(p.name)
+    return gm, records
+
+
+def _as_pass_error(name: str, ctx: PassContext, exc: Exception) -> PassError:
+    if isinstance(exc, PassError):
+        return exc
+    node = exc.node if isinstance(exc, NodeError) else None
+    message = exc.message if isinstance(exc, NodeError) else f"{type(exc).__name__}: {exc}"
+    return PassError(name, ctx.graph, message, node=node, passes_run=ctx.passes_run)

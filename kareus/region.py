@@ -1,0 +1,47 @@
+"""
+What kareus captured and did for one compiled region (one Dynamo graph).
+
+A region is created when Dynamo hands kareus a graph; it collects the graphs as captured and
+as rewritten, the pass history, the passes' findings and the reasons something was left
+unchanged. :func:`kareus.explain` reads regions; nothing in the training step does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kareus.passes.base import PassRecord
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    """One graph of a region, as captured and as it runs."""
+
+    kind: str
+    captured_code: str
+    final_code: str = ""
+    num_inputs: int = 0
+
+
+@dataclasses.dataclass
+class Region:
+    """
+    Everything kareus knows about one compiled region.
+
+    Attributes:
+        index: position among the backend's regions, in capture order.
+        compile_id: Dynamo's id of the compilation ("frame/recompile"), for cross-reference
+            with ``TORCH_LOGS``.
+        graphs: the region's graphs by kind ("dynamo", "forward", "backward", "inference").
+        history: the pass records of all graphs, in the order the passes ran.
+        findings: results passes shared (blocks, split decisions...), keyed by pass name.
+        notes: why something was left unchanged (a failed pass, a skipped block...).
+    """
+
+    index: int
+    compile_id: str
+    graphs: dict[str, GraphRecord] = dataclasses.field(default_factory=dict)
+    history: list[PassRecord] = dataclasses.field(default_factory=list)
+    findings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)

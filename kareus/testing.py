@@ -1,0 +1,153 @@
+"""
+Helpers shared by kareus's tests, examples and benchmarks: tiny models and training loops.
+
+Public so that users can check their own models the way kareus checks its own:
+``compare_training(make_model, kareus.compile)`` trains a model and its compiled copy side by
+side and returns both histories.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+Batch = Union[tuple[Any, ...], Mapping[str, Any]]  # noqa: UP007 (runtime alias on 3.10)
+
+
+@dataclasses.dataclass
+class History:
+    """Losses per optimizer step and the gradients seen before each step, by parameter name."""
+
+    losses: list[torch.Tensor]
+    grads: list[dict[str, torch.Tensor]]
+
+
+def token_batches(
+    count: int, batch: int, seq: int, vocab: int, *, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Return ``count`` random (ids, labels) pairs of shape [batch, seq]."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randint(0, vocab, (batch, seq), generator=gen),
+            torch.randint(0, vocab, (batch, seq), generator=gen),
+        )
+        for _ in range(count)
+    ]
+
+
+def train(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    *,
+    accumulate: int = 1,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    lr: float = 1e-2,
+) -> History:
+    """
+    Train with AdamW, one optimizer step per ``accumulate`` batches.
+
+    Args:
+        model: called as ``model(*batch)`` (``model(**batch)`` for a dict); returns the
+            loss unless ``loss_fn`` is given.
+        batches: the inputs, one tuple or dict per micro-batch.
+        accumulate: micro-batches per optimizer step (gradient accumulation).
+        loss_fn: maps the model's output and the batch to a scalar loss.
+        lr: learning rate.
+    """
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    named = dict(model.named_parameters())
+    hist = History([], [])
+    for i, batch in enumerate(batches):
+        out = model(**batch) if isinstance(batch, Mapping) else model(*batch)
+        loss = loss_fn(out, batch) if loss_fn is not None else out
+        (loss / accumulate).backward()
+        hist.losses.append(loss.detach().clone())
+        if (i + 1) % accumulate == 0:
+            hist.grads.append(
+                {_plain(n): p.grad.detach().clone() for n, p in named.items() if p.grad is not None}
+            )
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return hist
+
+
+def compare_training(
+    make_model: Callable[[], nn.Module],
+    compile_fn: Callable[[nn.Module], nn.Module],
+    batches: Sequence[Batch],
+    **train_kwargs: object,
+) -> tuple[History, History]:
+    """
+    Train an eager model and a compiled copy with the same initial weights and batches.
+
+    Returns:
+        The eager history and the compiled history.
+    """
+    eager = make_model()
+    compiled_src = copy.deepcopy(eager)
+    ref = train(eager, batches, **train_kwargs)  # type: ignore[arg-type]
+    got = train(compile_fn(compiled_src), batches, **train_kwargs)  # type: ignore[arg-type]
+    return ref, got
+
+
+def assert_same_history(
+    ref: History, got: History, *, bitwise_loss: bool = True, rtol: float = 1e-5, atol: float = 1e-6
+) -> None:
+    """Assert equal losses (bitwise by default) and gradients within fp32 rounding."""
+    assert len(ref.losses) == len(got.losses) and len(ref.grads) == len(got.grads)
+    for step, (a, b) in enumerate(zip(ref.losses, got.losses, strict=True)):
+        if bitwise_loss:
+            assert torch.equal(a, b), f"loss differs at step {step}: {a.item()} vs {b.item()}"
+        else:
+            torch.testing.assert_close(b, a, rtol=rtol, atol=atol)
+    for step, (ga, gb) in enumerate(zip(ref.grads, got.grads, strict=True)):
+        assert ga.keys() == gb.keys(), f"parameters with gradients differ at step {step}"
+        for name in ga:
+            torch.testing.assert_close(
+                gb[name],
+                ga[name],
+                rtol=rtol,
+                atol=atol,
+                msg=functools.partial(_where, name, step),
+            )
+
+
+def _where(name: str, step: int, message: str) -> str:
+    return f"gradient of {name} at step {step}: {message}"
+
+
+def _plain(name: str) -> str:
+    return name.removeprefix("_orig_mod.")
+
+
+def hf_tiny(kind: str) -> nn.Module:
+    """
+    Build a tiny random HF transformers causal LM offline: ``"llama"`` or ``"qwen3"``.
+
+    Raises:
+        ImportError: transformers is not installed (``pip install kareus[hf]``).
+    """
+    import transformers
+
+    common: dict[str, Any] = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    if kind == "qwen3":
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **common))
+    raise ValueError(f"unknown HF model kind {kind!r}: use 'llama' or 'qwen3'")

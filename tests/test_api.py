@@ -1,0 +1,157 @@
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import kareus
+from kareus.models import PRESETS, Llama
+from kareus.testing import (
+    assert_same_history,
+    compare_training,
+    hf_tiny,
+    token_batches,
+    train,
+)
+
+BATCHES = token_batches(3, batch=4, seq=16, vocab=128)
+
+
+def test_tiny_llama_trains_like_eager():
+    ref, got = compare_training(lambda: Llama(PRESETS["tiny"]), kareus.compile, BATCHES)
+    assert len(ref.losses) == 3
+    assert_same_history(ref, got)
+    # The model actually learned something over the steps (the comparison is not vacuous).
+    assert not torch.equal(ref.losses[0], ref.losses[-1])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_hf_models_train_like_eager(kind):
+    def hf_loss(out, batch):
+        return out.loss
+
+    def make():
+        torch.manual_seed(1)
+        return hf_tiny(kind)
+
+    batches = [{"input_ids": ids, "labels": lab} for ids, lab in BATCHES]
+    ref, got = compare_training(make, kareus.compile, batches, loss_fn=hf_loss)
+    assert_same_history(ref, got)
+
+
+def test_gradient_accumulation():
+    ref, got = compare_training(
+        lambda: Llama(PRESETS["tiny"]), kareus.compile, token_batches(4, 4, 16, 128), accumulate=2
+    )
+    assert len(ref.grads) == 2
+    assert_same_history(ref, got)
+
+
+def test_eval_mode_and_no_grad():
+    model = Llama(PRESETS["tiny"])
+    compiled = kareus.compile(copy.deepcopy(model))
+    ids = BATCHES[0][0]
+    model.eval()
+    compiled.eval()
+    assert not compiled.training and not compiled._orig_mod.training
+    with torch.no_grad():
+        assert torch.equal(compiled(ids), model(ids))
+    assert "inference" in kareus.explain(compiled).regions[-1].graphs
+
+
+class WithBreak(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h).pow(2).mean()
+
+
+def test_graph_break_runs_and_each_graph_is_captured():
+    batches = [(torch.randn(4, 8),) for _ in range(3)]
+    ref, got = compare_training(WithBreak, kareus.compile, batches)
+    assert_same_history(ref, got)
+    compiled = kareus.compile(WithBreak())
+    compiled(torch.randn(4, 8)).backward()
+    report = kareus.explain(compiled)
+    assert len(report.regions) == 2
+    assert all({"dynamo", "forward", "backward"} <= r.graphs.keys() for r in report.regions)
+
+
+def test_state_dict_is_interchangeable_with_the_original():
+    model = Llama(PRESETS["tiny"])
+    compiled = kareus.compile(model)
+    assert compiled.state_dict().keys() == model.state_dict().keys()
+    other = Llama(PRESETS["tiny"])
+    compiled.load_state_dict(other.state_dict())
+    assert torch.equal(model.embed.weight, other.embed.weight)
+    # torch.compile's own "_orig_mod." checkpoints load too.
+    third = torch.compile(Llama(PRESETS["tiny"]), backend="eager")
+    compiled.load_state_dict(third.state_dict())
+    assert torch.equal(model.embed.weight, third._orig_mod.embed.weight)
+    # Parameters are shared with the original model.
+    assert next(compiled.parameters()) is next(model.parameters())
+
+
+@pytest.mark.parametrize("how", ["string", "object"])
+def test_torch_compile_backend_forms(how):
+    model = Llama(PRESETS["tiny"])
+    backend = "kareus" if how == "string" else kareus.KareusBackend(kareus.Config(nanobatches=1))
+    compiled = torch.compile(copy.deepcopy(model), backend=backend)
+    ids, lab = BATCHES[0]
+    assert torch.equal(compiled(ids, lab), model(ids, lab))
+    report = kareus.explain(compiled)
+    assert report.regions and "forward" in report.regions[-1].graphs
+    if how == "object":
+        assert report.config.nanobatches == 1
+
+
+def test_compile_a_function():
+    def f(x, w):
+        return torch.tanh(x @ w).sum()
+
+    g = kareus.compile(f)
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    assert torch.equal(g(x, w), f(x, w))
+    assert "dynamo" in kareus.explain(g).regions[0].graphs
+
+
+def test_import_initialises_neither_cuda_nor_nvml():
+    # torch itself imports pynvml when it is installed; kareus must add no heavy import and
+    # must not load the NVML library (pynvml.nvmlLib stays None until nvmlInit).
+    code = (
+        "import sys, torch\n"
+        "before = set(sys.modules)\n"
+        "import kareus\n"
+        "added = set(sys.modules) - before\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "heavy = ('pynvml', 'zeus', 'ortools', 'matplotlib', 'triton', 'transformers')\n"
+        "bad = sorted(m for m in added if m.split('.')[0] in heavy)\n"
+        "assert not bad, bad\n"
+        "nvml = sys.modules.get('pynvml')\n"
+        "assert nvml is None or nvml.nvmlLib is None, 'NVML loaded'\n"
+        "print('clean')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "clean"
+
+
+@pytest.mark.slow
+def test_inductor_codegen_matches_eager():
+    model = Llama(PRESETS["tiny"])
+    compiled = kareus.compile(copy.deepcopy(model), codegen="inductor", nanobatches=1)
+    ids, lab = BATCHES[0]
+    torch.testing.assert_close(compiled(ids, lab), model(ids, lab), rtol=1e-5, atol=1e-5)
+    assert "forward" in kareus.explain(compiled).regions[0].graphs
+
+
+def test_train_helper_records_each_step():
+    hist = train(Llama(PRESETS["tiny"]), BATCHES)
+    assert len(hist.losses) == len(hist.grads) == 3

@@ -1,0 +1,57 @@
+import pytest
+
+import kareus
+from kareus import Config, ConfigError
+
+
+def test_defaults_round_trip_through_json():
+    cfg = Config(nanobatches=1, codegen="inductor", strict=True)
+    assert Config.from_json(cfg.to_json()) == cfg
+    assert Config.from_dict(Config().to_dict()) == Config()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "hint"),
+    [
+        ("nanobatches", 3, "1 (no split) or 2"),
+        ("nanobatches", True, "1 (no split) or 2"),
+        ("batch_dim", -1, "non-negative"),
+        ("codegen", "tvm", "one of ('python', 'inductor')"),
+        ("strict", "yes", "True or False"),
+        ("disable_passes", ("no_such_pass",), "known passes"),
+        ("disable_passes", "find_blocks", "a tuple of pass names"),
+    ],
+)
+def test_bad_values_name_field_value_and_range(field, value, hint):
+    with pytest.raises(ConfigError) as info:
+        Config(**{field: value})
+    msg = str(info.value)
+    assert f"Config.{field}={value!r}" in msg and hint in msg
+    assert info.value.field == field
+    assert isinstance(info.value, ValueError)
+
+
+def test_unknown_field_lists_the_fields():
+    with pytest.raises(ConfigError, match="one of the Config fields: .*nanobatches"):
+        Config.from_dict({"nanobatch": 2})
+    with pytest.raises(ConfigError, match="nanobatchs"):
+        kareus.compile(lambda x: x, nanobatchs=2)
+
+
+def test_replace_validates():
+    assert Config().replace(nanobatches=1).nanobatches == 1
+    with pytest.raises(ConfigError):
+        Config().replace(nanobatches=0)
+
+
+def test_frozen_and_keyword_only():
+    with pytest.raises(TypeError):
+        Config(2)  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        Config().nanobatches = 1  # type: ignore[misc]
+
+
+def test_describe_documents_every_field():
+    text = Config.describe()
+    for name in Config().to_dict():
+        assert text.count(f"{name} (default") == 1

@@ -1,0 +1,150 @@
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+
+import kareus
+import kareus.passes
+from kareus import Config, PassError
+from kareus.errors import NodeError
+from kareus.passes.base import GraphPass, PassContext, PassResult, run_passes
+
+
+class ReluToGelu(GraphPass):
+    """Rewrites relu into gelu in the AOT forward graph (changes values on purpose)."""
+
+    name = "relu_to_gelu"
+    graphs = frozenset({"forward", "inference"})
+
+    def run(self, gm, ctx):
+        changed = False
+        for node in gm.graph.nodes:
+            if node.target is torch.ops.aten.relu.default:
+                node.target = torch.ops.aten.gelu.default
+                changed = True
+        return PassResult(gm, changed)
+
+
+class Liar(GraphPass):
+    name = "liar"
+    graphs = frozenset({"forward"})
+
+    def run(self, gm, ctx):
+        for node in gm.graph.nodes:
+            if node.target is torch.ops.aten.relu.default:
+                node.target = torch.ops.aten.gelu.default
+        return PassResult(gm, False)
+
+
+class Broken(GraphPass):
+    name = "broken"
+    graphs = frozenset({"forward"})
+
+    def run(self, gm, ctx):
+        node = next(n for n in gm.graph.nodes if n.op == "call_function")
+        raise NodeError(node, "cannot handle this op")
+
+
+class NeedsMeta(GraphPass):
+    name = "needs_meta"
+    graphs = frozenset({"forward"})
+
+    def requires(self, gm, ctx):
+        raise ValueError("graph lacks 'val' metadata")
+
+    def run(self, gm, ctx):  # pragma: no cover - never reached
+        return PassResult(gm, False)
+
+
+@pytest.fixture
+def pipeline(monkeypatch):
+    def use(*passes):
+        monkeypatch.setattr(kareus.passes, "PIPELINE", tuple(passes))
+        monkeypatch.setattr(kareus.passes, "PASS_NAMES", tuple(p.name for p in passes))
+
+    return use
+
+
+def raised_pass_error(call):
+    """Run ``call``; return the PassError it raised (Dynamo wraps backend errors)."""
+    with pytest.raises(Exception) as info:
+        call()
+    err = info.value
+    while err is not None and not isinstance(err, PassError):
+        err = getattr(err, "inner_exception", None) or err.__cause__
+    assert isinstance(err, PassError), f"no PassError in {info.value!r}"
+    assert str(err) in str(info.value)  # the user sees kareus's message
+    return err
+
+
+def small():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+
+
+def test_a_pass_rewrites_and_is_recorded(pipeline):
+    pipeline(ReluToGelu())
+    model = small()
+    compiled = kareus.compile(model)
+    x = torch.randn(3, 4)
+    expected = model[2](torch.nn.functional.gelu(model[0](x)))
+    torch.testing.assert_close(compiled(x), expected)
+    report = kareus.explain(compiled)
+    (rec,) = [r for r in report.regions[0].history if r.graph == "forward"]
+    assert rec.name == "relu_to_gelu" and rec.status == "ran" and rec.modified
+    assert rec.nodes_before == rec.nodes_after and "aten.gelu" in rec.code_after
+    torch.testing.FileCheck().check("aten.gelu").check_not("aten.relu").run(report.graph("forward"))
+    assert "aten.relu" in report.graph("forward", captured=True)
+    assert "relu_to_gelu" in str(report)
+
+
+def test_disabled_pass_is_recorded_and_not_run(pipeline):
+    pipeline(ReluToGelu())
+    model = small()
+    compiled = kareus.compile(model, disable_passes=("relu_to_gelu",))
+    x = torch.randn(3, 4)
+    assert torch.equal(compiled(x), model(x))
+    (rec,) = kareus.explain(compiled).regions[0].history
+    assert rec.status == "disabled"
+
+
+def test_dishonest_modified_flag_is_caught(pipeline):
+    pipeline(Liar())
+    err = raised_pass_error(lambda: kareus.compile(small(), strict=True)(torch.randn(3, 4)))
+    assert "reported no change but changed the graph" in str(err)
+
+
+def test_error_names_pass_graph_node_and_passes_run(pipeline):
+    pipeline(ReluToGelu(), Broken())
+    err = raised_pass_error(lambda: kareus.compile(small(), strict=True)(torch.randn(3, 4)))
+    assert err.pass_name == "broken" and err.graph == "forward"
+    assert err.node is not None and err.passes_run == ("relu_to_gelu",)
+    assert "at node" in str(err) and "relu_to_gelu" in str(err)
+
+
+def test_precondition_failure_names_the_pass(pipeline):
+    pipeline(NeedsMeta())
+    err = raised_pass_error(lambda: kareus.compile(small(), strict=True)(torch.randn(3, 4)))
+    assert "'needs_meta' failed on the forward graph" in str(err) and "val" in str(err)
+
+
+def test_failure_without_strict_runs_unchanged_and_says_why(pipeline):
+    pipeline(ReluToGelu(), Broken())
+    model = small()
+    compiled = kareus.compile(model)
+    x = torch.randn(3, 4, requires_grad=False)
+    with pytest.warns(RuntimeWarning, match="runs as captured"):
+        out = compiled(x)
+    assert torch.equal(out, model(x))  # relu kept: the partial rewrite was dropped
+    region = kareus.explain(compiled).regions[0]
+    assert any("broken" in n for n in region.notes)
+    assert [r.status for r in region.history] == ["ran", "failed"]
+
+
+def test_run_passes_directly_on_a_traced_graph():
+    gm = fx.symbolic_trace(lambda x: torch.relu(x) + 1)
+    ctx = PassContext(Config(), "forward", {})
+    out, records = run_passes(gm, [ReluToGelu()], ctx)
+    # symbolic_trace records torch.relu, not aten.relu: nothing to rewrite, honestly reported.
+    assert records[0].modified is False and out is gm
+    assert ctx.passes_run == ["relu_to_gelu"]
