@@ -1,5 +1,4 @@
-"""
-kareus: cut the energy of training by choosing GPU clocks and overlap together.
+"""kareus: cut the energy of training by choosing GPU clocks and overlap together.
 
 ``model = kareus.compile(model)`` where you would write ``torch.compile(model)``;
 ``print(kareus.explain(model))`` shows what kareus captured and did.

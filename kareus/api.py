@@ -1,5 +1,4 @@
-"""
-``kareus.compile`` and the ``torch.compile`` backend that does the work.
+"""``kareus.compile`` and the ``torch.compile`` backend that does the work.
 
 The backend receives each Dynamo graph, runs the structural passes on it, then hands it to
 AOTAutograd with kareus's own forward, backward and inference compilers. Those run the
@@ -29,8 +28,7 @@ _ORIG = "_orig_mod."
 
 
 class KareusBackend:
-    """
-    A ``torch.compile`` backend: ``torch.compile(model, backend=KareusBackend(config))``.
+    """A ``torch.compile`` backend: ``torch.compile(model, backend=KareusBackend(config))``.
 
     One backend instance keeps the regions it compiled, which :func:`kareus.explain` reads.
 
@@ -136,8 +134,7 @@ def compile(
     dynamic: bool | None = None,
     **overrides: Any,
 ) -> T:
-    """
-    Compile ``model`` with kareus; use the result exactly like ``torch.compile``'s.
+    """Compile ``model`` with kareus; use the result exactly like ``torch.compile``'s.
 
     The result shares parameters with ``model``, works with any optimizer and with
     gradient accumulation, follows ``.train()``/``.eval()``, and its ``state_dict`` has the
@@ -163,12 +160,26 @@ def compile(
     backend = KareusBackend(config, **overrides)
     compiled = torch.compile(model, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
     if isinstance(compiled, nn.Module):
+        if backend.config.nanobatches > 1:
+            dim = backend.config.batch_dim or 0
+            compiled.register_forward_pre_hook(
+                functools.partial(_mark_batch_dynamic, dim), with_kwargs=True
+            )
         compiled._kareus_backend = backend  # type: ignore[assignment]
         compiled.register_state_dict_post_hook(_strip_orig_prefix)
         compiled.register_load_state_dict_pre_hook(_add_orig_prefix)
     else:
         compiled._kareus_backend = backend  # type: ignore[attr-defined]
     return compiled  # type: ignore[return-value]
+
+
+def _mark_batch_dynamic(
+    dim: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    # The nanobatch split needs a symbolic batch: sizes like view(b, ...) must follow it.
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > dim and value.shape[dim] >= 2:
+            torch._dynamo.maybe_mark_dynamic(value, dim)
 
 
 def _strip_orig_prefix(

@@ -1,5 +1,4 @@
-"""
-kareus's configuration: one frozen, keyword-only dataclass, validated on construction.
+"""kareus's configuration: one frozen, keyword-only dataclass, validated on construction.
 
 Every field has a docstring, units in its name where it has units, and a check that raises
 :class:`~kareus.errors.ConfigError` naming the field, the value and what is allowed.
@@ -36,8 +35,7 @@ def _known_pass_names() -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
-    """
-    Settings of one ``kareus.compile`` call.
+    """Settings of one ``kareus.compile`` call.
 
     Build one with keywords (``Config(nanobatches=1)``) or pass the same keywords straight to
     :func:`kareus.compile`. Change one with :meth:`replace`.
@@ -95,8 +93,7 @@ class Config:
                 raise ConfigError(f.name, value, allowed)
 
     def replace(self, **changes: Any) -> Config:
-        """
-        Return a copy with ``changes`` applied (validated like the constructor).
+        """Return a copy with ``changes`` applied (validated like the constructor).
 
         Raises:
             ConfigError: a name is not a field, or a value is not allowed.
@@ -117,8 +114,7 @@ class Config:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Config:
-        """
-        Build a config from :meth:`to_dict` output.
+        """Build a config from :meth:`to_dict` output.
 
         Raises:
             ConfigError: an unknown field or a value that is not allowed.

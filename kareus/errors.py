@@ -1,5 +1,4 @@
-"""
-The one exception hierarchy of kareus.
+"""The one exception hierarchy of kareus.
 
 Every message says what failed, on what (field and value, node, pass) and how to fix it.
 Errors that are also ordinary Python errors (a bad value, misuse of an API) inherit from the

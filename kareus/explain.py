@@ -13,8 +13,7 @@ from kareus.region import Region
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """
-    What kareus did for one compiled model; ``print(report)`` shows it all.
+    """What kareus did for one compiled model; ``print(report)`` shows it all.
 
     Attributes:
         config: the settings the model was compiled with.
@@ -25,8 +24,7 @@ class Report:
     regions: tuple[Region, ...]
 
     def graph(self, kind: str, region: int = 0, *, captured: bool = False) -> str:
-        """
-        Return the code of one graph.
+        """Return the code of one graph.
 
         Args:
             kind: "dynamo", "forward", "backward" or "inference".
@@ -95,8 +93,7 @@ def _region_text(region: Region, with_code: bool) -> str:
 
 
 def explain(compiled: object) -> Report:
-    """
-    Return the report of a model or function compiled by kareus.
+    """Return the report of a model or function compiled by kareus.
 
     Args:
         compiled: the result of :func:`kareus.compile`, or of ``torch.compile`` with the

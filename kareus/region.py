@@ -1,5 +1,4 @@
-"""
-What kareus captured and did for one compiled region (one Dynamo graph).
+"""What kareus captured and did for one compiled region (one Dynamo graph).
 
 A region is created when Dynamo hands kareus a graph; it collects the graphs as captured and
 as rewritten, the pass history, the passes' findings and the reasons something was left
@@ -26,8 +25,7 @@ class GraphRecord:
 
 @dataclasses.dataclass
 class Region:
-    """
-    Everything kareus knows about one compiled region.
+    """Everything kareus knows about one compiled region.
 
     Attributes:
         index: position among the backend's regions, in capture order.

@@ -1,5 +1,4 @@
-"""
-Helpers shared by kareus's tests, examples and benchmarks: tiny models and training loops.
+"""Helpers shared by kareus's tests, examples and benchmarks: tiny models and training loops.
 
 Public so that users can check their own models the way kareus checks its own:
 ``compare_training(make_model, kareus.compile)`` trains a model and its compiled copy side by
@@ -50,8 +49,7 @@ def train(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     lr: float = 1e-2,
 ) -> History:
-    """
-    Train with AdamW, one optimizer step per ``accumulate`` batches.
+    """Train with AdamW, one optimizer step per ``accumulate`` batches.
 
     Args:
         model: called as ``model(*batch)`` (``model(**batch)`` for a dict); returns the
@@ -62,7 +60,6 @@ def train(
         lr: learning rate.
     """
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    named = dict(model.named_parameters())
     hist = History([], [])
     for i, batch in enumerate(batches):
         out = model(**batch) if isinstance(batch, Mapping) else model(*batch)
@@ -70,9 +67,7 @@ def train(
         (loss / accumulate).backward()
         hist.losses.append(loss.detach().clone())
         if (i + 1) % accumulate == 0:
-            hist.grads.append(
-                {_plain(n): p.grad.detach().clone() for n, p in named.items() if p.grad is not None}
-            )
+            hist.grads.append(_grads(model))
             opt.step()
             opt.zero_grad(set_to_none=True)
     return hist
@@ -82,19 +77,61 @@ def compare_training(
     make_model: Callable[[], nn.Module],
     compile_fn: Callable[[nn.Module], nn.Module],
     batches: Sequence[Batch],
-    **train_kwargs: object,
+    *,
+    resync: bool = False,
+    accumulate: int = 1,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    lr: float = 1e-2,
 ) -> tuple[History, History]:
-    """
-    Train an eager model and a compiled copy with the same initial weights and batches.
+    """Train an eager model and a compiled copy side by side on the same batches.
+
+    Both start from the same weights and each has its own AdamW optimizer.
+
+    Args:
+        make_model: builds the eager model; the compiled one is a deep copy of it.
+        compile_fn: compiles the copy, e.g. ``kareus.compile``.
+        batches: the micro-batches (tuples, or dicts of keyword arguments).
+        resync: after each optimizer step, copy the eager weights into the compiled model, so
+            that every step compares both models on identical weights. Use it when the
+            compiled model sums gradients in another order (nanobatches): otherwise rounding
+            differences of one step grow through the optimizer into the next step's loss.
+        accumulate: micro-batches per optimizer step.
+        loss_fn: maps the model's output and the batch to a scalar loss.
+        lr: learning rate.
 
     Returns:
         The eager history and the compiled history.
     """
     eager = make_model()
-    compiled_src = copy.deepcopy(eager)
-    ref = train(eager, batches, **train_kwargs)  # type: ignore[arg-type]
-    got = train(compile_fn(compiled_src), batches, **train_kwargs)  # type: ignore[arg-type]
-    return ref, got
+    compiled = compile_fn(copy.deepcopy(eager))
+    models = (eager, compiled)
+    opts = [torch.optim.AdamW(m.parameters(), lr=lr) for m in models]
+    hists = (History([], []), History([], []))
+    for i, batch in enumerate(batches):
+        for model, hist in zip(models, hists, strict=True):
+            out = model(**batch) if isinstance(batch, Mapping) else model(*batch)
+            loss = loss_fn(out, batch) if loss_fn is not None else out
+            (loss / accumulate).backward()
+            hist.losses.append(loss.detach().clone())
+        if (i + 1) % accumulate:
+            continue
+        for model, hist, opt in zip(models, hists, opts, strict=True):
+            hist.grads.append(_grads(model))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if resync:
+            with torch.no_grad():
+                for p, q in zip(eager.parameters(), compiled.parameters(), strict=True):
+                    q.copy_(p)
+    return hists
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        _plain(n): p.grad.detach().clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
 
 
 def assert_same_history(
@@ -128,8 +165,7 @@ def _plain(name: str) -> str:
 
 
 def hf_tiny(kind: str) -> nn.Module:
-    """
-    Build a tiny random HF transformers causal LM offline: ``"llama"`` or ``"qwen3"``.
+    """Build a tiny random HF transformers causal LM offline: ``"llama"`` or ``"qwen3"``.
 
     Raises:
         ImportError: transformers is not installed (``pip install kareus[hf]``).

@@ -1,5 +1,4 @@
-"""
-A Llama/Qwen3-style decoder: RMSNorm, RoPE, GQA attention through SDPA, SwiGLU MLP.
+"""A Llama/Qwen3-style decoder: RMSNorm, RoPE, GQA attention through SDPA, SwiGLU MLP.
 
 Written plainly so that its graphs look like those of production models (HF transformers,
 Megatron-LM, torchtitan). Options cover the variants kareus must handle: optional QK-norm

@@ -1,5 +1,4 @@
-"""
-kareus's graph passes, one per module, and the pipeline that orders them.
+"""kareus's graph passes, one per module, and the pipeline that orders them.
 
 Structural passes run on Dynamo's graph before autograd; analysis and codegen passes run on
 AOTAutograd's forward, backward and inference graphs. Each pass declares which graphs it
@@ -9,8 +8,10 @@ applies to; the runner (:func:`kareus.passes.base.run_passes`) skips the others.
 from __future__ import annotations
 
 from kareus.passes.base import GRAPH_KINDS, GraphPass, PassContext, PassRecord, PassResult
+from kareus.passes.find_blocks import FindBlocks
+from kareus.passes.split_nanobatches import SplitNanobatches
 
-PIPELINE: tuple[GraphPass, ...] = ()
+PIPELINE: tuple[GraphPass, ...] = (FindBlocks(), SplitNanobatches())
 """Every pass, in the order it runs."""
 
 PASS_NAMES: tuple[str, ...] = tuple(p.name for p in PIPELINE)

@@ -1,5 +1,4 @@
-"""
-The pass infrastructure: a pass base class with checked conditions, and the runner.
+"""The pass infrastructure: a pass base class with checked conditions, and the runner.
 
 A pass takes a GraphModule and returns one together with an honest "modified" flag. The
 runner checks the pass's pre- and post-conditions, verifies the flag against the graph's
@@ -52,8 +51,7 @@ class PassRecord:
 
 @dataclasses.dataclass
 class PassContext:
-    """
-    What a pass may read besides its graph.
+    """What a pass may read besides its graph.
 
     Attributes:
         config: the compile call's configuration.
@@ -72,8 +70,7 @@ class PassContext:
 
 
 class GraphPass(abc.ABC):
-    """
-    Base class of every kareus graph pass.
+    """Base class of every kareus graph pass.
 
     Subclasses set :attr:`name` and :attr:`graphs`, implement :meth:`run`, and may add
     checks in :meth:`requires` (before) and :meth:`ensures` (after; the runner always lints).
@@ -101,8 +98,7 @@ def graph_code(gm: fx.GraphModule) -> str:
 def run_passes(
     gm: fx.GraphModule, passes: Sequence[GraphPass], ctx: PassContext
 ) -> tuple[fx.GraphModule, list[PassRecord]]:
-    """
-    Run the passes that apply to ``ctx.graph`` in order.
+    """Run the passes that apply to ``ctx.graph`` in order.
 
     Returns:
         The final graph module and one record per pass that applied (disabled ones included).

@@ -1,0 +1,257 @@
+"""Find the repeated layer blocks of a model and map them onto every graph of a region.
+
+On Dynamo's graph, blocks come from the module hierarchy recorded on each node
+(``nn_module_stack``): a *family* is a container path (a ``ModuleList`` or ``Sequential``)
+with two or more indexed children of one module type — derived from the graph, whatever the
+model calls its layers (``layers``, ``model.layers``, ``h``, ``blocks``...). Blocks of one
+family must be structurally equal (the same op sequence); one that is not (a graph break
+inside it, a different structure) is recorded as such and later left whole. Block nodes are
+tagged (:mod:`kareus.passes.tags`), which PyTorch carries into the AOT graphs.
+
+On the AOT forward, backward and inference graphs the pass maps nodes back to blocks: by the
+tag, else by ``nn_module_stack`` (forward) or ``fwd_nn_module_stack`` (backward), else by
+``seq_nr`` (the backward node of a forward op shares its number), else by data flow (nodes
+such as gradient-accumulation adds whose block-mapped inputs all lie in one block).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from collections.abc import Iterable
+
+import torch.fx as fx
+
+from kareus._table import render_table
+from kareus.passes.base import GraphPass, PassContext, PassResult
+from kareus.passes.tags import NodeTag, get_tag, set_tag
+
+_INDEXED = re.compile(r"^(?P<prefix>.+?)(?:\.(?P<dot>\d+)|\[(?P<br>\d+)\])$")
+_ROOT = re.compile(r"^L\[['\"]\w+['\"]\](?:\[\d+\])*\.?")
+_COMPUTE = ("call_function", "call_method", "call_module")
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One repeated layer as found in Dynamo's graph."""
+
+    family: str
+    index: int
+    path: str
+    module_type: str
+    nodes: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        """Short name, e.g. ``layers.3``."""
+        return f"{self.family}.{self.index}"
+
+
+@dataclasses.dataclass
+class BlockSet:
+    """The blocks of one compiled region, their node spans per graph, and split decisions.
+
+    Attributes:
+        blocks: every block found, in graph order.
+        mismatched: blocks whose op sequence differs from their family's, with the reason.
+        split: names of the blocks split into nanobatches.
+        skipped: names of blocks left whole, with the reason.
+        spans: per graph kind, per block name, per nanobatch (None when unsplit), the names
+            of the block's nodes in that graph.
+    """
+
+    NO_BLOCKS = (
+        "no repeated layer blocks in this graph, so nothing is split: the model has no "
+        "ModuleList/Sequential of two or more layers of one type here, or a graph break "
+        "inside the layers cut them across graphs (TORCH_LOGS=graph_breaks shows where)"
+    )
+
+    blocks: list[Block] = dataclasses.field(default_factory=list)
+    mismatched: dict[str, str] = dataclasses.field(default_factory=dict)
+    split: list[str] = dataclasses.field(default_factory=list)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    spans: dict[str, dict[str, dict[int | None, list[str]]]] = dataclasses.field(
+        default_factory=dict
+    )
+    _by_seq_nr: dict[int, NodeTag] = dataclasses.field(default_factory=dict, repr=False)
+
+    def families(self) -> dict[str, list[Block]]:
+        """Return the blocks grouped by family."""
+        out: dict[str, list[Block]] = collections.defaultdict(list)
+        for b in self.blocks:
+            out[b.family].append(b)
+        return dict(out)
+
+    def block(self, name: str) -> Block:
+        """Return the block called ``name`` (e.g. ``layers.0``)."""
+        for b in self.blocks:
+            if b.name == name:
+                return b
+        raise KeyError(f"no block {name!r}; blocks: {[b.name for b in self.blocks]}")
+
+    def to_text(self) -> str:
+        """Render the blocks as a table (used by ``kareus.explain``)."""
+        if not self.blocks:
+            return self.NO_BLOCKS
+        kinds = [k for k in ("forward", "backward", "inference") if k in self.spans]
+        rows = []
+        for b in self.blocks:
+            cells = [b.family, b.index, b.module_type, len(b.nodes)]
+            for kind in kinds:
+                span = self.spans[kind].get(b.name, {})
+                cells.append(
+                    "/".join(
+                        str(len(span[nb])) for nb in sorted(span, key=lambda n: (n is None, n))
+                    )
+                    or "0"
+                )
+            if b.name in self.split:
+                cells += ["split", ""]
+            else:
+                cells += ["whole", self.skipped.get(b.name, self.mismatched.get(b.name, ""))]
+            rows.append(cells)
+        cols = ["family", "block", "module", "dynamo nodes", *(f"{k} nodes" for k in kinds)]
+        return render_table(
+            "blocks (node counts per nanobatch, nb0/nb1)", [*cols, "nanobatches", "reason"], rows
+        )
+
+
+class FindBlocks(GraphPass):
+    """Find repeated blocks in Dynamo's graph; map them onto the AOT graphs."""
+
+    name = "find_blocks"
+    graphs = frozenset({"dynamo", "forward", "backward", "inference"})
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        """Record the blocks (Dynamo graph) or their spans (AOT graphs); never rewrites."""
+        if ctx.graph == "dynamo":
+            blockset = find_blocks(gm.graph)
+            for b in blockset.blocks:
+                nodes = set(b.nodes)
+                for node in gm.graph.nodes:
+                    if node.name in nodes:
+                        set_tag(node, NodeTag(b.name))
+            ctx.findings[self.name] = blockset
+        elif self.name in ctx.findings:
+            blockset = ctx.findings[self.name]
+            blockset.spans[ctx.graph] = map_blocks(gm.graph, blockset, ctx.graph)
+        return PassResult(gm, modified=False)
+
+
+def _family_name(prefix: str) -> str:
+    return _ROOT.sub("", prefix) or prefix
+
+
+def _indexed_paths(node: fx.Node) -> list[tuple[str, str, int, str]]:
+    """Return (path, prefix, index, module type) of each indexed module on the stack."""
+    stack = node.meta.get("nn_module_stack") or {}
+    out = []
+    for path, typ in stack.values():
+        m = _INDEXED.match(path)
+        if m:
+            idx = int(m.group("dot") or m.group("br"))
+            out.append((path, m.group("prefix"), idx, getattr(typ, "__name__", str(typ))))
+    return out
+
+
+def _signature(node: fx.Node) -> tuple[str, str]:
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
+    return node.op, name
+
+
+def find_blocks(graph: fx.Graph) -> BlockSet:
+    """Find the repeated blocks of a Dynamo graph (pure: does not change the graph).
+
+    Returns:
+        The blocks in graph order, with structurally odd ones listed in ``mismatched``.
+    """
+    compute = [n for n in graph.nodes if n.op in _COMPUTE]
+    # 1. Families: container paths with >= 2 indexed children of one module type.
+    children: dict[tuple[str, str], set[int]] = collections.defaultdict(set)
+    for node in compute:
+        for _path, prefix, idx, typ in _indexed_paths(node):
+            children[(prefix, typ)].add(idx)
+    families = {prefix for (prefix, _t), idxs in children.items() if len(idxs) >= 2}
+    # 2. Each node joins the outermost block of a family on its stack.
+    members: dict[str, list[fx.Node]] = collections.defaultdict(list)
+    info: dict[str, tuple[str, int, str]] = {}
+    for node in compute:
+        for path, prefix, idx, typ in _indexed_paths(node):
+            if prefix in families:
+                members[path].append(node)
+                info[path] = (_family_name(prefix), idx, typ)
+                break
+    blocks = [
+        Block(info[p][0], info[p][1], p, info[p][2], tuple(n.name for n in nodes))
+        for p, nodes in members.items()
+    ]
+    blockset = BlockSet(blocks=blocks)
+    # 3. Structural equality within a family.
+    sigs = {p: tuple(_signature(n) for n in nodes) for p, nodes in members.items()}
+    for family, fblocks in blockset.families().items():
+        counts = collections.Counter(sigs[b.path] for b in fblocks)
+        canonical = max(counts, key=lambda s: (counts[s], len(s)))
+        if counts[canonical] < 2:  # no two blocks agree: none can be trusted to be whole
+            canonical = ()
+        for b in fblocks:
+            if sigs[b.path] != canonical:
+                blockset.mismatched[b.name] = (
+                    f"its op sequence ({len(sigs[b.path])} ops) is not shared with another "
+                    f"{family} block: a graph break inside the block, or a different structure"
+                )
+    return blockset
+
+
+def map_blocks(
+    graph: fx.Graph, blockset: BlockSet, kind: str
+) -> dict[str, dict[int | None, list[str]]]:
+    """Map the nodes of an AOT graph to blocks and nanobatches.
+
+    Returns:
+        Per block name, per nanobatch (None for an unsplit block), the node names in order.
+    """
+    by_path = {b.path: b.name for b in blockset.blocks}
+    stack_key = "fwd_nn_module_stack" if kind == "backward" else "nn_module_stack"
+    where: dict[fx.Node, NodeTag] = {}
+    for node in graph.nodes:
+        if node.op not in _COMPUTE:
+            continue
+        tag = get_tag(node) or _tag_from_stack(node, stack_key, by_path)
+        seq_nr = node.meta.get("seq_nr")
+        if tag is None and kind == "backward" and seq_nr is not None:
+            tag = blockset._by_seq_nr.get(seq_nr)
+        if tag is None and _untraceable(node):
+            tag = _tag_from_inputs(node.all_input_nodes, where)
+        if tag is None:
+            continue
+        where[node] = tag
+        if kind != "backward" and seq_nr is not None:
+            blockset._by_seq_nr.setdefault(seq_nr, tag)
+    spans: dict[str, dict[int | None, list[str]]] = {}
+    for node, tag in where.items():
+        spans.setdefault(tag.block, {}).setdefault(tag.nanobatch, []).append(node.name)
+    return spans
+
+
+def _tag_from_stack(node: fx.Node, key: str, by_path: dict[str, str]) -> NodeTag | None:
+    stack = node.meta.get(key) or {}
+    for path, _typ in stack.values():
+        if path in by_path:
+            return NodeTag(by_path[path])
+    return None
+
+
+def _untraceable(node: fx.Node) -> bool:
+    # Nodes that carry no module or sequence information (gradient-accumulation adds, for
+    # instance) belong to a block when all their block-mapped inputs do.
+    meta = node.meta
+    if meta.get("is_gradient_acc"):
+        return True
+    return not (meta.get("nn_module_stack") or meta.get("fwd_nn_module_stack") or "seq_nr" in meta)
+
+
+def _tag_from_inputs(inputs: Iterable[fx.Node], where: dict[fx.Node, NodeTag]) -> NodeTag | None:
+    tags = {where[n] for n in inputs if n in where}
+    return tags.pop() if len(tags) == 1 else None

@@ -1,0 +1,402 @@
+"""Split each repeated block into nanobatches along the batch dimension (before autograd).
+
+For each block found by ``find_blocks``, the batch-carrying inputs are cut into two halves
+(``s//2`` and ``s - s//2`` of the symbolic batch ``s``), the block's nodes are copied once
+per half, and the outputs are concatenated. AOTAutograd then derives the split backward by
+itself, including the sum of the two halves' weight gradients. Copies are tagged with block
+and nanobatch (:mod:`kareus.passes.tags`) and named ``<node>_nb0`` / ``<node>_nb1``.
+
+A block is never split when that could change results or force recompiles; it is left
+whole and the reason recorded (shown by ``kareus.explain``): a static or too small batch,
+a graph break or a different structure inside the block, in-place mutation of a value
+from outside the block (a buffer, an input), an op that mixes the batch (a reduction or
+normalisation across it), random ops (unless ``Config.allow_random_split``), a size
+derived from the batch outside the block, or block code interleaved with other code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from kareus.passes.base import GraphPass, PassContext, PassResult
+from kareus.passes.find_blocks import BlockSet
+from kareus.passes.tags import NodeTag, set_tag
+
+_REDUCING = frozenset(
+    [
+        "sum",
+        "mean",
+        "amax",
+        "amin",
+        "max",
+        "min",
+        "softmax",
+        "log_softmax",
+        "cumsum",
+        "cumprod",
+        "sort",
+        "argsort",
+        "topk",
+        "var",
+        "std",
+        "norm",
+        "logsumexp",
+        "prod",
+        "any",
+        "all",
+        "argmax",
+        "argmin",
+        "median",
+        "nansum",
+        "nanmean",
+        "var_mean",
+        "std_mean",
+        "cummax",
+        "cummin",
+        "kthvalue",
+        "mode",
+    ]
+)
+_RANDOM = frozenset(
+    [
+        "rand",
+        "randn",
+        "rand_like",
+        "randn_like",
+        "randint",
+        "randint_like",
+        "randperm",
+        "bernoulli",
+        "multinomial",
+        "normal",
+        "poisson",
+        "uniform_",
+        "normal_",
+        "bernoulli_",
+        "exponential_",
+        "random_",
+        "geometric_",
+    ]
+)
+_DROPOUTS = frozenset(
+    ["dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d"]
+)
+_BATCH_NORMS = frozenset({"batch_norm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d"})
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchInfo:
+    """The symbolic batch size of a region and where it comes from."""
+
+    size: torch.SymInt | int | None
+    source: str
+
+    @property
+    def symbol(self) -> Any:
+        """The sympy expression of the batch size, or None when static."""
+        if isinstance(self.size, torch.SymInt):
+            return self.size.node.expr
+        return None
+
+    @property
+    def hint(self) -> int | None:
+        """The concrete batch size of the example inputs."""
+        if isinstance(self.size, torch.SymInt):
+            return int(self.size.node.hint)
+        return self.size
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPlan:
+    """How one block is split: which inputs are cut where, and which outputs are joined."""
+
+    batch_inputs: tuple[tuple[str, int], ...]  # (node name, batch dim)
+    batch_sizes: tuple[str, ...]  # SymInt nodes equal to the batch size
+    outputs: tuple[tuple[str, int], ...]  # (node name, batch dim)
+
+
+class SplitNanobatches(GraphPass):
+    """Split every block that can be split safely into ``Config.nanobatches`` halves."""
+
+    name = "split_nanobatches"
+    graphs = frozenset({"dynamo"})
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        """Split the blocks; record a reason for each block left whole."""
+        blockset: BlockSet | None = ctx.findings.get("find_blocks")
+        if blockset is None or not blockset.blocks:
+            return PassResult(gm, modified=False)
+        if ctx.config.nanobatches == 1:
+            for b in blockset.blocks:
+                blockset.skipped[b.name] = "Config.nanobatches=1 turns the split off"
+            return PassResult(gm, modified=False)
+        batch = batch_info(gm.graph, ctx.config.batch_dim or 0)
+        # Decide on the graph as captured (whose metadata is complete), then rewrite.
+        plans: list[tuple[str, tuple[str, ...], SplitPlan]] = []
+        for block in blockset.blocks:
+            if block.name in blockset.mismatched:
+                blockset.skipped[block.name] = blockset.mismatched[block.name]
+                continue
+            plan = find_split(gm.graph, block.nodes, batch, ctx.config.allow_random_split)
+            if isinstance(plan, str):
+                blockset.skipped[block.name] = plan
+            else:
+                plans.append((block.name, block.nodes, plan))
+        joined: dict[str, fx.Node] = {}  # outputs of split blocks -> their joined node
+        for name, nodes, plan in plans:
+            rewrite_split(gm.graph, name, nodes, plan, joined)
+            blockset.split.append(name)
+        changed = bool(plans)
+        if changed:
+            gm.graph.eliminate_dead_code()
+        return PassResult(gm, modified=changed)
+
+
+def batch_info(graph: fx.Graph, batch_dim: int) -> BatchInfo:
+    """Return the batch size of the region: dimension ``batch_dim`` of its first data input."""
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = node.meta.get("example_value")
+        if not isinstance(value, torch.Tensor) or _is_state(node):
+            continue
+        if value.dim() > batch_dim:
+            return BatchInfo(value.shape[batch_dim], f"{node.name}.shape[{batch_dim}]")
+    return BatchInfo(None, "no tensor input")
+
+
+def _is_state(node: fx.Node) -> bool:
+    # Parameters and buffers are lifted as placeholders; their sources name them.
+    arg = node.meta.get("grapharg")
+    source = getattr(arg, "source", None)
+    name = getattr(source, "name", node.name)
+    name = name() if callable(name) else str(name)
+    example = getattr(arg, "example", None)
+    return isinstance(example, torch.nn.Parameter) or any(
+        key in name for key in ("_parameters", "_buffers", "parameters_", "buffers_")
+    )
+
+
+def find_split(
+    graph: fx.Graph, names: Sequence[str], batch: BatchInfo, allow_random: bool
+) -> SplitPlan | str:
+    """Decide whether the block made of nodes ``names`` can be split.
+
+    Returns:
+        A :class:`SplitPlan`, or the reason the block must stay whole.
+    """
+    sym = batch.symbol
+    if sym is None:
+        return (
+            f"the batch dimension ({batch.source}) is static; compile with kareus.compile, "
+            "which marks it dynamic, or call torch._dynamo.maybe_mark_dynamic on the input"
+        )
+    if batch.hint is not None and batch.hint // 2 < 2:
+        return (
+            f"batch {batch.hint} is too small: a nanobatch of size {batch.hint // 2} would "
+            "specialise and recompile each step; use a batch of at least 4"
+        )
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    by_name = {n.name: n for n in graph.nodes}
+    nodes = [by_name[n] for n in names]
+    inside = set(nodes)
+    batch_inputs: dict[fx.Node, int] = {}
+    batch_sizes: list[fx.Node] = []
+    for node in nodes:
+        for inp in node.all_input_nodes:
+            if inp in inside or inp in batch_inputs or inp in batch_sizes:
+                continue
+            value = inp.meta.get("example_value")
+            if isinstance(value, torch.Tensor):
+                dim = _batch_dim(value, sym)
+                if dim is not None:
+                    batch_inputs[inp] = dim
+                elif _mentions(value.shape, sym):
+                    return f"input {inp.name} has the batch merged into another dimension"
+            elif isinstance(value, torch.SymInt) and _mentions((value,), sym):
+                if value.node.expr != sym:
+                    return (
+                        f"it uses {inp.name} = {value.node.expr}, a size derived from the batch "
+                        "outside the block"
+                    )
+                batch_sizes.append(inp)
+    if not batch_inputs:
+        return "no input of the block carries the batch dimension"
+    reason = _unsafe_op(nodes, inside, sym, allow_random)
+    if reason:
+        return reason
+    last = order[nodes[-1]]
+    outputs = []
+    for node in nodes:
+        outside_users = [u for u in node.users if u not in inside]
+        if not outside_users:
+            continue
+        value = node.meta.get("example_value")
+        dim = _batch_dim(value, sym) if isinstance(value, torch.Tensor) else None
+        if dim is None:
+            return f"output {node.name} of the block has no batch dimension to join halves on"
+        if any(order[u] < last for u in outside_users):
+            return f"block code is interleaved with other code (output {node.name} used early)"
+        outputs.append((node.name, dim))
+    return SplitPlan(
+        tuple((n.name, d) for n, d in batch_inputs.items()),
+        tuple(n.name for n in batch_sizes),
+        tuple(outputs),
+    )
+
+
+def _batch_dim(value: torch.Tensor, sym: Any) -> int | None:
+    dims = [
+        i for i, s in enumerate(value.shape) if isinstance(s, torch.SymInt) and s.node.expr == sym
+    ]
+    return dims[0] if len(dims) == 1 else None
+
+
+def _mentions(sizes: Sequence[Any], sym: Any) -> bool:
+    return any(isinstance(s, torch.SymInt) and sym in s.node.expr.free_symbols for s in sizes)
+
+
+def _target_name(node: fx.Node) -> str:
+    t = node.target
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+def _unsafe_op(nodes: list[fx.Node], inside: set[fx.Node], sym: Any, allow_random: bool) -> str:
+    """Return why an op of the block makes splitting unsafe, or ''."""
+    for node in nodes:
+        name = _target_name(node)
+        owner = node.graph.owning_module
+        if node.op == "call_module" and owner is not None:
+            name = type(owner.get_submodule(str(node.target))).__name__
+        value = node.meta.get("example_value")
+        if name in _BATCH_NORMS:
+            return f"{node.name} ({name}) normalises across the batch"
+        if not allow_random and _is_random(node, name):
+            return (
+                f"{node.name} ({name}) draws random numbers, whose stream would change; set "
+                "Config(allow_random_split=True) to split anyway, or disable dropout"
+            )
+        if (name.endswith("_") and not name.endswith("__")) or name in ("setitem", "iadd"):
+            target = node.args[0] if node.args else None
+            if isinstance(target, fx.Node) and target not in inside:
+                return (
+                    f"{node.name} ({name}) mutates {target.name}, from outside the block, in place"
+                )
+        inputs_with_batch = [
+            i
+            for i in node.all_input_nodes
+            if isinstance(v := i.meta.get("example_value"), torch.Tensor)
+            and _mentions(v.shape, sym)
+        ]
+        if not inputs_with_batch or not isinstance(value, torch.Tensor):
+            continue
+        if not _mentions(value.shape, sym):
+            return f"{node.name} ({name}) reduces across the batch dimension"
+        if name in _REDUCING:
+            source = inputs_with_batch[0].meta["example_value"]
+            bdims = {i for i, s in enumerate(source.shape) if _mentions((s,), sym)}
+            if _reduced_dims(node, source.dim()) & bdims:
+                return f"{node.name} ({name}) reduces across the batch dimension"
+    return ""
+
+
+def _reduced_dims(node: fx.Node, ndim: int) -> set[int]:
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    if dim is None:
+        return set(range(ndim))  # a full reduction
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    return {d % ndim for d in dims if isinstance(d, int)}
+
+
+def _is_random(node: fx.Node, name: str) -> bool:
+    if name in _RANDOM:
+        return True
+    if name in _DROPOUTS:
+        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+        training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+        return bool(training) and bool(p != 0)
+    if name == "scaled_dot_product_attention":
+        p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+        return bool(p != 0)
+    return False
+
+
+def rewrite_split(
+    graph: fx.Graph,
+    block: str,
+    names: Sequence[str],
+    plan: SplitPlan,
+    joined: dict[str, fx.Node] | None = None,
+) -> None:
+    """Replace the block's nodes by one copy per nanobatch and join the outputs.
+
+    Args:
+        graph: the Dynamo graph.
+        block: the block's name, for tags and node names.
+        names: the block's nodes, in order.
+        plan: from :func:`find_split` on the graph before any rewrite.
+        joined: outputs of blocks rewritten earlier, by their old name, mapped to the nodes
+            that replaced them; this block's are added.
+    """
+    joined = {} if joined is None else joined
+    by_name = {n.name: n for n in graph.nodes} | joined
+    nodes = [by_name[n] for n in names]
+    first_input, first_dim = plan.batch_inputs[0]
+    with graph.inserting_after(nodes[-1]):
+        size = graph.call_method("size", (by_name[first_input], first_dim))
+    _named(graph, size, f"{block.replace('.', '_')}_batch")
+    with graph.inserting_after(size):
+        half = graph.call_function(operator.floordiv, (size, 2))
+    with graph.inserting_after(half):
+        rest = graph.call_function(operator.sub, (size, half))
+    cursor = rest
+    copies: list[dict[fx.Node, fx.Node]] = []
+    bounds: tuple[tuple[Any, fx.Node], ...] = ((0, half), (half, rest))
+    for nb, (start, length) in enumerate(bounds):
+        env: dict[fx.Node, fx.Node] = {by_name[n]: (half, rest)[nb] for n in plan.batch_sizes}
+        for name, dim in plan.batch_inputs:
+            with graph.inserting_after(cursor):
+                cursor = _named(
+                    graph,
+                    graph.call_function(torch.narrow, (by_name[name], dim, start, length)),
+                    f"{name}_nb{nb}",
+                )
+            env[by_name[name]] = cursor
+        for node in nodes:
+            with graph.inserting_after(cursor):
+                new = graph.node_copy(node, functools.partial(_lookup, env))
+            new.meta.pop("example_value", None)  # its shape is the whole batch's: stale
+            set_tag(new, NodeTag(block, nb))
+            cursor = env[node] = _named(graph, new, f"{node.name}_nb{nb}")
+        copies.append(env)
+    inside = set(nodes)
+    for name, dim in plan.outputs:
+        out = by_name[name]
+        with graph.inserting_after(cursor):
+            cursor = _named(
+                graph,
+                graph.call_function(torch.cat, ([copies[0][out], copies[1][out]],), {"dim": dim}),
+                f"{name}_joined",
+            )
+        cursor.meta["example_value"] = out.meta.get("example_value")  # same shape as before
+        for user in [u for u in out.users if u not in inside]:
+            user.replace_input_with(out, cursor)
+        joined[name] = cursor
+    for node in reversed(nodes):
+        graph.erase_node(node)
+
+
+def _lookup(env: dict[fx.Node, fx.Node], node: fx.Node) -> fx.Node:
+    return env.get(node, node)
+
+
+def _named(graph: fx.Graph, node: fx.Node, name: str) -> fx.Node:
+    node._rename(name)  # readable in print_readable: linear_nb0, x_1_joined
+    return node

@@ -1,0 +1,375 @@
+import copy
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import kareus
+import kareus.passes
+from kareus.models import PRESETS, Llama, LlamaConfig
+from kareus.passes.base import GraphPass, PassResult
+from kareus.passes.tags import get_tag
+from kareus.testing import assert_same_history, compare_training, hf_tiny, token_batches
+
+# Batch sizes 4, 5, 6 and 8, one per step: odd batches and no recompile in between.
+MIXED = [b for size in (4, 5, 6, 8) for b in token_batches(1, size, 16, 128, seed=size)]
+
+
+def blocks_of(compiled, region=0):
+    return kareus.explain(compiled).regions[region].findings["find_blocks"]
+
+
+def test_tiny_llama_split_matches_eager_at_batches_4_5_6_8():
+    holder = {}
+
+    def compile_and_keep(m):
+        holder["c"] = kareus.compile(m, strict=True)
+        return holder["c"]
+
+    ref, got = compare_training(
+        lambda: Llama(PRESETS["tiny"]), compile_and_keep, MIXED, resync=True
+    )
+    assert_same_history(ref, got)  # loss bitwise, gradients within fp32 rounding
+    report = kareus.explain(holder["c"])
+    assert len(report.regions) == 1, "recompiled after the first symbolic compile"
+    assert blocks_of(holder["c"]).split == ["layers.0", "layers.1"]
+    assert "layers_0_batch" in report.graph("dynamo") and "cat" in report.graph("dynamo")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_hf_models_split_match_eager(kind):
+    holder = {}
+
+    def make():
+        torch.manual_seed(1)
+        return hf_tiny(kind)
+
+    def compile_and_keep(m):
+        holder["c"] = kareus.compile(m, strict=True)
+        return holder["c"]
+
+    batches = [{"input_ids": ids, "labels": lab} for ids, lab in MIXED]
+    ref, got = compare_training(
+        make, compile_and_keep, batches, loss_fn=lambda o, b: o.loss, resync=True
+    )
+    assert_same_history(ref, got)
+    assert len(kareus.explain(holder["c"]).regions) == 1
+    bs = blocks_of(holder["c"])
+    assert bs.split == ["model.layers.0", "model.layers.1"], bs.skipped
+
+
+class Grab(GraphPass):
+    name = "grab"
+    graphs = frozenset({"dynamo", "forward", "backward"})
+
+    def __init__(self):
+        self.graphs_seen = {}
+
+    def run(self, gm, ctx):
+        self.graphs_seen[ctx.graph] = gm
+        return PassResult(gm, False)
+
+
+@pytest.fixture
+def grab(monkeypatch):
+    g = Grab()
+    monkeypatch.setattr(kareus.passes, "PIPELINE", (*kareus.passes.PIPELINE, g))
+    return g
+
+
+def test_forward_and_backward_block_identities_agree(grab):
+    compiled = kareus.compile(Llama(PRESETS["tiny"]), strict=True)
+    ids, lab = token_batches(1, 6, 16, 128)[0]
+    compiled(ids, lab).backward()
+    bs = blocks_of(compiled)
+    fwd, bwd = grab.graphs_seen["forward"], grab.graphs_seen["backward"]
+    by_seq = {}
+    for name, per_nb in bs.spans["forward"].items():
+        for nb, names in per_nb.items():
+            nodes = {n.name: n for n in fwd.graph.nodes}
+            for n in names:
+                if "seq_nr" in nodes[n].meta:
+                    by_seq.setdefault(nodes[n].meta["seq_nr"], set()).add((name, nb))
+    checked = 0
+    bwd_nodes = {n.name: n for n in bwd.graph.nodes}
+    for name, per_nb in bs.spans["backward"].items():
+        for nb, names in per_nb.items():
+            for n in names:
+                seq = bwd_nodes[n].meta.get("seq_nr")
+                if seq in by_seq:
+                    assert (name, nb) in by_seq[seq], f"{n}: backward block {name}/{nb}"
+                    checked += 1
+    assert checked > 100
+    assert set(bs.spans["forward"]) == set(bs.spans["backward"]) == {"layers.0", "layers.1"}
+    for name in ("layers.0", "layers.1"):
+        assert set(bs.spans["backward"][name]) == {0, 1}
+
+
+# ---- every skip reason: block left whole, model still correct, reason reported ----
+
+
+class CountingLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return torch.relu(self.lin(x))
+
+
+class BatchMeanLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h - h.mean(0, keepdim=True)
+
+
+class BatchNormLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8, track_running_stats=False)
+
+    def forward(self, x):
+        return self.bn(self.lin(x))
+
+
+class DropoutLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.lin(x))
+
+
+class BreakLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+class Stack(nn.Module):
+    def __init__(self, layer, n=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(layer() for _ in range(n))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(x).pow(2).mean()
+
+
+def run_stack(layer, batch=6, **cfg):
+    torch.manual_seed(0)
+    model = Stack(layer)
+    ref = copy.deepcopy(model)
+    compiled = kareus.compile(model, **cfg)
+    x = torch.randn(batch, 8)
+    out = compiled(x)
+    expected = ref(x)
+    return compiled, out, expected
+
+
+@pytest.mark.parametrize(
+    ("layer", "reason"),
+    [
+        (CountingLayer, "mutates"),
+        (BatchMeanLayer, "reduces across the batch dimension"),
+        (BatchNormLayer, "normalises across the batch"),
+    ],
+)
+def test_unsafe_blocks_stay_whole(layer, reason):
+    compiled, out, expected = run_stack(layer)
+    assert torch.equal(out, expected)
+    bs = blocks_of(compiled)
+    assert len(bs.blocks) == 3 and bs.split == []
+    assert all(reason in r for r in bs.skipped.values()), bs.skipped
+    assert reason in kareus.explain(compiled).summary()
+
+
+def test_random_ops_stay_whole_unless_allowed():
+    compiled, _out, _ = run_stack(DropoutLayer)
+    bs = blocks_of(compiled)
+    assert bs.split == [] and all("random" in r for r in bs.skipped.values())
+    compiled, out, _ = run_stack(DropoutLayer, allow_random_split=True)
+    assert blocks_of(compiled).split == ["blocks.0", "blocks.1", "blocks.2"]
+    assert torch.isfinite(out)
+    compiled.eval()  # dropout off: the split model equals the original exactly
+    x = torch.randn(6, 8)
+    assert torch.equal(compiled(x), compiled._orig_mod(x))
+
+
+def test_graph_break_inside_blocks_leaves_them_whole():
+    # Dynamo compiles a layer with a graph break as frames of its own: no region sees two
+    # whole layers, so nothing is split, and each region says why.
+    compiled, out, expected = run_stack(BreakLayer)
+    torch.testing.assert_close(out, expected)
+    regions = kareus.explain(compiled).regions
+    assert len(regions) >= 2
+    for region in regions:
+        bs = region.findings["find_blocks"]
+        assert bs.split == []
+        assert bs.blocks == [] or bs.skipped
+    assert "graph break inside the layers" in kareus.explain(compiled).summary()
+
+
+class MaybeOdd(nn.Module):
+    def __init__(self, odd):
+        super().__init__()
+        self.odd = odd
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.tanh(h) if self.odd else h
+
+
+def test_structurally_different_block_stays_whole():
+    torch.manual_seed(0)
+    model = Stack(lambda: MaybeOdd(False))
+    model.blocks[1] = MaybeOdd(True)
+    ref = copy.deepcopy(model)
+    compiled = kareus.compile(model)
+    x = torch.randn(6, 8)
+    torch.testing.assert_close(compiled(x), ref(x))
+    bs = blocks_of(compiled)
+    assert bs.split == ["blocks.0", "blocks.2"]
+    assert "not shared with another blocks block" in bs.skipped["blocks.1"]
+
+
+@pytest.mark.parametrize("batch", [2, 3])
+def test_too_small_batch_stays_whole(batch):
+    compiled, out, expected = run_stack(lambda: nn.Linear(8, 8), batch=batch)
+    assert torch.equal(out, expected)
+    bs = blocks_of(compiled)
+    assert bs.split == [] and all("too small" in r for r in bs.skipped.values()), bs.skipped
+
+
+def test_static_batch_stays_whole_with_a_hint():
+    torch.manual_seed(0)
+    model = Stack(lambda: nn.Linear(8, 8))
+    compiled = torch.compile(copy.deepcopy(model), backend=kareus.KareusBackend())
+    x = torch.randn(6, 8)
+    assert torch.equal(compiled(x), model(x))
+    bs = kareus.explain(compiled).regions[0].findings["find_blocks"]
+    assert bs.split == [] and all("static" in r for r in bs.skipped.values())
+    assert all("maybe_mark_dynamic" in r for r in bs.skipped.values())
+
+
+def test_nanobatches_1_turns_the_split_off():
+    compiled, out, expected = run_stack(lambda: nn.Linear(8, 8), nanobatches=1)
+    assert torch.equal(out, expected)
+    bs = blocks_of(compiled)
+    assert bs.split == [] and all("nanobatches=1" in r for r in bs.skipped.values())
+
+
+class SeqFirst(nn.Module):
+    """Megatron layout: activations are [seq, batch, hidden] inside the blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(2))
+
+    def forward(self, ids):  # ids: [batch, seq]
+        x = self.embed(ids).transpose(0, 1)
+        for blk in self.blocks:
+            x = blk(x)
+        return x.float().pow(2).mean()
+
+
+def test_batch_in_dimension_1_is_detected():
+    ids = torch.randint(0, 32, (6, 5))
+    ref, got = compare_training(
+        SeqFirst, lambda m: kareus.compile(m, strict=True), [(ids,)] * 2, resync=True
+    )
+    assert_same_history(ref, got)
+
+
+def test_config_names_the_batch_dimension():
+    class TakesSeqFirst(SeqFirst):
+        def forward(self, ids):  # ids: [seq, batch]
+            return super().forward(ids.t())
+
+    holder = {}
+
+    def comp(m):
+        holder["c"] = kareus.compile(m, batch_dim=1, strict=True)
+        return holder["c"]
+
+    ids = torch.randint(0, 32, (5, 6))
+    ref, got = compare_training(TakesSeqFirst, comp, [(ids,)] * 2, resync=True)
+    assert_same_history(ref, got)
+    assert blocks_of(holder["c"]).split == ["blocks.0", "blocks.1"]
+
+
+# ---- property: any tiny transformer splits correctly ----
+
+
+@settings(
+    max_examples=6,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    layers=st.integers(1, 4),
+    heads=st.sampled_from([(2, 1), (2, 2), (4, 2), (4, 4)]),
+    head_dim=st.sampled_from([4, 8, 16]),
+    mlp=st.sampled_from(["swiglu", "gelu"]),
+    norm=st.sampled_from(["pre", "post"]),
+    batch=st.sampled_from([4, 5, 7]),
+)
+def test_random_transformers_split_correctly(grab, layers, heads, head_dim, mlp, norm, batch):
+    torch._dynamo.reset()
+    h, kv = heads
+    cfg = LlamaConfig(
+        num_layers=layers,
+        num_heads=h,
+        num_kv_heads=kv,
+        hidden_size=h * head_dim,
+        intermediate_size=2 * h * head_dim,
+        mlp=mlp,
+        norm_position=norm,
+    )
+    holder = {}
+
+    def comp(m):
+        holder["c"] = kareus.compile(m, strict=True)
+        return holder["c"]
+
+    batches = token_batches(2, batch, 8, 128, seed=batch)
+    ref, got = compare_training(lambda: Llama(cfg), comp, batches, resync=True)
+    assert_same_history(ref, got)
+    bs = blocks_of(holder["c"])
+    if layers == 1:
+        assert bs.blocks == []  # a single layer is not a repeated block
+        return
+    assert bs.split == [f"layers.{i}" for i in range(layers)]
+    # Every compute node of a block lands in exactly one nanobatch copy.
+    dyn = grab.graphs_seen["dynamo"]
+    for b in bs.blocks:
+        counts = {0: 0, 1: 0}
+        for node in dyn.graph.nodes:
+            tag = get_tag(node)
+            if tag is not None and tag.block == b.name:
+                assert tag.nanobatch in (0, 1), node.name
+                counts[tag.nanobatch] += 1
+        assert counts[0] == counts[1] == len(b.nodes)
+        assert set(bs.spans["forward"][b.name]) == {0, 1}
