@@ -1,0 +1,126 @@
+"""How well the hardware model reproduces measured partitions (figures are printed).
+
+Compares the calibrated A100 model with every row of the measured forward-attention
+partition (benchmarks/data/a100_fwd_attention_tp2): absolute percentage errors of time and
+energy, Spearman rank correlation of configurations, and the qualitative facts (collective
+time saturating at a handful of SMs; which overlap windows are best). Also checks GEMM time
+at max clock against the spec's peak and idle power against static power.
+
+Run: python benchmarks/hardware_fidelity.py [--data CSV]
+"""
+
+import argparse
+import collections
+import pathlib
+import statistics
+
+from scipy.stats import spearmanr
+
+from kareus.costs import OpCost
+from kareus.hardware import Emulator, gpu
+from kareus.hardware.calibrate import DEFAULT_DATA, load_rows, predict
+
+
+def percentile(values, q):
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+def fidelity(rows, pred):
+    t_err = [abs(p[0] - r.time_s) / r.time_s * 100 for r, p in zip(rows, pred, strict=True)]
+    e_err = [abs(p[1] - r.energy_j) / r.energy_j * 100 for r, p in zip(rows, pred, strict=True)]
+    rho_t = spearmanr([r.time_s for r in rows], [p[0] for p in pred]).statistic
+    rho_e = spearmanr([r.energy_j for r in rows], [p[1] for p in pred]).statistic
+    return {
+        "time APE median %": statistics.median(t_err),
+        "time APE p90 %": percentile(t_err, 0.9),
+        "energy APE median %": statistics.median(e_err),
+        "energy APE p90 %": percentile(e_err, 0.9),
+        "Spearman rho time": rho_t,
+        "Spearman rho energy": rho_e,
+    }
+
+
+def saturation_sms(series, tol=0.10):
+    """Smallest SM count whose no-overlap time is within tol of the largest count's."""
+    last = series[max(series)]
+    return min(n for n, t in series.items() if t <= last * (1 + tol))
+
+
+def qualitative(rows, pred):
+    out = {}
+    meas_noov, model_noov = {}, {}
+    by_sms = collections.defaultdict(dict)
+    for r, p in zip(rows, pred, strict=True):
+        k = r.knobs
+        if k.threads_per_block != 1024:
+            continue
+        if k.launch_slot is None:
+            meas_noov[k.sm_share], model_noov[k.sm_share] = r.time_s, p[0]
+        else:
+            by_sms[k.sm_share][(k.launch_slot, k.wait_after)] = (r.time_s, p[0])
+    out["collective saturates at (SMs, within 10%): measured"] = saturation_sms(meas_noov)
+    out["collective saturates at (SMs, within 10%): model"] = saturation_sms(model_noov)
+    hits, regrets = 0, []
+    for windows in by_sms.values():
+        meas_rank = sorted(windows, key=lambda w: windows[w][0])
+        model_best = min(windows, key=lambda w: windows[w][1])
+        hits += model_best in meas_rank[:3]
+        regrets.append(windows[model_best][0] / windows[meas_rank[0]][0] - 1)
+    out["model's best window in measured top 3 (share of SM counts)"] = hits / len(by_sms)
+    out["measured slowdown of model's best window vs measured best, median %"] = (
+        statistics.median(regrets) * 100
+    )
+    best_meas = min(zip(rows, pred, strict=True), key=lambda rp: rp[0].time_s)
+    best_model = min(zip(rows, pred, strict=True), key=lambda rp: rp[1][0])
+    out["fastest configuration measured (start,end,SMs,threads)"] = _knobs(best_meas[0].knobs)
+    out["fastest configuration by the model"] = _knobs(best_model[0].knobs)
+    out["measured time of the model's pick vs measured fastest, %"] = (
+        best_model[0].time_s / best_meas[0].time_s - 1
+    ) * 100
+    return out
+
+
+def _knobs(k):
+    return (k.launch_slot, k.wait_after, k.sm_share, k.threads_per_block)
+
+
+def spec_checks():
+    spec = gpu("a100-sxm4-40gb")
+    emu = Emulator(spec)
+    n = 8192
+    gemm = OpCost("gemm", 2 * n**3, 3 * n * n * 2, "fp16")
+    est = emu.ops((gemm,), spec.clock_max_mhz)
+    achieved = gemm.flops / est.time_s / 1e12
+    idle = emu.idle(1.0)
+    return {
+        "GEMM 8192^3 fp16 at max clock, TFLOP/s (model)": achieved,
+        "  / datasheet peak": achieved / spec.peak_tflops["fp16"],
+        "idle power W (model)": idle.avg_power_w,
+        "static power W (calibrated)": spec.calibration.static_power_w,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--data", type=pathlib.Path, default=DEFAULT_DATA)
+    args = parser.parse_args()
+    rows = load_rows(args.data)
+    spec = gpu("a100-sxm4-40gb")
+    pred = predict(spec, rows)
+    name = args.data.parent.name
+    print(f"hardware model (modelled) vs {len(rows)} measured configurations of {name}")
+    print(f"calibration: {spec.calibration_source}")
+    for title, figures in (
+        ("fidelity", fidelity(rows, pred)),
+        ("qualitative facts", qualitative(rows, pred)),
+        ("spec checks", spec_checks()),
+    ):
+        print(f"\n{title}")
+        for key, value in figures.items():
+            shown = f"{value:.3f}" if isinstance(value, float) else value
+            print(f"  {key:72} {shown}")
+
+
+if __name__ == "__main__":
+    main()

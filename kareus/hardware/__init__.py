@@ -1,0 +1,6 @@
+"""GPU and interconnect specifications and the emulator that models time and energy."""
+
+from kareus.hardware.emulator import Emulator
+from kareus.hardware.specs import GPUS, Calibration, GPUSpec, InterconnectSpec, gpu
+
+__all__ = ["GPUS", "Calibration", "Emulator", "GPUSpec", "InterconnectSpec", "gpu"]

@@ -1,0 +1,214 @@
+"""Fit the hardware model's free factors to measured partitions, reproducibly.
+
+Run ``python -m kareus.hardware.calibrate [--data CSV] [--out JSON]``. It reads the measured
+forward-attention partition of two A100-SXM4 GPUs at tensor parallelism 2 (shared/data), fits
+the :class:`~kareus.hardware.specs.Calibration` factors that no datasheet gives (op-class
+efficiencies, the collective's per-SM copy rate, thread and contention factors, static power,
+activity factors) by least squares on log time and log energy, and writes them with their
+provenance to ``kareus/hardware/calibration/a100_sxm4.json``. Datasheet numbers (peaks,
+bandwidths, TDP, SM count) are not fitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import json
+import pathlib
+import statistics
+from collections.abc import Sequence
+
+from kareus.costs import CollectiveCost, Knobs, OpCost, PartitionWork
+from kareus.hardware.emulator import Emulator
+from kareus.hardware.specs import GPUS, Calibration, GPUSpec
+
+DEFAULT_DATA = (
+    pathlib.Path(__file__).resolve().parents[2]
+    / "benchmarks"
+    / "data"
+    / "a100_fwd_attention_tp2"
+    / "default_clock.csv"
+)
+DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "calibration" / "a100_sxm4.json"
+
+
+def attention_partition() -> PartitionWork:
+    """Return the measured partition: Megatron forward attention, hidden 2048, TP 2.
+
+    One nanobatch (2 sequences of 4096 tokens) in fp16; per rank 16 heads of 64, QKV output
+    3072 columns; overlapped with an all-reduce of the other nanobatch's 2 x 4096 x 2048 fp16
+    activation across 2 GPUs. FLOPs and bytes follow from the shapes (see the data README).
+    """
+    tokens, hidden, qkv, heads, head_dim, seq, batch = 8192, 2048, 3072, 16, 64, 4096, 2
+    act = tokens * hidden * 2  # one [tokens, hidden] fp16 activation, bytes
+    ops = (
+        OpCost(
+            "memory", 3 * tokens * hidden, 3 * act + tokens * hidden, "fp16", "bias_dropout_add"
+        ),
+        OpCost("memory", 8 * tokens * hidden, 2 * act, "fp16", "layer_norm"),
+        OpCost(
+            "gemm",
+            2 * tokens * hidden * qkv,
+            act + hidden * qkv * 2 + tokens * qkv * 2,
+            "fp16",
+            "qkv_linear",
+        ),
+        OpCost("memory", 0, 2 * tokens * qkv * 2, "fp16", "split_heads"),
+        OpCost(
+            "memory",
+            6 * tokens * 2 * heads * head_dim,
+            4 * tokens * heads * head_dim * 2,
+            "fp16",
+            "rotary",
+        ),
+        OpCost(
+            "attention",
+            4 * batch * heads * seq * seq * head_dim / 2,  # causal: half the square
+            4 * tokens * heads * head_dim * 2,
+            "fp16",
+            "flash_attention",
+        ),
+        OpCost(
+            "gemm",
+            2 * tokens * heads * head_dim * hidden,
+            tokens * heads * head_dim * 2 + heads * head_dim * hidden * 2 + act,
+            "fp16",
+            "out_proj",
+        ),
+    )
+    return PartitionWork(ops, CollectiveCost("all_reduce", act, 2, "tp_all_reduce"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One measured configuration: knobs, median time (s) and median total energy (J)."""
+
+    knobs: Knobs
+    time_s: float
+    energy_j: float  # both GPUs
+
+
+def load_rows(path: pathlib.Path, freq_mhz: float = 1410) -> list[Row]:
+    """Read the measured CSV; each row's value is the median of its repeats."""
+    rows = []
+    with open(path) as fh:
+        for rec in csv.DictReader(fh):
+            start, end = int(rec["overlap_start"]), int(rec["overlap_end"])
+            repeats = sorted({k.split(":")[0] for k in rec if ":" in k})
+            knobs = Knobs(
+                freq_mhz=freq_mhz,
+                sm_share=int(rec["comm_sm_number"]),
+                launch_slot=None if start < 0 else start,
+                wait_after=None if end < 0 else end,
+                threads_per_block=int(rec["comm_block_size"]),
+            )
+            rows.append(
+                Row(
+                    knobs,
+                    statistics.median(float(rec[f"{r}:time (s)"]) for r in repeats),
+                    statistics.median(float(rec[f"{r}:total energy (J)"]) for r in repeats),
+                )
+            )
+    return rows
+
+
+# Fitted factors: (name, lower bound, upper bound). Activity entries are "activity.<class>".
+FREE = (
+    ("eff_gemm", 0.2, 0.95),
+    ("eff_attention", 0.1, 0.9),
+    ("eff_memory", 0.2, 0.95),
+    ("launch_overhead_us", 1.0, 100.0),
+    ("comm_gbs_per_sm", 0.5, 50.0),
+    ("comm_thread_exponent", 0.0, 2.0),
+    ("comm_latency_us", 0.0, 200.0),
+    ("comm_link_efficiency", 0.02, 1.0),
+    ("comm_hbm_bytes_per_byte", 0.5, 6.0),
+    ("contention", 0.0, 3.0),
+    ("static_power_w", 40.0, 150.0),
+    ("activity.gemm", 0.1, 1.0),
+    ("activity.attention", 0.1, 1.0),
+    ("activity.memory", 0.0, 1.0),
+    ("activity.comm", 0.0, 1.0),
+    ("mem_power_w_per_tbs", 0.0, 150.0),
+)
+
+
+def with_params(base: Calibration, values: Sequence[float], source: str) -> Calibration:
+    """Return ``base`` with the :data:`FREE` factors set to ``values``."""
+    plain, activity = {}, dict(base.activity)
+    for (name, _lo, _hi), value in zip(FREE, values, strict=True):
+        if name.startswith("activity."):
+            activity[name.split(".", 1)[1]] = float(value)
+        else:
+            plain[name] = float(value)
+    return dataclasses.replace(base, activity=activity, source=source, **plain)
+
+
+def predict(spec: GPUSpec, rows: Sequence[Row], gpus: int = 2) -> list[tuple[float, float]]:
+    """Return (time_s, energy_j of all ``gpus``) the model predicts for each row."""
+    emu, work = Emulator(spec), attention_partition()
+    out = []
+    for row in rows:
+        est = emu.partition(work, row.knobs)
+        out.append((est.time_s, est.energy_j * gpus))
+    return out
+
+
+def fit(spec: GPUSpec, rows: Sequence[Row]) -> Calibration:
+    """Least-squares fit of the :data:`FREE` factors on log time and log energy."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    base = spec.calibration
+    x0 = []
+    for name, lo, hi in FREE:
+        v = (
+            base.activity[name.split(".", 1)[1]]
+            if name.startswith("activity.")
+            else getattr(base, name)
+        )
+        x0.append(min(max(v, lo), hi))
+    meas = np.log([[r.time_s, r.energy_j] for r in rows])
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        cal = with_params(base, list(x), "fit in progress")
+        pred = np.log(predict(spec.with_calibration(cal, ""), rows))
+        return (pred - meas).ravel()
+
+    bounds = ([b[1] for b in FREE], [b[2] for b in FREE])
+    result = least_squares(residuals, x0, bounds=bounds, x_scale="jac", max_nfev=60)
+    return with_params(base, list(result.x), "")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Fit and write the A100 calibration; print the fitted factors."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--data", type=pathlib.Path, default=DEFAULT_DATA)
+    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    if not args.data.exists():
+        raise SystemExit(f"measured data not found at {args.data}; pass --data PATH")
+    rows = load_rows(args.data)
+    spec = GPUS["a100-sxm4-40gb"]
+    cal = fit(spec, rows)
+    provenance = (
+        f"fitted by kareus.hardware.calibrate to {len(rows)} measured configurations of "
+        "a100_fwd_attention_tp2/default_clock.csv (Kareus research code, commit 9b64d9e9; "
+        "two A100-SXM4, default clocks, fp16 forward-attention partition at TP 2) on "
+        f"{datetime.date.today().isoformat()}"
+    )
+    cal = dataclasses.replace(cal, source=provenance)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps({"provenance": provenance, "calibration": cal.to_dict()}, indent=2) + "\n"
+    )
+    for key, value in cal.to_dict().items():
+        if key != "source":
+            print(f"{key:26} {value}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

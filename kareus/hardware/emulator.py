@@ -1,0 +1,258 @@
+"""The hardware model: time and energy of GPU work at any clock, SM share and launch slot.
+
+Every figure it returns is *modelled* (``Estimate.source == "modelled"``). The model:
+
+- **Kernel time** at clock f with n SMs: the roofline of compute
+  (FLOPs / (peak · f/f_max · n/N · efficiency of the op class)) against memory
+  (bytes / (bandwidth · efficiency)), where memory needs enough SMs and clock to saturate
+  and does not otherwise scale with f; plus a launch overhead.
+- **Collective time**: the bus traffic of the algorithm (an all-reduce moves 2(p-1)/p of
+  the tensor, all-gather and reduce-scatter (p-1)/p), copied by the collective's SMs at a
+  rate that scales with their number and the clock, and carried by the link at its
+  achieved bandwidth (the two stages add up), plus latency.
+- **Overlap**: a partition is simulated as a timeline. Compute ops run in order; the
+  collective starts at its launch slot. While both run, compute has N-n SMs and the memory
+  bandwidth the collective leaves, and the collective slows with the memory-boundness of
+  the op it overlaps.
+- **Power**: static power plus the dynamic power of what is active — per-SM activity of
+  each class scaled by f·V(f)², plus memory traffic. Above TDP the chip throttles: the
+  clock drops until power fits, so a locked clock is then not reached.
+- **Energy** is the integral of power over the timeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from kareus.costs import CollectiveCost, Estimate, Knobs, OpCost, PartitionWork
+from kareus.hardware.specs import GPUSpec
+
+_MEM_SAT_SM_FRACTION = 0.35  # SMs needed to saturate memory bandwidth, as a fraction of all
+_MEM_SAT_CLOCK_FRACTION = 0.45  # below this fraction of max clock, memory-bound ops slow
+_MIN_BW_LEFT = 0.15  # compute keeps at least this share of memory bandwidth
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRun:
+    """How one op runs under given resources: its duration and what it keeps busy."""
+
+    time_s: float
+    compute_util: float  # fraction of the time the math pipes are busy
+    mem_bytes_per_s: float
+    mem_boundness: float  # memory time / kernel time (0 compute-bound, 1 memory-bound)
+
+
+def bus_bytes(coll: CollectiveCost) -> float:
+    """Return the bytes each rank sends for ``coll`` (ring/NVLS algorithm traffic)."""
+    p = coll.world_size
+    if p <= 1:
+        return 0.0
+    factor = 2 * (p - 1) / p if coll.kind == "all_reduce" else (p - 1) / p
+    return factor * coll.bytes
+
+
+class Emulator:
+    """Predict time and energy of work on one GPU of ``spec``; implements ``Evaluator``."""
+
+    source = "modelled"
+
+    def __init__(self, spec: GPUSpec) -> None:
+        self.spec = spec
+        self.cal = spec.calibration
+        self.p_dyn_max = spec.tdp_w - self.cal.static_power_w
+
+    # ---- kernels -------------------------------------------------------------------------
+
+    def run_op(self, op: OpCost, freq_mhz: float, sms: float, bw_fraction: float = 1.0) -> OpRun:
+        """Return how ``op`` runs at ``freq_mhz`` with ``sms`` SMs and a share of bandwidth."""
+        if op.op_class in ("view", "collective_issue", "collective_wait"):
+            return OpRun(0.0, 0.0, 0.0, 0.0)
+        spec, cal = self.spec, self.cal
+        speed = freq_mhz / spec.clock_max_mhz
+        sm_frac = max(sms, 1.0) / spec.sm_count
+        if op.op_class == "memory":
+            peak, eff = spec.peak_tflops.get("fp32", 19.5) * 1e12, 1.0
+        else:
+            peak = spec.peak_flops(op.dtype)
+            eff = cal.eff_gemm if op.op_class == "gemm" else cal.eff_attention
+        t_compute = op.flops / (peak * speed * sm_frac * eff)
+        bw = spec.memory_bandwidth_gbs * 1e9 * cal.eff_memory * bw_fraction
+        bw *= min(1.0, sm_frac / _MEM_SAT_SM_FRACTION) * min(1.0, speed / _MEM_SAT_CLOCK_FRACTION)
+        t_memory = op.bytes / bw
+        t_kernel = max(t_compute, t_memory)
+        total = t_kernel + cal.launch_overhead_us * 1e-6
+        return OpRun(
+            time_s=total,
+            compute_util=t_compute / total,
+            mem_bytes_per_s=op.bytes / total,
+            mem_boundness=t_memory / t_kernel if t_kernel > 0 else 0.0,
+        )
+
+    def collective_rate(self, knobs: Knobs, freq_mhz: float, mem_boundness: float = 0.0) -> float:
+        """Return bus bytes per second of a collective with the knobs' SM share and CTAs."""
+        cal = self.cal
+        per_sm = cal.comm_gbs_per_sm * 1e9 * freq_mhz / self.spec.clock_max_mhz
+        per_sm *= (knobs.threads_per_block / 1024) ** cal.comm_thread_exponent
+        link = self.spec.interconnect.bandwidth_gbs * 1e9 * cal.comm_link_efficiency
+        # Each byte is copied by the collective's SMs and carried by the link; for one kernel
+        # these stages add up (1/rate = 1/link + 1/SM copy rate) rather than overlap.
+        rate = 1.0 / (1.0 / link + 1.0 / (knobs.sm_share * per_sm))
+        return rate / (1.0 + cal.contention * mem_boundness)
+
+    def collective_time(self, coll: CollectiveCost, knobs: Knobs) -> float:
+        """Return the time of ``coll`` alone (no overlap) at the knobs' clock and SM share."""
+        return self._latency(coll) + bus_bytes(coll) / self.collective_rate(knobs, knobs.freq_mhz)
+
+    def _latency(self, coll: CollectiveCost) -> float:
+        if coll.world_size <= 1:
+            return 0.0
+        return (self.cal.comm_latency_us + self.spec.interconnect.latency_us) * 1e-6
+
+    # ---- power ---------------------------------------------------------------------------
+
+    def _sm_power(self, run: OpRun | None, op_class: str, sms: float, comm_sms: float) -> float:
+        """Dynamic SM-side power at the maximum clock (scaled by f·V² by the caller)."""
+        act = self.cal.activity
+        power = 0.0
+        if run is not None and run.time_s > 0:
+            busy = run.compute_util
+            cls = act.get(op_class, act["memory"])
+            power += (
+                self.p_dyn_max
+                * sms
+                / self.spec.sm_count
+                * (cls * busy + act["memory"] * (1 - busy))
+            )
+        if comm_sms:
+            power += self.p_dyn_max * comm_sms / self.spec.sm_count * act["comm"]
+        return power
+
+    def _mem_power(self, bytes_per_s: float) -> float:
+        return self.cal.mem_power_w_per_tbs * bytes_per_s / 1e12
+
+    def _throttled_clock(self, freq_mhz: float, sm_power_at_max: float, mem_power: float) -> float:
+        """Return the clock the chip actually runs at: ``freq_mhz`` unless power exceeds TDP."""
+        spec = self.spec
+        budget = spec.tdp_w - self.cal.static_power_w - mem_power
+        if sm_power_at_max * spec.dynamic_scale(freq_mhz) <= budget:
+            return freq_mhz
+        lo, hi = float(spec.clock_min_mhz), float(freq_mhz)
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            if sm_power_at_max * spec.dynamic_scale(mid) <= budget:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    # ---- timelines -----------------------------------------------------------------------
+
+    def ops(self, ops: tuple[OpCost, ...], freq_mhz: float) -> Estimate:
+        """Estimate ops run back to back with all SMs and nothing overlapping."""
+        return self._timeline(PartitionWork(ops, None), Knobs(freq_mhz, 0, launch_slot=None))
+
+    def idle(self, duration_s: float) -> Estimate:
+        """Estimate a GPU that waits (a pipeline bubble, a blocked collective) for a while."""
+        energy = self.cal.static_power_w * duration_s
+        return Estimate(duration_s, energy, 0.0, "modelled")
+
+    def partition(self, work: PartitionWork, knobs: Knobs) -> Estimate:
+        """Estimate one partition under one knob setting (the planner's protocol)."""
+        return self._timeline(work, knobs)
+
+    def _timeline(self, work: PartitionWork, knobs: Knobs) -> Estimate:
+        spec, cal = self.spec, self.cal
+        static = cal.static_power_w
+        coll = work.collective if work.collective and work.collective.world_size > 1 else None
+        ops = list(work.ops)
+        overlap = (
+            coll is not None and knobs.launch_slot is not None and knobs.launch_slot < len(ops)
+        )
+        wait_after = len(ops) - 1 if knobs.wait_after is None else knobs.wait_after
+        comm_left = bus_bytes(coll) if coll else 0.0
+        lat_left = self._latency(coll) if coll else 0.0
+        comm_on = False
+        t = energy = 0.0
+        throttled = False
+
+        def comm_step(freq: float, mem_boundness: float) -> tuple[float, float, float]:
+            """(time to finish, rate, dynamic power at max clock) of the collective now."""
+            rate = self.collective_rate(knobs, freq, mem_boundness)
+            return lat_left + comm_left / rate, rate, rate * cal.comm_hbm_bytes_per_byte
+
+        for i, op in enumerate(ops):
+            if overlap and i == knobs.launch_slot:
+                comm_on = True
+            remaining = 1.0
+            while remaining > 1e-12:
+                active = comm_on and (lat_left > 0 or comm_left > 0)
+                n_comm = min(knobs.sm_share, spec.sm_count - 1) if active else 0
+                n_comp = spec.sm_count - n_comm
+                alone = self.run_op(op, knobs.freq_mhz, n_comp)
+                comm_hbm = 0.0
+                if active:
+                    _, rate, comm_hbm = comm_step(knobs.freq_mhz, alone.mem_boundness)
+                bw_left = max(_MIN_BW_LEFT, 1 - comm_hbm / (spec.memory_bandwidth_gbs * 1e9))
+                probe = self.run_op(op, knobs.freq_mhz, n_comp, bw_left)
+                sm_p = self._sm_power(probe, op.op_class, n_comp, n_comm)
+                mem_p = self._mem_power(probe.mem_bytes_per_s + comm_hbm)
+                freq = self._throttled_clock(knobs.freq_mhz, sm_p, mem_p)
+                throttled |= freq < knobs.freq_mhz - 1e-6
+                run = self.run_op(op, freq, n_comp, bw_left) if freq != knobs.freq_mhz else probe
+                if run.time_s <= 0:
+                    break
+                dt_op = remaining * run.time_s
+                dt_comm, rate, comm_hbm = (
+                    comm_step(freq, run.mem_boundness) if active else (math.inf, 0.0, 0.0)
+                )
+                dt = min(dt_op, dt_comm)
+                power = (
+                    static
+                    + self._sm_power(run, op.op_class, n_comp, n_comm) * spec.dynamic_scale(freq)
+                    + self._mem_power(run.mem_bytes_per_s + comm_hbm)
+                )
+                t += dt
+                energy += power * dt
+                remaining -= dt / run.time_s
+                if active:
+                    lat_left, comm_left = _advance(lat_left, comm_left, rate, dt)
+            if comm_on and i >= wait_after and (lat_left > 0 or comm_left > 0):
+                dt, e, th = self._comm_alone(knobs, lat_left, comm_left)
+                t, energy, throttled = t + dt, energy + e, throttled or th
+                lat_left = comm_left = 0.0
+        if coll is not None and (lat_left > 0 or comm_left > 0):  # not overlapped: after compute
+            dt, e, th = self._comm_alone(knobs, lat_left, comm_left)
+            t, energy, throttled = t + dt, energy + e, throttled or th
+        return Estimate(
+            time_s=t,
+            energy_j=energy,
+            dynamic_energy_j=energy - static * t,
+            source="modelled",
+            throttled=throttled,
+        )
+
+    def _comm_alone(
+        self, knobs: Knobs, lat_left: float, comm_left: float
+    ) -> tuple[float, float, bool]:
+        n = min(knobs.sm_share, self.spec.sm_count)
+        rate = self.collective_rate(knobs, knobs.freq_mhz)
+        hbm = rate * self.cal.comm_hbm_bytes_per_byte
+        sm_p = self._sm_power(None, "memory", 0, n)
+        freq = self._throttled_clock(knobs.freq_mhz, sm_p, self._mem_power(hbm))
+        if freq != knobs.freq_mhz:
+            rate = self.collective_rate(knobs, freq)
+            hbm = rate * self.cal.comm_hbm_bytes_per_byte
+        dt = lat_left + comm_left / rate
+        power = (
+            self.cal.static_power_w + sm_p * self.spec.dynamic_scale(freq) + self._mem_power(hbm)
+        )
+        return dt, power * dt, freq != knobs.freq_mhz
+
+
+def _advance(lat_left: float, comm_left: float, rate: float, dt: float) -> tuple[float, float]:
+    if lat_left >= dt:
+        return lat_left - dt, comm_left
+    dt -= lat_left
+    left = comm_left - rate * dt
+    return 0.0, left if left > 1e-3 else 0.0  # below a byte: done (float rounding)

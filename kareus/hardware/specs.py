@@ -1,0 +1,311 @@
+"""GPU and interconnect specifications, each number with its source.
+
+Datasheet numbers are fixed here. What datasheets do not give (op-class efficiencies, the
+per-SM copy rate of a collective, activity factors of power) lives in :class:`Calibration`,
+fitted to measurements by :mod:`kareus.hardware.calibrate` and loaded from
+``calibration/*.json`` with its provenance. GPUs without measurements of their own borrow
+the A100's fitted factors; :attr:`GPUSpec.calibration_source` says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from importlib import resources
+from typing import Any
+
+from kareus.errors import KareusError
+
+_DATASHEET_A100 = "NVIDIA A100 Tensor Core GPU datasheet (2021) and A100 whitepaper (2020)"
+_DATASHEET_H100 = "NVIDIA H100 Tensor Core GPU datasheet (2023) and Hopper whitepaper (2022)"
+_DATASHEET_H200 = "NVIDIA H200 Tensor Core GPU datasheet (2024)"
+_DATASHEET_A40 = "NVIDIA A40 datasheet (2021)"
+_SMI = "nvidia-smi -q -d SUPPORTED_CLOCKS on the GPU (graphics clocks in 15 MHz steps)"
+_STATIC_A100 = (
+    "measurement: power of an A100-SXM4-40GB blocked on communication at a locked clock "
+    "(Perseus, SOSP'24; kareus design notes), about 85 W"
+)
+_VF = (
+    "shape assumption: voltage flat below a knee, then rising linearly to the maximum "
+    "(DVFS measurements of NVIDIA GPUs: Mei et al., 'A survey and measurement study of GPU "
+    "DVFS on energy conservation', 2017); not published per GPU by NVIDIA"
+)
+
+
+class UnknownGPUError(KareusError, KeyError):
+    """A GPU name that kareus has no specification for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InterconnectSpec:
+    """A GPU-to-GPU link: bandwidth per direction and latency of one transfer."""
+
+    name: str
+    bandwidth_gbs: float  # per direction, per GPU
+    latency_us: float
+    source: str
+
+
+NVLINK3 = InterconnectSpec(
+    "NVLink 3 (A100 SXM4)",
+    300.0,
+    8.0,
+    f"{_DATASHEET_A100}: 12 links x 25 GB/s per direction = 600 GB/s total; latency: NCCL "
+    "small-message all-reduce on DGX A100 is about 8-10 us (nccl-tests)",
+)
+NVLINK4 = InterconnectSpec(
+    "NVLink 4 (H100/H200 SXM5)",
+    450.0,
+    6.0,
+    f"{_DATASHEET_H100}: 18 links x 25 GB/s per direction = 900 GB/s total; latency: "
+    "assumed a little below NVLink 3's",
+)
+PCIE4 = InterconnectSpec(
+    "PCIe 4.0 x16",
+    32.0,
+    15.0,
+    "PCI-SIG PCIe 4.0 specification: 16 GT/s x 16 lanes, about 32 GB/s per direction; "
+    "latency: typical host-staged NCCL latency (nccl-tests on PCIe systems)",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Factors no datasheet gives, fitted to measurements (see ``calibrate.py``).
+
+    Attributes:
+        eff_gemm: achieved fraction of the tensor-core peak for GEMMs.
+        eff_attention: achieved fraction of the peak for fused attention.
+        eff_memory: achieved fraction of memory bandwidth for memory-bound ops.
+        launch_overhead_us: fixed cost per kernel.
+        comm_gbs_per_sm: bytes a collective moves per second per SM at the maximum clock,
+            with 1024-thread CTAs.
+        comm_thread_exponent: a CTA of t threads copies (t/1024)**exponent as fast.
+        comm_latency_us: fixed cost of one collective.
+        comm_link_efficiency: achieved fraction of the datasheet link bandwidth.
+        comm_hbm_bytes_per_byte: local memory traffic per byte the collective moves.
+        contention: slowdown of a collective per unit of memory-boundness of the op it
+            overlaps (both compete for memory bandwidth).
+        static_power_w: power drawn at a locked clock while blocked on communication.
+        activity: dynamic power of each class at full activity and maximum clock, as a
+            fraction of (TDP - static power): gemm, attention, memory (SM side), comm.
+        mem_power_w_per_tbs: power of memory traffic, watts per TB/s.
+        source: where the numbers come from.
+    """
+
+    eff_gemm: float = 0.7
+    eff_attention: float = 0.5
+    eff_memory: float = 0.8
+    launch_overhead_us: float = 5.0
+    comm_gbs_per_sm: float = 10.0
+    comm_thread_exponent: float = 1.0
+    comm_latency_us: float = 10.0
+    comm_link_efficiency: float = 0.75
+    comm_hbm_bytes_per_byte: float = 3.0
+    contention: float = 0.3
+    static_power_w: float = 85.0
+    activity: dict[str, float] = dataclasses.field(
+        default_factory=lambda: {"gemm": 0.9, "attention": 0.8, "memory": 0.3, "comm": 0.2}
+    )
+    mem_power_w_per_tbs: float = 40.0
+    source: str = "uncalibrated priors"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the fields as JSON-ready values."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Calibration:
+        """Build from :meth:`to_dict` output (unknown keys are an error)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(
+                f"unknown calibration fields {sorted(unknown)}; known: {sorted(names)}"
+            )
+        return cls(**data)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPUSpec:
+    """One GPU model. Peaks are dense (no sparsity) at ``peak_clock_mhz``."""
+
+    name: str
+    sm_count: int
+    clock_min_mhz: int
+    clock_max_mhz: int
+    clock_step_mhz: int
+    peak_tflops: dict[str, float]
+    peak_clock_mhz: int
+    memory_bandwidth_gbs: float
+    memory_gb: float
+    tdp_w: float
+    interconnect: InterconnectSpec
+    vf_knee: float  # fraction of the max clock below which voltage stays at its floor
+    v_floor: float  # voltage at and below the knee, as a fraction of the max voltage
+    sources: dict[str, str]
+    calibration: Calibration = dataclasses.field(default_factory=Calibration)
+    calibration_source: str = "uncalibrated priors"
+
+    def clocks_mhz(self) -> list[int]:
+        """Return the supported SM clocks, highest first."""
+        return list(range(self.clock_max_mhz, self.clock_min_mhz - 1, -self.clock_step_mhz))
+
+    def peak_flops(self, dtype: str) -> float:
+        """Return dense tensor-core FLOP/s at the maximum clock for ``dtype``.
+
+        Raises:
+            KeyError: the GPU has no tensor-core peak for that dtype.
+        """
+        key = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "half": "fp16"}.get(
+            dtype, dtype
+        )
+        if key not in self.peak_tflops:
+            raise KeyError(
+                f"{self.name} has no peak for dtype {dtype!r}; known {sorted(self.peak_tflops)}"
+            )
+        return self.peak_tflops[key] * 1e12 * self.clock_max_mhz / self.peak_clock_mhz
+
+    def voltage(self, freq_mhz: float) -> float:
+        """Return the core voltage at ``freq_mhz`` as a fraction of the voltage at max clock."""
+        x = freq_mhz / self.clock_max_mhz
+        if x <= self.vf_knee:
+            return self.v_floor
+        return self.v_floor + (1 - self.v_floor) * (x - self.vf_knee) / (1 - self.vf_knee)
+
+    def dynamic_scale(self, freq_mhz: float) -> float:
+        """Return f·V(f)² relative to its value at the maximum clock."""
+        return freq_mhz / self.clock_max_mhz * self.voltage(freq_mhz) ** 2
+
+    def with_calibration(self, calibration: Calibration, source: str) -> GPUSpec:
+        """Return a copy that uses ``calibration``."""
+        return dataclasses.replace(self, calibration=calibration, calibration_source=source)
+
+
+def _a100(name: str, memory_gb: float, bandwidth_gbs: float, bw_source: str) -> GPUSpec:
+    return GPUSpec(
+        name=name,
+        sm_count=108,
+        clock_min_mhz=210,
+        clock_max_mhz=1410,
+        clock_step_mhz=15,
+        peak_tflops={"fp16": 312.0, "bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
+        peak_clock_mhz=1410,
+        memory_bandwidth_gbs=bandwidth_gbs,
+        memory_gb=memory_gb,
+        tdp_w=400.0,
+        interconnect=NVLINK3,
+        vf_knee=0.55,
+        v_floor=0.70,
+        sources={
+            "sm_count, peak_tflops, peak_clock_mhz, tdp_w": _DATASHEET_A100,
+            "clocks": _SMI,
+            "memory_bandwidth_gbs": bw_source,
+            "static_power_w": _STATIC_A100,
+            "vf_knee, v_floor": _VF,
+        },
+    )
+
+
+_H100_SOURCES = {
+    "sm_count, peak_tflops, tdp_w": _DATASHEET_H100,
+    "peak_clock_mhz": "Hopper whitepaper: tensor-core peaks are quoted at the 1830 MHz boost",
+    "clocks": f"{_SMI}; 1980 MHz max measured on the project's H200 check machine",
+    "static_power_w": "estimate: A100's measured 85 W scaled by TDP (700/400); uncalibrated",
+    "vf_knee, v_floor": _VF,
+}
+
+GPUS: dict[str, GPUSpec] = {
+    "a100-sxm4-40gb": _a100("A100-SXM4-40GB", 40, 1555.0, f"{_DATASHEET_A100}: HBM2, 1555 GB/s"),
+    "a100-sxm4-80gb": _a100("A100-SXM4-80GB", 80, 2039.0, f"{_DATASHEET_A100}: HBM2e, 2039 GB/s"),
+    "h100-sxm": GPUSpec(
+        name="H100-SXM5-80GB",
+        sm_count=132,
+        clock_min_mhz=345,
+        clock_max_mhz=1980,
+        clock_step_mhz=15,
+        peak_tflops={"fp16": 989.4, "bf16": 989.4, "fp8": 1978.9, "tf32": 494.7, "fp32": 66.9},
+        peak_clock_mhz=1830,
+        memory_bandwidth_gbs=3350.0,
+        memory_gb=80,
+        tdp_w=700.0,
+        interconnect=NVLINK4,
+        vf_knee=0.55,
+        v_floor=0.70,
+        sources={**_H100_SOURCES, "memory_bandwidth_gbs": f"{_DATASHEET_H100}: HBM3, 3.35 TB/s"},
+    ),
+    "h200": GPUSpec(
+        name="H200-SXM-141GB",
+        sm_count=132,
+        clock_min_mhz=345,
+        clock_max_mhz=1980,
+        clock_step_mhz=15,
+        peak_tflops={"fp16": 989.4, "bf16": 989.4, "fp8": 1978.9, "tf32": 494.7, "fp32": 66.9},
+        peak_clock_mhz=1830,
+        memory_bandwidth_gbs=4800.0,
+        memory_gb=141,
+        tdp_w=700.0,
+        interconnect=NVLINK4,
+        vf_knee=0.55,
+        v_floor=0.70,
+        sources={
+            **_H100_SOURCES,
+            "sm_count, peak_tflops, tdp_w": f"{_DATASHEET_H200} (same GH100 compute as H100 SXM)",
+            "memory_bandwidth_gbs": f"{_DATASHEET_H200}: HBM3e, 4.8 TB/s",
+        },
+    ),
+    "a40": GPUSpec(
+        name="A40",
+        sm_count=84,
+        clock_min_mhz=210,
+        clock_max_mhz=1740,
+        clock_step_mhz=15,
+        peak_tflops={"fp16": 149.7, "bf16": 149.7, "tf32": 74.8, "fp32": 37.4},
+        peak_clock_mhz=1740,
+        memory_bandwidth_gbs=696.0,
+        memory_gb=48,
+        tdp_w=300.0,
+        interconnect=PCIE4,
+        vf_knee=0.55,
+        v_floor=0.70,
+        sources={
+            "sm_count, peak_tflops, tdp_w, memory_bandwidth_gbs": _DATASHEET_A40,
+            "clocks": _SMI,
+            "static_power_w": "estimate: A100's measured 85 W scaled by TDP (300/400)",
+            "vf_knee, v_floor": _VF,
+        },
+    ),
+}
+"""Known GPUs by kareus name (``--gpu``), before calibration is applied."""
+
+_STATIC_SCALED = {"h100-sxm": 700 / 400, "h200": 700 / 400, "a40": 300 / 400}
+
+
+def load_calibration(name: str = "a100_sxm4") -> tuple[Calibration, str]:
+    """Return the calibration stored as ``calibration/<name>.json`` and its provenance."""
+    path = resources.files("kareus.hardware") / "calibration" / f"{name}.json"
+    data = json.loads(path.read_text())
+    cal = Calibration.from_dict(data["calibration"])
+    return cal, data["provenance"]
+
+
+def gpu(name: str) -> GPUSpec:
+    """Return the calibrated spec of a GPU by kareus name (case-insensitive).
+
+    Raises:
+        UnknownGPUError: the name is not one of :data:`GPUS`.
+    """
+    key = name.lower().replace("_", "-")
+    if key not in GPUS:
+        raise UnknownGPUError(f"unknown GPU {name!r}; known GPUs: {', '.join(sorted(GPUS))}")
+    spec = GPUS[key]
+    cal, provenance = load_calibration()
+    if key.startswith("a100"):
+        return spec.with_calibration(cal, provenance)
+    # Other GPUs: the A100's fitted efficiencies, static power scaled by TDP, stated as such.
+    scaled = dataclasses.replace(cal, static_power_w=cal.static_power_w * _STATIC_SCALED[key])
+    return spec.with_calibration(
+        scaled,
+        f"borrowed from the A100 calibration ({provenance}); static power scaled by TDP; "
+        "not measured on this GPU",
+    )
