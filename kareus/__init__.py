@@ -14,16 +14,19 @@ from kareus.errors import (
     PassError,
 )
 from kareus.explain import Report, explain
+from kareus.partitions import Decision, PartitionSet
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Config",
     "ConfigError",
+    "Decision",
     "KareusBackend",
     "KareusError",
     "NotCompiledError",
     "NotYetCapturedError",
+    "PartitionSet",
     "PassError",
     "Report",
     "compile",

@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
 from kareus import passes
 from kareus.config import Config
 from kareus.errors import PassError
+from kareus.partitions import Decision
 from kareus.passes.base import PassContext, run_passes
 from kareus.region import GraphRecord, Region
+from kareus.runtime.comm_pool import CommunicatorPool
 
 T = TypeVar("T")
 _ORIG = "_orig_mod."
@@ -37,12 +40,23 @@ class KareusBackend:
         **overrides: fields of :class:`Config` that replace the config's.
     """
 
-    def __init__(self, config: Config | None = None, **overrides: Any) -> None:
+    def __init__(
+        self,
+        config: Config | None = None,
+        *,
+        decisions: Mapping[str, Decision] | None = None,
+        **overrides: Any,
+    ) -> None:
         base = config if config is not None else Config()
         if not isinstance(base, Config):
             raise TypeError(f"config must be a kareus.Config, got {type(base).__name__}")
         self.config = base.replace(**overrides) if overrides else base
+        self.decisions: dict[str, Decision] = dict(decisions or {})
+        for key, dec in self.decisions.items():
+            if not isinstance(dec, Decision):
+                raise TypeError(f"decisions[{key!r}] must be a kareus.Decision, got {dec!r}")
         self.regions: list[Region] = []
+        self._pool: CommunicatorPool | None = None
 
     def __repr__(self) -> str:
         return f"KareusBackend({self.config!r}, regions={len(self.regions)})"
@@ -52,6 +66,10 @@ class KareusBackend:
         compile_id = torch._guards.CompileContext.current_compile_id()
         region = Region(index=len(self.regions), compile_id=str(compile_id))
         self.regions.append(region)
+        region.findings["decisions"] = _Decisions(self.decisions)
+        if self.decisions and dist.is_available() and dist.is_initialized():
+            self._pool = self._pool or CommunicatorPool()
+            region.findings["communicator_pool"] = self._pool
         gm = self._run_graph_passes(region, "dynamo", gm, example_inputs)
 
         if self.config.codegen == "inductor":
@@ -114,6 +132,15 @@ class KareusBackend:
         return out
 
 
+class _Decisions(dict):  # type: ignore[type-arg]
+    """The overlap decisions a region was compiled with, shown by ``kareus.explain``."""
+
+    def to_text(self) -> str:
+        if not self:
+            return "none given: every partition type launches at its start (nanobatching)"
+        return "\n".join(f"{k}: {v}" for k, v in self.items())
+
+
 def _copy_graph(graph: fx.Graph) -> fx.Graph:
     new = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
     out = new.graph_copy(graph, {})
@@ -132,6 +159,7 @@ def compile(
     config: Config | None = None,
     fullgraph: bool = False,
     dynamic: bool | None = None,
+    decisions: Mapping[str, Decision] | None = None,
     **overrides: Any,
 ) -> T:
     """Compile ``model`` with kareus; use the result exactly like ``torch.compile``'s.
@@ -145,6 +173,9 @@ def compile(
         config: the settings; ``Config()`` when omitted.
         fullgraph: as in ``torch.compile``: raise on a graph break instead of splitting.
         dynamic: as in ``torch.compile``.
+        decisions: per partition type (keys as ``kareus.explain`` lists them, ``"*"`` for
+            all), where its collective is launched and with how many SMs. Without them, each
+            collective launches at the start of its partition (nanobatching as published).
         **overrides: fields of :class:`Config` that replace the config's, for example
             ``nanobatches=1``.
 
@@ -157,7 +188,7 @@ def compile(
     """
     if not callable(model):
         raise TypeError(f"kareus.compile needs an nn.Module or a function, got {type(model)!r}")
-    backend = KareusBackend(config, **overrides)
+    backend = KareusBackend(config, decisions=decisions, **overrides)
     compiled = torch.compile(model, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
     if isinstance(compiled, nn.Module):
         if backend.config.nanobatches > 1:

@@ -187,3 +187,112 @@ def hf_tiny(kind: str) -> nn.Module:
     if kind == "qwen3":
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **common))
     raise ValueError(f"unknown HF model kind {kind!r}: use 'llama' or 'qwen3'")
+
+
+def free_port() -> int:
+    """Return a TCP port that is free on 127.0.0.1 now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(
+    rank: int, fn: Callable[..., Any], world: int, port: int, out: str, args: Any
+) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, *args)
+        torch.save(result, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2) -> list[Any]:
+    """Run ``fn(rank, *args)`` in ``world`` processes joined by a gloo group.
+
+    ``fn`` must be importable (defined at module level). Returns each rank's return value
+    (anything ``torch.save`` can store). Raises if any rank fails.
+    """
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/result"
+        mp.start_processes(
+            _rank_main,
+            args=(fn, world, free_port(), out, args),
+            nprocs=world,
+            start_method="spawn",
+        )
+        return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
+
+
+@torch.library.custom_op("kareus_testing::sleepy", mutates_args=())
+def sleepy(x: torch.Tensor, ms: float) -> torch.Tensor:
+    """Return ``x * 2`` after sleeping ``ms``: a stand-in for GPU compute on CPU.
+
+    Sleeping leaves the cores free, so a collective running in the communication library's
+    thread really overlaps it (real matmuls would take both cores of a small machine).
+    """
+    import time
+
+    time.sleep(ms / 1000)
+    return x * 2
+
+
+@sleepy.register_fake
+def _(x: torch.Tensor, ms: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _sleepy_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return sleepy(grad, ctx.ms), None
+
+
+def _sleepy_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    ctx.ms = inputs[1]
+
+
+sleepy.register_autograd(_sleepy_backward, setup_context=_sleepy_setup)
+
+
+class SleepyLayer(nn.Module):
+    """Compute that sleeps, then an all-reduce of the activation across the TP group.
+
+    Megatron-shaped: "f" before (all-reduce of the gradient in the backward), "g" after
+    (all-reduce forward), so both directions have one collective per nanobatch and layer.
+    """
+
+    def __init__(self, width: int, ms: float) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(width))
+        self.ms = ms
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return ``x`` plus the all-reduced, slowly computed update."""
+        from kareus.parallel import copy_to_tp, reduce_from_tp
+
+        return x + reduce_from_tp(sleepy(copy_to_tp(x) * self.scale, self.ms))
+
+
+class SleepyStack(nn.Module):
+    """Layers of :class:`SleepyLayer`; the loss is the mean square of the output."""
+
+    def __init__(self, layers: int = 4, width: int = 1 << 18, ms: float = 20.0) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(SleepyLayer(width, ms) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return the loss."""
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()

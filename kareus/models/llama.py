@@ -2,7 +2,10 @@
 
 Written plainly so that its graphs look like those of production models (HF transformers,
 Megatron-LM, torchtitan). Options cover the variants kareus must handle: optional QK-norm
-(Qwen3), tied embeddings, a plain GELU MLP, and post-norm blocks.
+(Qwen3), tied embeddings, a plain GELU MLP, and post-norm blocks. With a tensor-parallel
+group, attention heads and MLP columns are split across it Megatron-style
+(:mod:`kareus.parallel`): each layer then all-reduces twice in the forward and twice in the
+backward.
 """
 
 from __future__ import annotations
@@ -12,6 +15,15 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kareus.parallel import (
+    ColumnParallelLinear,
+    Group,
+    RowParallelLinear,
+    copy_to_tp,
+    group_name,
+    group_size,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,6 +73,18 @@ PRESETS: dict[str, LlamaConfig] = {
 """Named shapes; tiny ones for tests and examples."""
 
 
+def _tp_size(group: Group) -> int:
+    return group_size(group) if group is not None else 1
+
+
+def _linear(fan_in: int, fan_out: int, group: Group, kind: str) -> nn.Module:
+    if group is None:
+        return nn.Linear(fan_in, fan_out, bias=False)
+    if kind == "column":  # the layer's input is copied once for all its column shards
+        return ColumnParallelLinear(fan_in, fan_out, group, copy_input=False)
+    return RowParallelLinear(fan_in, fan_out, group)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learned scale."""
 
@@ -93,14 +117,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Grouped-query causal self-attention through ``scaled_dot_product_attention``."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, tp_group: Group = None) -> None:
         super().__init__()
         self.cfg = cfg
         hd = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=False)
+        tp = _tp_size(tp_group)
+        if cfg.num_kv_heads % tp:
+            raise ValueError(
+                f"num_kv_heads={cfg.num_kv_heads} is not divisible by the tensor-parallel size {tp}"
+            )
+        self.q_proj = _linear(cfg.hidden_size, cfg.num_heads * hd, tp_group, "column")
+        self.k_proj = _linear(cfg.hidden_size, cfg.num_kv_heads * hd, tp_group, "column")
+        self.v_proj = _linear(cfg.hidden_size, cfg.num_kv_heads * hd, tp_group, "column")
+        self.o_proj = _linear(cfg.num_heads * hd, cfg.hidden_size, tp_group, "row")
+        self.tp_group = group_name(tp_group) if tp_group is not None else None
         self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
 
@@ -108,13 +138,15 @@ class Attention(nn.Module):
         """Attend over ``x`` of shape [batch, seq, hidden]."""
         b, s, _ = x.shape
         hd = self.cfg.head_dim
+        if self.tp_group is not None:
+            x = copy_to_tp(x, self.tp_group)
         q = self.q_proj(x).view(b, s, -1, hd).transpose(1, 2)
         k = self.k_proj(x).view(b, s, -1, hd).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, hd).transpose(1, 2)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        groups = self.cfg.num_heads // self.cfg.num_kv_heads
+        groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
@@ -127,17 +159,19 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU (gated) or GELU (plain) feed-forward network."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, tp_group: Group = None) -> None:
         super().__init__()
         self.gated = cfg.mlp == "swiglu"
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.gate_proj = (
-            nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False) if self.gated else None
-        )
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.up_proj = _linear(h, i, tp_group, "column")
+        self.gate_proj = _linear(h, i, tp_group, "column") if self.gated else None
+        self.down_proj = _linear(i, h, tp_group, "row")
+        self.tp_group = group_name(tp_group) if tp_group is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP to the last dimension."""
+        if self.tp_group is not None:
+            x = copy_to_tp(x, self.tp_group)
         if self.gate_proj is not None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return self.down_proj(F.gelu(self.up_proj(x)))
@@ -146,13 +180,13 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """One transformer block: attention and MLP, each with a residual connection."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, tp_group: Group = None) -> None:
         super().__init__()
         self.pre = cfg.norm_position == "pre"
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, tp_group)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp_group)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -165,13 +199,19 @@ class DecoderLayer(nn.Module):
 
 
 class Llama(nn.Module):
-    """Decoder-only language model; ``forward(ids, labels)`` returns the mean token loss."""
+    """Decoder-only language model; ``forward(ids, labels)`` returns the mean token loss.
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    Args:
+        cfg: the shape.
+        tp_group: a process group to split each layer across (tensor parallelism), or None.
+            Embedding, final norm and head are replicated.
+    """
+
+    def __init__(self, cfg: LlamaConfig, tp_group: Group = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp_group) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

@@ -7,11 +7,20 @@ applies to; the runner (:func:`kareus.passes.base.run_passes`) skips the others.
 
 from __future__ import annotations
 
+from kareus.passes.annotate_costs import AnnotateCosts
 from kareus.passes.base import GRAPH_KINDS, GraphPass, PassContext, PassRecord, PassResult
+from kareus.passes.cut_partitions import CutPartitions
 from kareus.passes.find_blocks import FindBlocks
+from kareus.passes.schedule_overlap import ScheduleOverlap
 from kareus.passes.split_nanobatches import SplitNanobatches
 
-PIPELINE: tuple[GraphPass, ...] = (FindBlocks(), SplitNanobatches())
+PIPELINE: tuple[GraphPass, ...] = (
+    FindBlocks(),
+    SplitNanobatches(),
+    AnnotateCosts(),
+    CutPartitions(),
+    ScheduleOverlap(),
+)
 """Every pass, in the order it runs."""
 
 PASS_NAMES: tuple[str, ...] = tuple(p.name for p in PIPELINE)

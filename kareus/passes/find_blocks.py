@@ -30,6 +30,7 @@ from kareus.passes.tags import NodeTag, get_tag, set_tag
 _INDEXED = re.compile(r"^(?P<prefix>.+?)(?:\.(?P<dot>\d+)|\[(?P<br>\d+)\])$")
 _ROOT = re.compile(r"^L\[['\"]\w+['\"]\](?:\[\d+\])*\.?")
 _COMPUTE = ("call_function", "call_method", "call_module")
+_PLUMBING = frozenset({"getitem", "autograd_function_apply", "view_as"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,8 +189,13 @@ def find_blocks(graph: fx.Graph) -> BlockSet:
         for p, nodes in members.items()
     ]
     blockset = BlockSet(blocks=blocks)
-    # 3. Structural equality within a family.
-    sigs = {p: tuple(_signature(n) for n in nodes) for p, nodes in members.items()}
+    # 3. Structural equality within a family (autograd plumbing aside: Dynamo inlines an
+    # autograd.Function whose inputs need no gradient, as in the first layer, and wraps it
+    # in autograd_function_apply elsewhere; both compute the same).
+    sigs = {
+        p: tuple(sig for n in nodes if (sig := _signature(n))[1] not in _PLUMBING)
+        for p, nodes in members.items()
+    }
     for family, fblocks in blockset.families().items():
         counts = collections.Counter(sigs[b.path] for b in fblocks)
         canonical = max(counts, key=lambda s: (counts[s], len(s)))
@@ -222,13 +228,35 @@ def map_blocks(
         seq_nr = node.meta.get("seq_nr")
         if tag is None and kind == "backward" and seq_nr is not None:
             tag = blockset._by_seq_nr.get(seq_nr)
-        if tag is None and _untraceable(node):
-            tag = _tag_from_inputs(node.all_input_nodes, where)
+        from_inputs = _tag_from_inputs(node.all_input_nodes, where)
+        if "_c10d_functional" in str(node.target) and from_inputs is not None:
+            # Collectives traced inside an autograd.Function's backward carry neither tag
+            # nor module stack; they belong to the block copy whose data they move.
+            tag = from_inputs
+        elif tag is None and _untraceable(node):
+            tag = from_inputs
+        elif (
+            tag is not None
+            and tag.nanobatch is None
+            and from_inputs is not None
+            and from_inputs.block == tag.block
+        ):
+            # Ops traced inside an autograd.Function (tensor-parallel collectives) lose the
+            # tag; their nanobatch is that of the block's nodes that feed them.
+            tag = from_inputs
         if tag is None:
             continue
         where[node] = tag
         if kind != "backward" and seq_nr is not None:
             blockset._by_seq_nr.setdefault(seq_nr, tag)
+    # Nodes of a split block that still lack a nanobatch (ops inside an autograd.Function
+    # whose inputs come from the previous block) take the one of the block nodes they feed.
+    for node in reversed(list(where)):
+        tag = where[node]
+        if tag.nanobatch is None:
+            users = {where[u] for u in node.users if u in where and where[u].block == tag.block}
+            if len(users) == 1 and (user_tag := users.pop()).nanobatch is not None:
+                where[node] = user_tag
     spans: dict[str, dict[int | None, list[str]]] = {}
     for node, tag in where.items():
         spans.setdefault(tag.block, {}).setdefault(tag.nanobatch, []).append(node.name)

@@ -362,13 +362,20 @@ def rewrite_split(
     for nb, (start, length) in enumerate(bounds):
         env: dict[fx.Node, fx.Node] = {by_name[n]: (half, rest)[nb] for n in plan.batch_sizes}
         for name, dim in plan.batch_inputs:
+            source = by_name[name]
+            parts = _joined_parts(source, dim)
+            if parts is not None:
+                # The previous block's halves, as they were: nanobatch k of this block needs
+                # only nanobatch k of the last, so the two chains stay independent.
+                env[source] = parts[nb]
+                continue
             with graph.inserting_after(cursor):
                 cursor = _named(
                     graph,
-                    graph.call_function(torch.narrow, (by_name[name], dim, start, length)),
+                    graph.call_function(torch.narrow, (source, dim, start, length)),
                     f"{name}_nb{nb}",
                 )
-            env[by_name[name]] = cursor
+            env[source] = cursor
         for node in nodes:
             with graph.inserting_after(cursor):
                 new = graph.node_copy(node, functools.partial(_lookup, env))
@@ -391,6 +398,20 @@ def rewrite_split(
         joined[name] = cursor
     for node in reversed(nodes):
         graph.erase_node(node)
+
+
+def _joined_parts(node: fx.Node, dim: int) -> tuple[fx.Node, fx.Node] | None:
+    """Return the halves ``node`` joins, if it is a split block's output joined on ``dim``."""
+    if (
+        node.target is not torch.cat
+        or node.kwargs.get("dim") != dim
+        or not node.name.endswith("_joined")
+    ):
+        return None
+    parts = node.args[0]
+    if isinstance(parts, (list, tuple)) and len(parts) == 2:
+        return parts[0], parts[1]  # type: ignore[return-value]
+    return None
 
 
 def _lookup(env: dict[fx.Node, fx.Node], node: fx.Node) -> fx.Node:

@@ -1,0 +1,181 @@
+"""Tensor-parallel building blocks over functional collectives (Megatron-style).
+
+The collectives are ``torch.ops._c10d_functional`` ops followed by ``wait_tensor``, so that
+in kareus's graphs the issue and the wait of each collective are separate nodes that the
+overlap scheduler can move apart. The autograd functions follow Megatron-LM:
+
+- :func:`copy_to_tp` ("f"): identity forward, all-reduce of the gradient backward;
+- :func:`reduce_from_tp` ("g"): all-reduce forward, identity backward;
+- :func:`gather_from_sp` / :func:`scatter_to_sp`: all-gather forward with reduce-scatter
+  backward, and the reverse (sequence parallelism).
+
+:class:`ColumnParallelLinear` and :class:`RowParallelLinear` shard a linear layer's weight by
+output or input features across the group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_fc = torch.ops._c10d_functional
+
+
+Group = dist.ProcessGroup | str | None
+"""A process group, its registered name, or None for the default group. Modules keep names,
+which (unlike groups) survive ``copy.deepcopy``."""
+
+
+def group_name(group: Group) -> str:
+    """Return the registered name of ``group`` (the default group when None)."""
+    if isinstance(group, str):
+        return group
+    pg = group if group is not None else dist.group.WORLD
+    return pg.group_name  # type: ignore[union-attr]
+
+
+def group_size(group: Group) -> int:
+    """Return the number of ranks in ``group``."""
+    if isinstance(group, str):
+        group = dist.distributed_c10d._resolve_process_group(group)  # type: ignore[arg-type]
+    return dist.get_world_size(group)
+
+
+def _all_reduce(x: torch.Tensor, name: str) -> torch.Tensor:
+    return _fc.wait_tensor(_fc.all_reduce(x, "sum", name))
+
+
+def _all_gather(x: torch.Tensor, size: int, name: str, dim: int) -> torch.Tensor:
+    if dim == 0:
+        return _fc.wait_tensor(_fc.all_gather_into_tensor(x.contiguous(), size, name))
+    moved = x.movedim(dim, 0).contiguous()
+    out = _fc.wait_tensor(_fc.all_gather_into_tensor(moved, size, name))
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, size: int, name: str, dim: int) -> torch.Tensor:
+    moved = x.movedim(dim, 0).contiguous()
+    out = _fc.wait_tensor(_fc.reduce_scatter_tensor(moved, "sum", size, name))
+    return out.movedim(0, dim)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, name: str) -> torch.Tensor:
+        ctx.name = name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.name), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, name: str) -> torch.Tensor:
+        return _all_reduce(x, name)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, size: int, name: str, dim: int) -> torch.Tensor:
+        ctx.size, ctx.name, ctx.dim = size, name, dim
+        return _all_gather(x, size, name, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _reduce_scatter(grad, ctx.size, ctx.name, ctx.dim), None, None, None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, size: int, name: str, dim: int) -> torch.Tensor:
+        ctx.size, ctx.name, ctx.dim = size, name, dim
+        return _reduce_scatter(x, size, name, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _all_gather(grad, ctx.size, ctx.name, ctx.dim), None, None, None
+
+
+def copy_to_tp(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Megatron's "f": identity forward, all-reduce of the gradient in the backward."""
+    return _CopyToTP.apply(x, group_name(group))
+
+
+def reduce_from_tp(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Megatron's "g": all-reduce forward, identity backward."""
+    return _ReduceFromTP.apply(x, group_name(group))
+
+
+def gather_from_sp(x: torch.Tensor, group: Group = None, dim: int = 0) -> torch.Tensor:
+    """All-gather along ``dim`` forward; reduce-scatter of the gradient backward."""
+    return _GatherFromSP.apply(x, group_size(group), group_name(group), dim)
+
+
+def scatter_to_sp(x: torch.Tensor, group: Group = None, dim: int = 0) -> torch.Tensor:
+    """Reduce-scatter along ``dim`` forward; all-gather of the gradient backward."""
+    return _ScatterToSP.apply(x, group_size(group), group_name(group), dim)
+
+
+def _shard(full: int, world: int, what: str) -> int:
+    if full % world:
+        raise ValueError(f"{what}={full} is not divisible by the tensor-parallel size {world}")
+    return full // world
+
+
+class ColumnParallelLinear(nn.Module):
+    """A linear layer whose output features are split across the group.
+
+    The input is replicated ("f" before the matmul); the output stays sharded. Several
+    column-parallel layers reading one input (Q, K and V; gate and up) should share one "f":
+    apply :func:`copy_to_tp` once and build them with ``copy_input=False``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: Group = None,
+        bias: bool = False,
+        copy_input: bool = True,
+    ) -> None:
+        super().__init__()
+        self.group = group_name(group)
+        self.copy_input = copy_input
+        world = group_size(group)
+        self.linear = nn.Linear(in_features, _shard(out_features, world, "out_features"), bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return this rank's shard of ``x @ W.T``."""
+        return self.linear(copy_to_tp(x, self.group) if self.copy_input else x)
+
+
+class RowParallelLinear(nn.Module):
+    """A linear layer whose input features are split across the group.
+
+    The input arrives sharded; partial outputs are summed with an all-reduce ("g").
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: Group = None,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.group = group_name(group)
+        world = group_size(group)
+        self.linear = nn.Linear(_shard(in_features, world, "in_features"), out_features, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return the full ``x @ W.T`` from this rank's input shard."""
+        return reduce_from_tp(self.linear(x), self.group)

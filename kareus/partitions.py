@@ -1,0 +1,203 @@
+"""The partition set: what the analysis passes hand to the planner, as plain data.
+
+A *partition* is the compute of one nanobatch's segment overlapped with one collective of
+the other nanobatch; partitions with the same op-class sequence and collective share a
+*type* (all layers do), and a decision is made once per type. Nothing here refers to fx:
+node names are strings, costs are :class:`~kareus.costs.OpCost`, and the whole set
+round-trips through JSON.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from kareus._table import render_table
+from kareus.costs import CollectiveCost, OpCost
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """A launch slot: a GEMM or attention op, or a run of memory-bound ops.
+
+    ``first`` names the node the collective is issued before when launched at this slot.
+    """
+
+    first: str
+    ops: tuple[OpCost, ...]
+
+    @property
+    def label(self) -> str:
+        """Short description, e.g. ``gemm`` or ``memory x3``."""
+        kinds = collections.Counter(o.op_class for o in self.ops)
+        return ", ".join(k if n == 1 else f"{k} x{n}" for k, n in kinds.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionType:
+    """Identical partitions of all layers; one decision is made per type.
+
+    Attributes:
+        key: stable name, e.g. ``forward.1``.
+        instruction: ``forward`` or ``backward``.
+        compute: the costs of the compute ops (views excluded), in order.
+        slot_labels: what each launch slot holds.
+        collective: the collective in flight, or None.
+    """
+
+    key: str
+    instruction: str
+    compute: tuple[OpCost, ...]
+    slot_labels: tuple[str, ...]
+    collective: CollectiveCost | None
+
+    def describe(self) -> str:
+        """One line: the op mix and the collective."""
+        mix = collections.Counter(o.op_class for o in self.compute)
+        ops = ", ".join(f"{n} {k}" for k, n in sorted(mix.items()))
+        coll = (
+            f"{self.collective.kind} {self.collective.bytes / 2**10:.1f} KiB "
+            f"x{self.collective.world_size}"
+            if self.collective
+            else "no collective"
+        )
+        return f"{ops} ‖ {coll}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """One partition in one graph.
+
+    Attributes:
+        instruction: ``forward`` or ``backward``.
+        block, nanobatch, segment: where its compute comes from.
+        type_key: its :class:`PartitionType`.
+        compute: names of its compute nodes (views included), in order.
+        slots: its launch slots, in order.
+        collective: (issue node, wait node) of the collective it overlaps, or None.
+    """
+
+    instruction: str
+    block: str
+    nanobatch: int
+    segment: int
+    type_key: str
+    compute: tuple[str, ...]
+    slots: tuple[Slot, ...]
+    collective: tuple[str, str] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What to do with the partitions of one type.
+
+    Attributes:
+        launch_slot: the slot at whose start the collective is issued; None runs it
+            without overlap (right after the compute that produces its input).
+        sm_share: SMs for the collective (selects a communicator); None keeps the default.
+    """
+
+    launch_slot: int | None = 0
+    sm_share: int | None = None
+
+
+@dataclasses.dataclass
+class PartitionSet:
+    """Partitions and their types per instruction, and the work outside partitions.
+
+    Attributes:
+        partitions: every partition, in execution order per instruction.
+        types: the partition types by key.
+        other: per instruction, the compute outside partitions (embedding, head, loss,
+            blocks left whole) at full cost.
+        exposed: per instruction, collectives that overlap no compute.
+        notes: why a graph has no partitions.
+    """
+
+    partitions: list[Partition] = dataclasses.field(default_factory=list)
+    types: dict[str, PartitionType] = dataclasses.field(default_factory=dict)
+    other: dict[str, tuple[OpCost, ...]] = dataclasses.field(default_factory=dict)
+    exposed: dict[str, tuple[CollectiveCost, ...]] = dataclasses.field(default_factory=dict)
+    notes: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def counts(self, instruction: str) -> dict[str, int]:
+        """Return how many partitions of each type one ``instruction`` contains."""
+        return dict(
+            collections.Counter(p.type_key for p in self.partitions if p.instruction == instruction)
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the set as JSON-ready data."""
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        """Return the set as JSON."""
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PartitionSet:
+        """Rebuild a set from :meth:`to_dict` output."""
+
+        def op(d: Mapping[str, Any]) -> OpCost:
+            return OpCost(**d)
+
+        def coll(d: Mapping[str, Any] | None) -> CollectiveCost | None:
+            return CollectiveCost(**d) if d else None
+
+        parts = [
+            Partition(
+                p["instruction"],
+                p["block"],
+                p["nanobatch"],
+                p["segment"],
+                p["type_key"],
+                tuple(p["compute"]),
+                tuple(Slot(s["first"], tuple(op(o) for o in s["ops"])) for s in p["slots"]),
+                tuple(p["collective"]) if p["collective"] else None,  # type: ignore[arg-type]
+            )
+            for p in data["partitions"]
+        ]
+        types = {
+            k: PartitionType(
+                t["key"],
+                t["instruction"],
+                tuple(op(o) for o in t["compute"]),
+                tuple(t["slot_labels"]),
+                coll(t["collective"]),
+            )
+            for k, t in data["types"].items()
+        }
+        other = {k: tuple(op(o) for o in v) for k, v in data["other"].items()}
+        exposed = {k: tuple(CollectiveCost(**c) for c in v) for k, v in data["exposed"].items()}
+        return cls(parts, types, other, exposed, dict(data.get("notes", {})))
+
+    @classmethod
+    def from_json(cls, text: str) -> PartitionSet:
+        """Rebuild a set from :meth:`to_json` output."""
+        return cls.from_dict(json.loads(text))
+
+    def to_text(self) -> str:
+        """Render the types and their counts as a table (used by ``kareus.explain``)."""
+        rows = []
+        for key, t in self.types.items():
+            count = sum(1 for p in self.partitions if p.type_key == key)
+            slots = " | ".join(f"{i}:{s}" for i, s in enumerate(t.slot_labels))
+            rows.append((key, t.instruction, count, t.describe(), slots))
+        lines = [
+            render_table(
+                "partition types (count per instruction; launch slots)",
+                ("type", "instruction", "count", "compute ‖ collective", "slots"),
+                rows,
+            )
+        ]
+        for instr, ops in self.other.items():
+            flops = sum(o.flops for o in ops)
+            lines.append(f"{instr}: {len(ops)} ops outside partitions ({flops / 1e9:.3f} GFLOP)")
+        for instr, colls in self.exposed.items():
+            if colls:
+                lines.append(f"{instr}: {len(colls)} collective(s) overlap no compute")
+        lines.extend(f"{instr}: {note}" for instr, note in self.notes.items())
+        return "\n".join(lines)

@@ -1,0 +1,205 @@
+"""Annotate every node of the AOT graphs with what it costs on a GPU.
+
+Each call node gets an :class:`~kareus.costs.OpCost` under ``node.meta["kareus"]``: its op
+class (GEMM-like, attention, memory-bound, view/metadata, collective issue or wait), FLOPs
+(from PyTorch's FLOP formulas), bytes read and written, and dtype. Symbolic sizes are
+resolved to the values of the example inputs (their hints), so a plan is made for the
+shapes the model was first called with.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from kareus.costs import OpClass, OpCost
+from kareus.passes.base import GraphPass, PassContext, PassResult
+
+META_KEY = "kareus"
+
+_aten = torch.ops.aten
+_GEMM = {
+    _aten.mm,
+    _aten.addmm,
+    _aten.bmm,
+    _aten.baddbmm,
+    _aten.convolution,
+    _aten.convolution_backward,
+    _aten._scaled_mm,
+}
+_ATTENTION_PREFIXES = (
+    "_scaled_dot_product",
+    "_flash_attention",
+    "_efficient_attention",
+    "_cudnn_attention",
+    "scaled_dot_product",
+)
+_VIEWS = {
+    _aten.view,
+    _aten._unsafe_view,
+    _aten.reshape,
+    _aten.t,
+    _aten.transpose,
+    _aten.permute,
+    _aten.expand,
+    _aten.squeeze,
+    _aten.unsqueeze,
+    _aten.slice,
+    _aten.select,
+    _aten.as_strided,
+    _aten.alias,
+    _aten.detach,
+    _aten.split,
+    _aten.split_with_sizes,
+    _aten.unbind,
+    _aten.narrow,
+    _aten.view_as_real,
+    _aten.view_as_complex,
+    _aten.unflatten,
+    _aten.lift_fresh_copy,
+    _aten.sym_size,
+    _aten.sym_numel,
+    _aten.sym_stride,
+}
+_DTYPE_NAMES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.float8_e4m3fn: "fp8",
+    torch.float8_e5m2: "fp8",
+}
+
+
+def op_class(node: fx.Node) -> OpClass:
+    """Return the class of a call node's op."""
+    target = node.target
+    name = str(target)
+    if "_c10d_functional" in name:
+        return "collective_wait" if "wait_tensor" in name else "collective_issue"
+    packet = getattr(target, "overloadpacket", None)
+    if packet in _GEMM:
+        return "gemm"
+    op_name = getattr(packet, "__name__", name)
+    if op_name.startswith(_ATTENTION_PREFIXES):
+        return "attention"
+    if packet in _VIEWS or not isinstance(target, torch._ops.OpOverload):
+        return "view"  # views, getitem and Python arithmetic on sizes move no data
+    if _returns_alias(target):
+        return "view"
+    return "memory"
+
+
+def _returns_alias(target: torch._ops.OpOverload) -> bool:
+    returns = target._schema.returns
+    return bool(returns) and all(
+        r.alias_info is not None and not r.alias_info.is_write for r in returns
+    )
+
+
+def concrete(value: Any) -> Any:
+    """Replace symbolic sizes by their hints (the example inputs' values), recursively."""
+    if isinstance(value, torch.SymInt):
+        return int(value.node.hint)
+    if isinstance(value, (tuple, list)):
+        return type(value)(concrete(v) for v in value)
+    return value
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    numel = 1
+    for s in concrete(tuple(t.shape)):
+        numel *= s
+    return numel * t.element_size()
+
+
+def _flops(node: fx.Node) -> float:
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(packet)
+    if formula is None:
+        return _attention_flops(node) if op_class(node) == "attention" else 0.0
+
+    def meta(v: Any) -> Any:
+        if isinstance(v, fx.Node):
+            v = v.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            return torch.empty(concrete(tuple(v.shape)), dtype=v.dtype, device="meta")
+        if isinstance(v, (tuple, list)):
+            return type(v)(meta(x) for x in v)
+        return concrete(v)
+
+    args = [meta(a) for a in node.args]
+    kwargs = {k: meta(v) for k, v in node.kwargs.items()}
+    out = meta(node.meta.get("val"))
+    try:
+        return float(formula(*args, **kwargs, out_val=out))
+    except Exception:  # a formula that cannot read these arguments: count no FLOPs
+        return 0.0
+
+
+def _attention_flops(node: fx.Node) -> float:
+    """FLOPs of an attention op PyTorch has no formula for (e.g. the CPU kernels).
+
+    As PyTorch's own formulas: 4·b·h·s_q·s_kv·d forward (two matmuls), 2.5 times that
+    backward; causal masking is not discounted.
+    """
+    q, k = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in node.args[:2])
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or q.dim() != 4:
+        return 0.0
+    b, h, sq, d = concrete(tuple(q.shape))
+    skv = concrete(k.shape[-2])
+    flops = 4.0 * b * h * sq * skv * d
+    return flops * 2.5 if "backward" in str(node.target) else flops
+
+
+def annotate_node(node: fx.Node) -> OpCost:
+    """Return the cost of one call node (views and collectives cost no compute)."""
+    cls = op_class(node)
+    out = node.meta.get("val")
+    dtype = next((t.dtype for t in _tensors(out)), torch.float32)
+    name = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    if cls == "view":
+        return OpCost(cls, 0.0, 0.0, name, node.name)
+    read = sum(_nbytes(t) for a in node.all_input_nodes for t in _tensors(a.meta.get("val")))
+    written = sum(_nbytes(t) for t in _tensors(out))
+    if cls in ("collective_issue", "collective_wait"):
+        return OpCost(cls, 0.0, float(read), name, node.name)
+    return OpCost(cls, _flops(node), float(read + written), name, node.name)
+
+
+class AnnotateCosts(GraphPass):
+    """Attach an ``OpCost`` to every call node of the AOT graphs."""
+
+    name = "annotate_costs"
+    graphs = frozenset({"forward", "backward", "inference"})
+
+    def requires(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        """Check that the AOT graph carries ``val`` metadata to read costs from."""
+        calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+        if calls and not any("val" in n.meta for n in calls):
+            raise ValueError("the graph's nodes carry no 'val' metadata to derive costs from")
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        """Annotate; the graph's code does not change."""
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                node.meta[META_KEY] = annotate_node(node)
+        return PassResult(gm, modified=False)
+
+
+def cost_of(node: fx.Node) -> OpCost:
+    """Return the annotated cost of ``node`` (a zero-cost view when it has none)."""
+    cost = node.meta.get(META_KEY)
+    return cost if isinstance(cost, OpCost) else OpCost("view", 0.0, 0.0, "fp32", node.name)

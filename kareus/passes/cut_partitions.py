@@ -1,0 +1,218 @@
+"""Cut each split block's compute at its collectives and form partitions.
+
+Per AOT graph (forward, backward) and per split block, each nanobatch copy is cut into
+*segments*: the compute up to one collective (Megatron layers have two per direction:
+attention and MLP). Segments of consecutive blocks form one chain per nanobatch; with X
+the nanobatch that runs first in the graph and Y the other, the skewed interleave
+
+    partition(k, X) = compute of segment k of X  ‖  collective of segment k-1 of Y
+    partition(k, Y) = compute of segment k of Y  ‖  collective of segment k   of X
+
+overlaps every collective but the last with compute of the other nanobatch. Compute after a
+block's last collective (the residual add) joins the next block's first segment. Partitions
+with the same op-class sequence and collective share a type. The result is a
+:class:`~kareus.partitions.PartitionSet` (plain data) under this pass's name in the region's
+findings; the graph does not change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch.distributed as dist
+import torch.fx as fx
+
+from kareus.costs import CollectiveCost, OpCost
+from kareus.partitions import Partition, PartitionSet, PartitionType, Slot
+from kareus.passes.annotate_costs import cost_of
+from kareus.passes.base import GraphPass, PassContext, PassResult
+from kareus.passes.find_blocks import BlockSet
+
+_KINDS = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+}
+
+
+@dataclasses.dataclass
+class Segment:
+    """Compute of one nanobatch up to (not including) a collective, and that collective."""
+
+    block: str
+    nanobatch: int
+    index: int
+    compute: list[fx.Node]
+    issue: fx.Node | None = None
+    wait: fx.Node | None = None
+
+
+class CutPartitions(GraphPass):
+    """Form the partitions of the forward and backward graphs."""
+
+    name = "cut_partitions"
+    graphs = frozenset({"forward", "backward", "inference"})
+
+    def requires(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        """Needs the costs (``annotate_costs``) of the graph's nodes."""
+        calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+        if calls and not any("kareus" in n.meta for n in calls):
+            raise ValueError("run annotate_costs first: the nodes carry no cost")
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        """Record the partitions of this graph in the region's ``PartitionSet``."""
+        pset = ctx.findings.setdefault(self.name, PartitionSet())
+        blockset: BlockSet | None = ctx.findings.get("find_blocks")
+        cut_graph(gm.graph, ctx.graph, blockset, pset)
+        return PassResult(gm, modified=False)
+
+
+def collective_cost(issue: fx.Node) -> CollectiveCost:
+    """Return kind, bytes and group size of a functional collective's issue node."""
+    op = str(issue.target).split(".")[-2]
+    kind = _KINDS.get(op, "all_reduce")
+    cost = cost_of(issue)
+    return CollectiveCost(kind, cost.bytes, _group_size(issue), issue.name)  # type: ignore[arg-type]
+
+
+def _group_size(issue: fx.Node) -> int:
+    name = next((a for a in reversed(issue.args) if isinstance(a, str)), None)
+    sizes = [a for a in issue.args[1:] if isinstance(a, int) and not isinstance(a, bool)]
+    if sizes and "all_reduce" not in str(issue.target):
+        return int(sizes[0])
+    try:
+        return dist.distributed_c10d._resolve_process_group(name).size()  # type: ignore[arg-type]
+    except Exception:  # no process group at hand (tracing only): count two ranks
+        return 2
+
+
+def _segments(
+    graph: fx.Graph, names: list[str], block: str, nb: int
+) -> tuple[list[Segment], list[fx.Node]]:
+    """Cut one block copy; return its segments and the compute after its last collective."""
+    by_name = {n.name: n for n in graph.nodes}
+    segs: list[Segment] = []
+    current: list[fx.Node] = []
+    for name in names:
+        node = by_name[name]
+        cls = cost_of(node).op_class
+        if cls == "collective_issue":
+            waits = [u for u in node.users if cost_of(u).op_class == "collective_wait"]
+            segs.append(Segment(block, nb, len(segs), current, node, waits[0] if waits else None))
+            current = []
+        elif cls != "collective_wait":
+            current.append(node)
+    return segs, current
+
+
+def _slots(nodes: list[fx.Node]) -> tuple[Slot, ...]:
+    slots: list[tuple[str, list[OpCost]]] = []
+    pending_views: list[str] = []
+    for node in nodes:
+        cost = cost_of(node)
+        if cost.op_class == "view":
+            pending_views.append(node.name)
+            continue
+        first = pending_views[0] if pending_views else node.name
+        pending_views = []
+        if cost.op_class == "memory" and slots and slots[-1][1][-1].op_class == "memory":
+            slots[-1][1].append(cost)
+        else:
+            slots.append((first, [cost]))
+    return tuple(Slot(first, tuple(ops)) for first, ops in slots)
+
+
+def cut_graph(graph: fx.Graph, kind: str, blockset: BlockSet | None, pset: PartitionSet) -> None:
+    """Add the partitions of one AOT graph to ``pset``."""
+    spans = blockset.spans.get(kind, {}) if blockset else {}
+    chain: list[tuple[str, dict[int, tuple[list[Segment], list[fx.Node]]]]] = []
+    for block in blockset.split if blockset else []:
+        per_nb = spans.get(block, {})
+        if set(per_nb) != {0, 1}:
+            continue
+        cut = {nb: _segments(graph, per_nb[nb], block, nb) for nb in (0, 1)}  # type: ignore[index]
+        if not cut[0][0] or len(cut[0][0]) != len(cut[1][0]):
+            continue
+        chain.append((block, cut))
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    # Blocks run in reverse in the backward graph: follow this graph's order.
+    chain.sort(key=lambda item: min(order[s.issue.name] for s in item[1][0][0] if s.issue))
+    in_partitions: set[str] = set()
+    if not chain:
+        pset.notes[kind] = "no split block with collectives: frequency planning only"
+    else:
+        in_partitions = _interleave(graph, kind, chain, pset)
+    pset.other[kind] = tuple(
+        cost_of(n)
+        for n in graph.nodes
+        if n.op == "call_function"
+        and n.name not in in_partitions
+        and cost_of(n).op_class in ("gemm", "attention", "memory")
+    )
+    pset.exposed[kind] = tuple(
+        collective_cost(n)
+        for n in graph.nodes
+        if n.op == "call_function"
+        and n.name not in in_partitions
+        and cost_of(n).op_class == "collective_issue"
+    )
+
+
+def _interleave(graph: fx.Graph, kind: str, chain: list[Any], pset: PartitionSet) -> set[str]:
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    first_block = chain[0][1]
+    # X: the nanobatch whose first segment runs first in this graph.
+    x = min((0, 1), key=lambda nb: order[first_block[nb][0][0].issue.name])
+    y = 1 - x
+    segs: dict[int, list[Segment]] = {x: [], y: []}
+    for i, (_block, cut) in enumerate(chain):
+        for nb in (x, y):
+            block_segs, tail = cut[nb]
+            segs[nb].extend(block_segs)
+            if i + 1 < len(chain):  # the residual tail joins the next block's first segment
+                chain[i + 1][1][nb][0][0].compute[:0] = tail
+    used: set[str] = set()
+    signatures: dict[tuple[Any, ...], str] = {
+        _signature(t.compute, t.collective): key for key, t in pset.types.items()
+    }
+    for k in range(len(segs[x])):
+        for nb, overlapped in ((x, segs[y][k - 1] if k else None), (y, segs[x][k])):
+            seg = segs[nb][k]
+            compute = [n for n in seg.compute]
+            coll = collective_cost(overlapped.issue) if overlapped and overlapped.issue else None
+            slots = _slots(compute)
+            costs = tuple(c for s in slots for c in s.ops)
+            sig = _signature(costs, coll)
+            if sig not in signatures:
+                key = f"{kind}.{sum(1 for t in pset.types.values() if t.instruction == kind)}"
+                signatures[sig] = key
+                pset.types[key] = PartitionType(
+                    key, kind, costs, tuple(s.label for s in slots), coll
+                )
+            pset.partitions.append(
+                Partition(
+                    kind,
+                    seg.block,
+                    nb,
+                    seg.index,
+                    signatures[sig],
+                    tuple(n.name for n in compute),
+                    slots,
+                    (overlapped.issue.name, overlapped.wait.name)
+                    if overlapped and overlapped.issue and overlapped.wait
+                    else None,
+                )
+            )
+            used.update(n.name for n in compute)
+            if overlapped and overlapped.issue is not None:
+                used.add(overlapped.issue.name)
+                if overlapped.wait is not None:
+                    used.add(overlapped.wait.name)
+    return used
+
+
+def _signature(costs: tuple[OpCost, ...], coll: CollectiveCost | None) -> tuple[Any, ...]:
+    ops = tuple((c.op_class, c.flops, c.bytes, c.dtype) for c in costs)
+    return ops, (coll.kind, coll.bytes, coll.world_size) if coll else None

@@ -1,0 +1,1 @@
+"""What runs inside a training step: tiny, and free of heavy imports."""
