@@ -15,6 +15,7 @@ from kareus.errors import (
 )
 from kareus.explain import Report, explain
 from kareus.partitions import Decision, PartitionSet
+from kareus.plan import Plan
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,7 @@ __all__ = [
     "NotYetCapturedError",
     "PartitionSet",
     "PassError",
+    "Plan",
     "Report",
     "compile",
     "explain",

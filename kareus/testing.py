@@ -296,3 +296,94 @@ class SleepyStack(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x.pow(2).mean()
+
+
+def megatron_partition_set(
+    *,
+    hidden: int,
+    ffn: int,
+    heads: int,
+    seq: int,
+    microbatch: int,
+    layers: int,
+    tp: int,
+    dtype: str = "bf16",
+    vocab: int = 32000,
+) -> Any:
+    """Return a partition set for Megatron-style layers, from shapes alone (no tracing).
+
+    For planner tests and benchmarks: per layer and direction, an attention and an MLP
+    partition per nanobatch, each overlapping a tensor-parallel all-reduce of the other
+    nanobatch's activation. Backward ops cost twice the forward (input and weight grads).
+    """
+    from kareus.costs import CollectiveCost, OpCost
+    from kareus.partitions import Partition, PartitionSet, PartitionType, Slot
+
+    tokens = microbatch // 2 * seq  # one nanobatch
+    b = 2 if dtype in ("bf16", "fp16") else 4
+    act = tokens * hidden * b
+    hd = hidden // heads
+    h_tp = heads // tp
+
+    def mem(name: str, nbytes: float) -> OpCost:
+        return OpCost("memory", nbytes / b, nbytes, dtype, name)
+
+    def gemm(name: str, m: int, k: int, n: int) -> OpCost:
+        return OpCost("gemm", 2.0 * m * k * n, float((m * k + k * n + m * n) * b), dtype, name)
+
+    attn_ops = (
+        mem("norm", 2 * act),
+        gemm("qkv", tokens, hidden, 3 * hidden // tp),
+        mem("rope", 4 * tokens * 2 * hidden // tp * b),
+        OpCost(
+            "attention",
+            4.0 * (microbatch // 2) * h_tp * seq * seq * hd / 2,
+            4.0 * tokens * hidden // tp * b,
+            dtype,
+            "attention",
+        ),
+        gemm("out_proj", tokens, hidden // tp, hidden),
+    )
+    mlp_ops = (
+        mem("residual_norm", 3 * act),
+        gemm("gate_up", tokens, hidden, 2 * ffn // tp),
+        mem("swiglu", 3 * tokens * ffn // tp * b),
+        gemm("down", tokens, ffn // tp, hidden),
+    )
+    coll = CollectiveCost("all_reduce", float(act), tp)
+
+    def backward(ops: tuple[OpCost, ...]) -> tuple[OpCost, ...]:
+        return tuple(
+            dataclasses.replace(o, flops=2 * o.flops, bytes=2 * o.bytes) for o in reversed(ops)
+        )
+
+    pset = PartitionSet()
+    head = (
+        gemm("lm_head", tokens * 2, hidden, vocab // tp),
+        mem("loss", tokens * 2 * vocab // tp * 4),
+    )
+    for kind, attn, mlp in (
+        ("forward", attn_ops, mlp_ops),
+        ("backward", backward(mlp_ops), backward(attn_ops)),
+    ):
+        for label, ops in (("a", attn), ("b", mlp)):
+            key = f"{kind}.{label}"
+            slots = tuple(Slot(f"{key}.{i}", (o,)) for i, o in enumerate(ops))
+            pset.types[key] = PartitionType(key, kind, ops, tuple(s.label for s in slots), coll)
+            for layer in range(layers):
+                for nb in (0, 1):
+                    pset.partitions.append(
+                        Partition(
+                            kind,
+                            f"layers.{layer}",
+                            nb,
+                            0,
+                            key,
+                            tuple(s.first for s in slots),
+                            slots,
+                            (f"issue{layer}{nb}{label}", f"wait{layer}{nb}{label}"),
+                        )
+                    )
+        pset.other[kind] = head if kind == "forward" else backward(head)
+        pset.exposed[kind] = (coll,)
+    return pset

@@ -1,0 +1,30 @@
+"""The planner: per-partition-type frontier search and CP-SAT composition over the iteration.
+
+Free of ``torch.fx`` by design: it reads the :class:`~kareus.partitions.PartitionSet` the
+passes produce and writes a :class:`~kareus.plan.Plan`.
+"""
+
+from kareus.planner.compose import Composer, chain, one_f_one_b
+from kareus.planner.knobs import KnobSpace, RecordingEvaluator, ReplayEvaluator, Setting
+from kareus.planner.planner import METHODS, Parallelism, PlannerSettings, plan_iteration
+from kareus.planner.search import exhaustive, search
+from kareus.planner.select import POLICIES, InfeasiblePlanError, select
+
+__all__ = [
+    "METHODS",
+    "POLICIES",
+    "Composer",
+    "InfeasiblePlanError",
+    "KnobSpace",
+    "Parallelism",
+    "PlannerSettings",
+    "RecordingEvaluator",
+    "ReplayEvaluator",
+    "Setting",
+    "chain",
+    "exhaustive",
+    "one_f_one_b",
+    "plan_iteration",
+    "search",
+    "select",
+]

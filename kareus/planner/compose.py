@@ -1,0 +1,273 @@
+"""Compose instruction options over the iteration with an OR-Tools CP-SAT model.
+
+An *instruction* is one forward or backward of one micro-batch on one pipeline stage. Its
+options are (clock, decision profile): the profile fixes a launch slot and SM share per
+partition type and is shared by every instruction of that stage and direction (they run the
+same compiled graph); the clock is chosen per instruction. The iteration is a DAG — a chain
+without pipeline parallelism, synchronous 1F1B with it. CP-SAT picks one option per
+instruction, minimising
+
+    Σ dynamic energy of the chosen options + P_static · N_gpus · T
+
+subject to precedence and T ≤ bound; sweeping the bound traces the iteration frontier.
+Times are integer microseconds and energies integer microjoules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Mapping, Sequence
+
+from kareus.errors import KareusError
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One way to run an instruction: its clock, profile, time and dynamic energy."""
+
+    freq_mhz: float
+    profile: str
+    time_s: float
+    dynamic_energy_j: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """A node of the iteration DAG."""
+
+    stage: int
+    kind: str  # "forward" or "backward"
+    microbatch: int
+
+    @property
+    def group(self) -> tuple[int, str]:
+        """Instructions of one group share a compiled graph, hence a profile."""
+        return self.stage, self.kind
+
+
+@dataclasses.dataclass(frozen=True)
+class Iteration:
+    """The DAG: instructions, precedence edges, and each stage's execution order."""
+
+    instructions: tuple[Instruction, ...]
+    edges: tuple[tuple[int, int], ...]
+
+
+def chain(microbatches: int = 1) -> Iteration:
+    """Forward then backward of each micro-batch on one stage (gradient accumulation)."""
+    instrs = tuple(
+        Instruction(0, kind, m) for m in range(microbatches) for kind in ("forward", "backward")
+    )
+    return Iteration(instrs, tuple((i, i + 1) for i in range(len(instrs) - 1)))
+
+
+def one_f_one_b(stages: int, microbatches: int) -> Iteration:
+    """Return synchronous 1F1B: warm-up forwards, steady 1F1B, cool-down backwards."""
+    if stages < 1 or microbatches < 1:
+        raise KareusError(
+            f"1F1B needs stages >= 1 and micro-batches >= 1, got {stages}, {microbatches}"
+        )
+    instrs: list[Instruction] = []
+    index: dict[tuple[int, str, int], int] = {}
+    orders: list[list[int]] = []
+    for s in range(stages):
+        warm = min(stages - s - 1, microbatches)
+        seq = [("forward", m) for m in range(warm)]
+        f, b = warm, 0
+        while b < microbatches:
+            if f < microbatches:
+                seq.append(("forward", f))
+                f += 1
+            seq.append(("backward", b))
+            b += 1
+        order = []
+        for kind, m in seq:
+            index[(s, kind, m)] = len(instrs)
+            order.append(len(instrs))
+            instrs.append(Instruction(s, kind, m))
+        orders.append(order)
+    edges: set[tuple[int, int]] = set()
+    for order in orders:
+        edges.update(itertools.pairwise(order))
+    for s in range(stages - 1):
+        for m in range(microbatches):
+            edges.add((index[(s, "forward", m)], index[(s + 1, "forward", m)]))
+            edges.add((index[(s + 1, "backward", m)], index[(s, "backward", m)]))
+    return Iteration(tuple(instrs), tuple(sorted(edges)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Solution:
+    """One composed plan: an option per instruction, the iteration time and energy."""
+
+    choices: tuple[Option, ...]
+    time_s: float
+    energy_j: float
+    status: str
+
+
+def makespan(iteration: Iteration, durations: Sequence[float]) -> float:
+    """Longest path through the DAG with the given instruction durations."""
+    preds: dict[int, list[int]] = {i: [] for i in range(len(iteration.instructions))}
+    for a, b in iteration.edges:
+        preds[b].append(a)
+    finish: dict[int, float] = {}
+
+    def end(i: int) -> float:
+        if i not in finish:
+            finish[i] = max((end(p) for p in preds[i]), default=0.0) + durations[i]
+        return finish[i]
+
+    return max(end(i) for i in preds)
+
+
+class Composer:
+    """Builds and solves the CP-SAT model for one iteration and its options.
+
+    Args:
+        iteration: the DAG.
+        options: per group (stage, kind), the options of its instructions.
+        static_power_w: static power of one GPU.
+        gpus: GPUs the iteration runs on (all stages, all tensor-parallel ranks).
+        gpus_per_stage: GPUs that run each instruction (tensor-parallel ranks).
+        time_limit_s: CP-SAT time limit per solve.
+        workers: CP-SAT search workers (1-2 on small machines).
+    """
+
+    def __init__(
+        self,
+        iteration: Iteration,
+        options: Mapping[tuple[int, str], Sequence[Option]],
+        *,
+        static_power_w: float,
+        gpus: int,
+        gpus_per_stage: int = 1,
+        time_limit_s: float = 10.0,
+        workers: int = 2,
+        seed: int = 0,
+    ) -> None:
+        self.it = iteration
+        self.options = {g: tuple(o) for g, o in options.items()}
+        for instr in iteration.instructions:
+            if not self.options.get(instr.group):
+                raise KareusError(f"no options for stage {instr.stage} {instr.kind}")
+        self.static_w = static_power_w
+        self.gpus = gpus
+        self.per_stage = gpus_per_stage
+        self.time_limit_s = time_limit_s
+        self.workers = workers
+        self.seed = seed
+
+    def evaluate(self, choices: Sequence[Option]) -> tuple[float, float]:
+        """Return (iteration time, energy of all GPUs) of one choice per instruction."""
+        t = makespan(self.it, [c.time_s for c in choices])
+        dyn = sum(c.dynamic_energy_j for c in choices) * self.per_stage
+        return t, dyn + self.static_w * self.gpus * t
+
+    def solve(
+        self,
+        *,
+        bound_s: float | None = None,
+        minimise: str = "energy",
+        hint: Solution | None = None,
+    ) -> Solution:
+        """Solve for least energy under ``bound_s`` (or least time with ``minimise="time"``).
+
+        ``hint`` (an earlier solution) warm-starts the search.
+
+        Raises:
+            KareusError: no plan meets the bound.
+        """
+        from ortools.sat.python import cp_model
+
+        m = cp_model.CpModel()
+        us = [[round(o.time_s * 1e6) for o in self.options[i.group]] for i in self.it.instructions]
+        horizon = sum(max(d) for d in us) + 1
+        x = [[m.new_bool_var(f"x{i}_{k}") for k in range(len(us[i]))] for i in range(len(us))]
+        groups = sorted({i.group for i in self.it.instructions})
+        profiles = {g: sorted({o.profile for o in self.options[g]}) for g in groups}
+        y = {g: {p: m.new_bool_var(f"y{g}_{p}") for p in profiles[g]} for g in groups}
+        for g in groups:
+            m.add_exactly_one(y[g].values())
+        start, end = [], []
+        for i, instr in enumerate(self.it.instructions):
+            m.add_exactly_one(x[i])
+            for k, opt in enumerate(self.options[instr.group]):
+                m.add_implication(x[i][k], y[instr.group][opt.profile])
+            s = m.new_int_var(0, horizon, f"s{i}")
+            e = m.new_int_var(0, horizon, f"e{i}")
+            m.add(e == s + sum(d * v for d, v in zip(us[i], x[i], strict=True)))
+            start.append(s)
+            end.append(e)
+        for a, b in self.it.edges:
+            m.add(end[a] <= start[b])
+        t = m.new_int_var(0, horizon, "T")
+        for e in end:
+            m.add(t >= e)
+        if bound_s is not None:
+            m.add(t <= int(bound_s * 1e6))
+        dyn = sum(
+            round(o.dynamic_energy_j * 1e6 * self.per_stage) * x[i][k]
+            for i, instr in enumerate(self.it.instructions)
+            for k, o in enumerate(self.options[instr.group])
+        )
+        static_w = round(self.static_w * self.gpus)  # W x us = uJ
+        if minimise == "time":
+            m.minimize(t * (10**6) + dyn)  # least time, then least energy
+        else:
+            m.minimize(dyn + static_w * t)
+        if hint is not None:
+            for i, instr in enumerate(self.it.instructions):
+                for k, o in enumerate(self.options[instr.group]):
+                    m.add_hint(x[i][k], o == hint.choices[i])
+        solver = cp_model.CpSolver()
+        solver.parameters.num_workers = self.workers
+        solver.parameters.random_seed = self.seed
+        solver.parameters.max_time_in_seconds = self.time_limit_s
+        status = solver.solve(m)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            raise KareusError(
+                f"no plan finishes the iteration within {bound_s:.6f} s "
+                f"(CP-SAT status {solver.status_name(status)})"
+            )
+        choices = tuple(
+            self.options[instr.group][next(k for k, v in enumerate(x[i]) if solver.value(v))]
+            for i, instr in enumerate(self.it.instructions)
+        )
+        time_s, energy_j = self.evaluate(choices)
+        return Solution(choices, time_s, energy_j, solver.status_name(status))
+
+    def frontier(self, points: int = 8) -> list[Solution]:
+        """Sweep the time bound from the fastest plan to the least-energy plan."""
+        from kareus.planner.pareto import pareto_front
+
+        fastest = self.solve(minimise="time")
+        frugal = self.solve(hint=fastest)
+        sols = [fastest, frugal]
+        lo, hi = fastest.time_s, frugal.time_s
+        for k in range(points - 2, 0, -1):  # from slow to fast: each hint stays feasible
+            bound = lo + (hi - lo) * k / (points - 1)
+            sols.append(
+                self.solve(bound_s=bound + 1e-6, hint=sols[-1] if k < points - 2 else frugal)
+            )
+        return pareto_front(sols, key=lambda s: (s.time_s, s.energy_j))
+
+    def brute_force(self, bound_s: float | None = None) -> tuple[float, float] | None:
+        """Least (energy, time) under ``bound_s`` by enumeration (small instances only)."""
+        best: tuple[float, float] | None = None
+        groups = sorted({i.group for i in self.it.instructions})
+        profiles = {g: sorted({o.profile for o in self.options[g]}) for g in groups}
+        for combo in itertools.product(*(profiles[g] for g in groups)):
+            chosen = dict(zip(groups, combo, strict=True))
+            per_instr = [
+                [o for o in self.options[i.group] if o.profile == chosen[i.group]]
+                for i in self.it.instructions
+            ]
+            for choices in itertools.product(*per_instr):
+                t, e = self.evaluate(choices)
+                if bound_s is not None and t > bound_s + 1e-9:
+                    continue
+                if best is None or (e, t) < best:
+                    best = (e, t)
+        return best

@@ -1,0 +1,155 @@
+"""The knob space of a partition type, and evaluation with counting and recording."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+from collections.abc import Sequence
+
+from kareus.costs import Estimate, Evaluator, Knobs, OpCost, PartitionWork
+from kareus.errors import KareusError
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Setting:
+    """One knob setting of a partition type: clock, and (slot, SM share) or no overlap."""
+
+    freq_mhz: float
+    launch_slot: int | None = None  # None: no overlap
+    sm_share: int | None = None
+
+    @property
+    def pair(self) -> tuple[int | None, int | None]:
+        """The frequency-independent part: (launch slot, SM share)."""
+        return self.launch_slot, self.sm_share
+
+
+@dataclasses.dataclass(frozen=True)
+class KnobSpace:
+    """Clocks, SM shares and launch slots to search for one partition type.
+
+    Attributes:
+        freqs_mhz: candidate clocks, highest first.
+        sm_shares: candidate SM shares of the collective.
+        slots: number of launch slots of the type (0 when it overlaps no collective).
+        no_overlap_sm_share: SMs of the collective when it runs alone (no overlap).
+    """
+
+    freqs_mhz: tuple[float, ...]
+    sm_shares: tuple[int, ...]
+    slots: int
+    no_overlap_sm_share: int = 32
+
+    def settings(self) -> list[Setting]:
+        """Every setting of the grid, the no-overlap ones included."""
+        out = [Setting(f) for f in self.freqs_mhz]
+        out += [
+            Setting(f, slot, share)
+            for f in self.freqs_mhz
+            for slot in range(self.slots)
+            for share in self.sm_shares
+        ]
+        return out
+
+
+def default_clocks(
+    clocks_mhz: Sequence[int], count: int = 10, floor: float = 0.5
+) -> tuple[int, ...]:
+    """Return ``count`` well-spread clocks over the top of a GPU's range (down to ``floor``)."""
+    top = [c for c in sorted(clocks_mhz, reverse=True) if c >= floor * max(clocks_mhz)]
+    if len(top) <= count:
+        return tuple(top)
+    step = (len(top) - 1) / (count - 1)
+    return tuple(top[round(i * step)] for i in range(count))
+
+
+def knobs_of(setting: Setting, space: KnobSpace) -> Knobs:
+    """Translate a setting into the evaluator's knobs."""
+    if setting.launch_slot is None:
+        return Knobs(setting.freq_mhz, space.no_overlap_sm_share, launch_slot=None)
+    return Knobs(setting.freq_mhz, setting.sm_share or 1, launch_slot=setting.launch_slot)
+
+
+class CountingEvaluator:
+    """Wrap an evaluator: cache results and count distinct evaluations."""
+
+    def __init__(self, inner: Evaluator) -> None:
+        self.inner = inner
+        self.evaluations = 0
+        self._cache: dict[tuple[PartitionWork, Knobs], Estimate] = {}
+
+    def partition(self, work: PartitionWork, knobs: Knobs) -> Estimate:
+        """Evaluate once per (work, knobs); later calls hit the cache."""
+        key = (work, knobs)
+        if key not in self._cache:
+            self._cache[key] = self.inner.partition(work, knobs)
+            self.evaluations += 1
+        return self._cache[key]
+
+    def ops(self, ops: tuple[OpCost, ...], freq_mhz: float) -> Estimate:
+        """Evaluate non-partition work (not counted: it has no knobs but the clock)."""
+        return self.inner.ops(ops, freq_mhz)
+
+
+def _digest(work: PartitionWork) -> str:
+    return hashlib.sha1(json.dumps(dataclasses.asdict(work), sort_keys=True).encode()).hexdigest()[
+        :16
+    ]
+
+
+def _knobs_key(knobs: Knobs) -> str:
+    return json.dumps(dataclasses.asdict(knobs), sort_keys=True)
+
+
+class RecordingEvaluator:
+    """Wrap an evaluator and append every result to a JSON-lines file for later replay."""
+
+    def __init__(self, inner: Evaluator, path: str | pathlib.Path) -> None:
+        self.inner = inner
+        self.path = pathlib.Path(path)
+
+    def partition(self, work: PartitionWork, knobs: Knobs) -> Estimate:
+        """Evaluate and record."""
+        est = self.inner.partition(work, knobs)
+        with self.path.open("a") as fh:
+            row = {
+                "work": _digest(work),
+                "knobs": dataclasses.asdict(knobs),
+                **dataclasses.asdict(est),
+            }
+            fh.write(json.dumps(row) + "\n")
+        return est
+
+    def ops(self, ops: tuple[OpCost, ...], freq_mhz: float) -> Estimate:
+        """Evaluate and record non-partition work (as a partition without collective)."""
+        return self.partition(PartitionWork(ops, None), Knobs(freq_mhz, 0, launch_slot=None))
+
+
+class ReplayEvaluator:
+    """Answer from recorded results (JSON lines); a missing entry is an error."""
+
+    def __init__(self, path: str | pathlib.Path) -> None:
+        self.path = pathlib.Path(path)
+        self._rows: dict[tuple[str, str], Estimate] = {}
+        with self.path.open() as fh:
+            for line in fh:
+                row = json.loads(line)
+                knobs = Knobs(**row.pop("knobs"))
+                work = row.pop("work")
+                self._rows[(work, _knobs_key(knobs))] = Estimate(**row)
+
+    def partition(self, work: PartitionWork, knobs: Knobs) -> Estimate:
+        """Return the recorded estimate."""
+        try:
+            return self._rows[(_digest(work), _knobs_key(knobs))]
+        except KeyError:
+            raise KareusError(
+                f"no recorded result in {self.path} for knobs {knobs}; record one with "
+                "RecordingEvaluator or plan with --evaluator emulator"
+            ) from None
+
+    def ops(self, ops: tuple[OpCost, ...], freq_mhz: float) -> Estimate:
+        """Return the recorded estimate of non-partition work."""
+        return self.partition(PartitionWork(ops, None), Knobs(freq_mhz, 0, launch_slot=None))

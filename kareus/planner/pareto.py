@@ -1,0 +1,44 @@
+"""Pareto fronts and hypervolume of (time, energy) points, both minimised."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def pareto_front(items: Iterable[T], key: Callable[[T], tuple[float, float]]) -> list[T]:
+    """Return the items no other item beats in both time and energy, fastest first.
+
+    Of items with equal (time, energy) the first is kept.
+    """
+    ordered = sorted(items, key=key)
+    front: list[T] = []
+    best_energy = float("inf")
+    for item in ordered:
+        _t, e = key(item)
+        if e < best_energy:
+            front.append(item)
+            best_energy = e
+    return front
+
+
+def hypervolume(points: Sequence[tuple[float, float]], reference: tuple[float, float]) -> float:
+    """Return the area dominated by ``points`` and bounded by ``reference`` (worse in both).
+
+    Points that do not beat the reference in both coordinates add nothing.
+    """
+    rt, re = reference
+    front = pareto_front([p for p in points if p[0] < rt and p[1] < re], key=lambda p: p)
+    area = 0.0
+    for i, (t, e) in enumerate(front):
+        t_next = front[i + 1][0] if i + 1 < len(front) else rt
+        area += (t_next - t) * (re - e)
+    return area
+
+
+def is_monotone(front: Sequence[tuple[float, float]]) -> bool:
+    """Return whether time rises and energy falls strictly along ``front``."""
+    return all(a[0] < b[0] and a[1] > b[1] for a, b in itertools.pairwise(front))

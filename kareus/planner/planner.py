@@ -1,0 +1,307 @@
+"""From a partition set to a plan: search each type, compose, compare, select.
+
+Every method is computed by the same machinery on the same evaluator, so comparisons are
+side by side: ``megatron`` (max clock, no overlap), ``perseus`` (clock per instruction, no
+overlap), ``nanobatch+perseus`` (overlap at the partition start with the default
+communicator, then clocks) and ``kareus`` (clocks and overlap jointly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from kareus.costs import Evaluator, Knobs, PartitionWork
+from kareus.partitions import Decision, PartitionSet
+from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
+from kareus.planner.compose import Composer, Option, Solution, chain, one_f_one_b
+from kareus.planner.knobs import CountingEvaluator, KnobSpace, Setting, default_clocks, knobs_of
+from kareus.planner.search import SearchResult, exhaustive, search
+from kareus.planner.select import select
+
+METHODS = ("megatron", "perseus", "nanobatch+perseus", "kareus")
+Pair = tuple[int | None, int | None]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlannerSettings:
+    """Knobs of the planner itself.
+
+    Attributes:
+        clocks_mhz: clocks to consider; None takes a spread of the top of the GPU's range.
+        sm_shares: SM shares of the collective to consider.
+        no_overlap_sm_share: SMs of a collective that runs alone.
+        default_sm_share: SMs of the default communicator (nanobatching as published).
+        exhaustive: evaluate every setting instead of searching.
+        budget_fraction: search budget as a fraction of each type's grid.
+        sweep_points: bounds swept to trace each frontier.
+        solver_time_limit_s: CP-SAT time limit per solve.
+        solver_workers: CP-SAT workers.
+    """
+
+    clocks_mhz: tuple[float, ...] | None = None
+    sm_shares: tuple[int, ...] = (2, 4, 8, 16, 32)
+    no_overlap_sm_share: int = 32
+    default_sm_share: int = 16
+    exhaustive: bool = False
+    budget_fraction: float = 0.2
+    sweep_points: int = 8
+    solver_time_limit_s: float = 3.0
+    solver_workers: int = 2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Parallelism:
+    """How the job is parallelised: tensor, pipeline stages, micro-batches per iteration."""
+
+    tp: int = 1
+    pp: int = 1
+    microbatches: int = 1
+
+    @property
+    def gpus(self) -> int:
+        """GPUs of one pipeline replica."""
+        return self.tp * self.pp
+
+
+@dataclasses.dataclass
+class PlanningResult:
+    """Everything the planner computed (the plan plus per-type and per-method detail)."""
+
+    plan: Plan
+    searches: dict[str, SearchResult]
+    frontiers: dict[str, list[Solution]]
+    evaluations: int
+    grid_size: int
+
+
+def plan_iteration(
+    psets: PartitionSet | Sequence[PartitionSet],
+    evaluator: Evaluator,
+    *,
+    gpu: str,
+    clocks_mhz: Sequence[int],
+    static_power_w: float,
+    parallel: Parallelism = Parallelism(),
+    settings: PlannerSettings = PlannerSettings(),
+    policy: str = "iso_time",
+    energy_budget_j: float | None = None,
+    deadline_s: float | None = None,
+    skip_reasons: Sequence[str] = (),
+    progress: Any = None,
+) -> PlanningResult:
+    """Plan one training iteration.
+
+    Args:
+        psets: the partition set of each pipeline stage (one set is used for every stage).
+        evaluator: times and energies (the emulator, a replay, a profiler).
+        gpu: GPU name, recorded in the plan.
+        clocks_mhz: the GPU's supported clocks.
+        static_power_w: static power of one GPU.
+        parallel: tensor/pipeline parallel sizes and micro-batches per iteration.
+        settings: planner knobs.
+        policy: how to pick the plan (see :func:`kareus.planner.select.select`).
+        energy_budget_j: the budget of policy ``energy_budget_j``.
+        deadline_s: the deadline of policy ``deadline_s``.
+        skip_reasons: reasons recorded by the passes, kept in the plan.
+        progress: optional callable ``progress(step: str)`` for long steps.
+
+    Raises:
+        InfeasiblePlanError: the policy's budget or deadline cannot be met.
+    """
+    stages = list(psets) if isinstance(psets, Sequence) else [psets] * parallel.pp
+    if len(stages) != parallel.pp:
+        stages = [stages[0]] * parallel.pp
+    ev = CountingEvaluator(evaluator)
+    freqs = tuple(settings.clocks_mhz or default_clocks(clocks_mhz))
+    note = progress or (lambda _step: None)
+
+    # 1. Per partition type: the frontier over the knob space.
+    searches: dict[str, SearchResult] = {}
+    works: dict[str, PartitionWork] = {}
+    spaces: dict[str, KnobSpace] = {}
+    for si, pset in enumerate(stages):
+        for key, ptype in pset.types.items():
+            name = f"{si}/{key}"
+            if stages.index(pset) != si:  # the same set as an earlier stage
+                searches[name] = searches[f"{stages.index(pset)}/{key}"]
+                works[name], spaces[name] = (
+                    works[f"{stages.index(pset)}/{key}"],
+                    spaces[f"{stages.index(pset)}/{key}"],
+                )
+                continue
+            note(f"searching {key}")
+            work = PartitionWork(ptype.compute, ptype.collective)
+            space = KnobSpace(
+                freqs,
+                settings.sm_shares,
+                len(ptype.slot_labels) if ptype.collective else 0,
+                settings.no_overlap_sm_share,
+            )
+            fn = exhaustive if settings.exhaustive else search
+            kwargs = {} if settings.exhaustive else {"budget_fraction": settings.budget_fraction}
+            searches[name] = fn(work, space, ev, **kwargs)  # type: ignore[operator]
+            works[name], spaces[name] = work, space
+    grid = sum(r.grid_size for n, r in searches.items() if n.startswith("0/"))
+    searched = ev.evaluations
+
+    # 2. Options per (stage, kind): clock x decision profile.
+    note("building instruction options")
+    options: dict[tuple[int, str], list[Option]] = {}
+    profiles_by_group: dict[tuple[int, str], dict[str, dict[str, Pair]]] = {}
+    for si, pset in enumerate(stages):
+        for kind in ("forward", "backward"):
+            counts = pset.counts(kind)
+            types = [k for k in pset.types if pset.types[k].instruction == kind]
+            profiles = _profiles(si, types, pset, searches, settings)
+            profiles_by_group[(si, kind)] = profiles
+            opts = []
+            for f in freqs:
+                base_t, base_e = _base(pset, kind, f, ev, settings, static_power_w)
+                for pname, pairs in profiles.items():
+                    t, e = base_t, base_e
+                    for key in types:
+                        name = f"{si}/{key}"
+                        pair = pairs[key] if pset.types[key].collective else (None, None)
+                        est = ev.partition(works[name], knobs_of(Setting(f, *pair), spaces[name]))
+                        t += counts.get(key, 0) * est.time_s
+                        e += counts.get(key, 0) * (est.energy_j - static_power_w * est.time_s)
+                    opts.append(Option(f, pname, t, e))
+            options[(si, kind)] = opts
+    iteration = (
+        one_f_one_b(parallel.pp, parallel.microbatches)
+        if parallel.pp > 1
+        else chain(parallel.microbatches)
+    )
+
+    # 3. Compose every method on the same options.
+    fmax = max(freqs)
+    restrict = {
+        "megatron": lambda o: o.freq_mhz == fmax and o.profile == "no-overlap",
+        "perseus": lambda o: o.profile == "no-overlap",
+        "nanobatch+perseus": lambda o: o.profile == "nanobatch",
+        "kareus": lambda o: True,
+    }
+    frontiers: dict[str, list[Solution]] = {}
+    for method, keep in restrict.items():
+        note(f"composing {method}")
+        sub = {g: [o for o in opts if keep(o)] for g, opts in options.items()}
+        comp = Composer(
+            iteration,
+            sub,
+            static_power_w=static_power_w,
+            gpus=parallel.gpus,
+            gpus_per_stage=parallel.tp,
+            time_limit_s=settings.solver_time_limit_s,
+            workers=settings.solver_workers,
+        )
+        frontiers[method] = (
+            [comp.solve(minimise="time")]
+            if method == "megatron"
+            else comp.frontier(settings.sweep_points)
+        )
+
+    # 4. Select and write the plan.
+    chosen = select(
+        frontiers["kareus"],  # type: ignore[arg-type]
+        policy,
+        baseline_time_s=frontiers["megatron"][0].time_s,
+        energy_budget_j=energy_budget_j,
+        deadline_s=deadline_s,
+    )
+    assert isinstance(chosen, Solution)
+    schedule = tuple(
+        ScheduledInstruction(instr.stage, instr.kind, instr.microbatch, opt.freq_mhz)
+        for instr, opt in zip(iteration.instructions, chosen.choices, strict=True)
+    )
+    decisions: dict[str, dict[str, Decision]] = {}
+    for instr, opt in zip(iteration.instructions, chosen.choices, strict=True):
+        pairs = profiles_by_group[instr.group][opt.profile]
+        decisions[f"{instr.stage}/{instr.kind}"] = {
+            key: Decision(slot, share) for key, (slot, share) in pairs.items()
+        }
+    source = getattr(evaluator, "source", "modelled")
+    plan = Plan(
+        gpu=gpu,
+        source=source,
+        policy=policy,
+        parallel={"tp": parallel.tp, "pp": parallel.pp, "microbatches": parallel.microbatches},
+        frontier=tuple(FrontierPoint(s.time_s, s.energy_j) for s in frontiers["kareus"]),
+        chosen=FrontierPoint(chosen.time_s, chosen.energy_j),
+        schedule=schedule,
+        decisions=decisions,
+        baselines={
+            m: tuple(FrontierPoint(s.time_s, s.energy_j) for s in sols)
+            for m, sols in frontiers.items()
+            if m != "kareus"
+        },
+        evaluations={
+            "search": searched,
+            "total": ev.evaluations,
+            "grid": grid,
+            "solves": sum(len(s) for s in frontiers.values()),
+            "solves_not_proven_optimal": sum(
+                s.status != "OPTIMAL" for sols in frontiers.values() for s in sols
+            ),
+        },
+        skip_reasons=tuple(skip_reasons),
+    )
+    return PlanningResult(plan, searches, frontiers, ev.evaluations, grid)
+
+
+def _profiles(
+    stage: int,
+    types: list[str],
+    pset: PartitionSet,
+    searches: dict[str, SearchResult],
+    settings: PlannerSettings,
+) -> dict[str, dict[str, Pair]]:
+    """Candidate decision profiles (one (slot, share) per type) for one stage and kind.
+
+    Per type, the pairs on its frontier that are fastest and most frugal at the top,
+    middle and bottom of the clock grid; plus nanobatching's default and no overlap.
+    """
+    with_coll = [k for k in types if pset.types[k].collective is not None]
+    profiles: dict[str, dict[str, Pair]] = {
+        "no-overlap": {k: (None, None) for k in with_coll},
+        "nanobatch": {k: (0, settings.default_sm_share) for k in with_coll},
+    }
+    for label in ("fast", "frugal"):
+        for where in ("top", "mid", "low"):
+            prof: dict[str, Pair] = {}
+            for key in with_coll:
+                pts = searches[f"{stage}/{key}"].points
+                clocks = sorted({p.setting.freq_mhz for p in pts}, reverse=True)
+                f = {"top": clocks[0], "mid": clocks[len(clocks) // 2], "low": clocks[-1]}[where]
+                at = [p for p in pts if p.setting.freq_mhz == f]
+                best = min(
+                    at, key=(lambda p: p.time_s) if label == "fast" else (lambda p: p.energy_j)
+                )
+                prof[key] = best.setting.pair
+            if prof not in profiles.values():
+                profiles[f"{label}@{where}"] = prof
+    return profiles
+
+
+def _base(
+    pset: PartitionSet,
+    kind: str,
+    f: float,
+    ev: CountingEvaluator,
+    settings: PlannerSettings,
+    static_power_w: float,
+) -> tuple[float, float]:
+    """Time and dynamic energy of an instruction's work outside partitions at clock f."""
+    t = e = 0.0
+    other = pset.other.get(kind, ())
+    if other:
+        est = ev.ops(other, f)
+        t, e = est.time_s, est.energy_j - static_power_w * est.time_s
+    for coll in pset.exposed.get(kind, ()):
+        est = ev.partition(
+            PartitionWork((), coll), Knobs(f, settings.no_overlap_sm_share, launch_slot=None)
+        )
+        t += est.time_s
+        e += est.energy_j - static_power_w * est.time_s
+    return t, e

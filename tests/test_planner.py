@@ -1,0 +1,200 @@
+import json
+
+import pytest
+
+from kareus.costs import Knobs
+from kareus.errors import KareusError
+from kareus.hardware import Emulator, gpu
+from kareus.hardware.calibrate import attention_partition
+from kareus.partitions import PartitionSet
+from kareus.plan import Plan
+from kareus.planner.compose import Composer, Option, chain, makespan, one_f_one_b
+from kareus.planner.knobs import KnobSpace, RecordingEvaluator, ReplayEvaluator, default_clocks
+from kareus.planner.pareto import hypervolume, is_monotone, pareto_front
+from kareus.planner.planner import Parallelism, PlannerSettings, plan_iteration
+from kareus.planner.search import exhaustive, search
+from kareus.planner.select import InfeasiblePlanError, select
+from kareus.testing import megatron_partition_set
+
+SPEC = gpu("a100-sxm4-40gb")
+
+
+def test_pareto_front_and_hypervolume():
+    pts = [(1, 5), (2, 3), (3, 4), (4, 1), (2, 3)]
+    assert pareto_front(pts, key=lambda p: p) == [(1, 5), (2, 3), (4, 1)]
+    # Area dominated within reference (5, 6): 1x1 + 2x3 + 1x5 = 12.
+    assert hypervolume(pts, (5, 6)) == pytest.approx(1 * 1 + 2 * 3 + 1 * 5)
+    assert hypervolume([(6, 1)], (5, 6)) == 0
+    assert is_monotone([(1, 5), (2, 3), (4, 1)]) and not is_monotone([(1, 5), (2, 5)])
+
+
+def _options(freqs, profiles, scale=1.0):
+    # Faster clocks: less time, more dynamic energy; profile "b" trades a little of each.
+    return [
+        Option(
+            f,
+            p,
+            scale * (1000 / f) * (0.9 if p == "b" else 1.0),
+            scale * (f / 1000) ** 2 * (1.1 if p == "b" else 1.0),
+        )
+        for f in freqs
+        for p in profiles
+    ]
+
+
+@pytest.mark.parametrize("kind", ["chain", "1f1b"])
+def test_cp_sat_equals_brute_force(kind):
+    it = chain(2) if kind == "chain" else one_f_one_b(2, 2)
+    groups = {i.group for i in it.instructions}
+    opts = {
+        g: _options(
+            (800, 1000, 1400) if kind == "chain" else (800, 1400),
+            ("a", "b"),
+            scale=1.0 + 0.5 * (g[1] == "backward"),
+        )
+        for g in groups
+    }
+    comp = Composer(it, opts, static_power_w=0.5, gpus=2 if kind == "1f1b" else 1)
+    fastest = comp.solve(minimise="time")
+    frugal = comp.solve()
+    assert fastest.status == frugal.status == "OPTIMAL"
+    bf_any = comp.brute_force()
+    assert frugal.energy_j == pytest.approx(bf_any[0], rel=1e-4)
+    for frac in (0.0, 0.3, 0.7, 1.0):
+        bound = fastest.time_s + frac * (frugal.time_s - fastest.time_s)
+        sol = comp.solve(bound_s=bound + 1e-6)
+        bf = comp.brute_force(bound + 1e-6)
+        assert sol.time_s <= bound + 1e-5
+        assert sol.energy_j == pytest.approx(bf[0], rel=1e-4)
+    front = comp.frontier(5)
+    assert is_monotone([(s.time_s, s.energy_j) for s in front])
+
+
+def test_one_f_one_b_structure():
+    it = one_f_one_b(4, 8)
+    assert len(it.instructions) == 4 * 8 * 2
+    for s in range(4):
+        mine = [i for i in it.instructions if i.stage == s]
+        assert (
+            sum(i.kind == "forward" for i in mine) == sum(i.kind == "backward" for i in mine) == 8
+        )
+    # Unit durations: the classic 1F1B makespan is 2 * (M + S - 1).
+    assert makespan(it, [1.0] * len(it.instructions)) == 2 * (8 + 4 - 1)
+    with pytest.raises(KareusError, match="1F1B needs"):
+        one_f_one_b(0, 1)
+
+
+@pytest.mark.parametrize("which", ["attention", "mlp-backward"])
+def test_search_reaches_exhaustive_hypervolume_with_a_fifth_of_the_grid(which):
+    if which == "attention":
+        work = attention_partition()
+    else:
+        pset = megatron_partition_set(
+            hidden=2048, ffn=8192, heads=16, seq=2048, microbatch=4, layers=1, tp=4
+        )
+        t = pset.types["backward.b"]
+        from kareus.costs import PartitionWork
+
+        work = PartitionWork(t.compute, t.collective)
+    emu = Emulator(SPEC)
+    space = KnobSpace(default_clocks(SPEC.clocks_mhz()), (2, 4, 8, 16, 32), len(work.ops))
+    ref_result = exhaustive(work, space, emu)
+    got = search(work, space, emu)
+    pts = [(p.time_s, p.energy_j) for p in ref_result.points]
+    ref = (max(p[0] for p in pts) * 1.05, max(p[1] for p in pts) * 1.05)
+    ratio = hypervolume([(p.time_s, p.energy_j) for p in got.points], ref) / hypervolume(pts, ref)
+    assert got.evaluations <= 0.2 * ref_result.evaluations
+    assert ratio >= 0.99, (ratio, got.evaluations)
+
+
+@pytest.fixture(scope="module")
+def small_plan():
+    pset = megatron_partition_set(
+        hidden=1024, ffn=4096, heads=16, seq=1024, microbatch=4, layers=2, tp=2
+    )
+    return plan_iteration(
+        pset,
+        Emulator(SPEC),
+        gpu=SPEC.name,
+        clocks_mhz=SPEC.clocks_mhz(),
+        static_power_w=SPEC.calibration.static_power_w,
+        parallel=Parallelism(tp=2, pp=2, microbatches=2),
+        settings=PlannerSettings(sweep_points=5, clocks_mhz=(1410, 1200, 1005, 810)),
+    )
+
+
+def test_plan_frontiers_are_monotone_and_baselines_never_beat_kareus(small_plan):
+    fr = small_plan.frontiers
+    for method, sols in fr.items():
+        assert is_monotone([(s.time_s, s.energy_j) for s in sols]), method
+    kareus = [(s.time_s, s.energy_j) for s in fr["kareus"]]
+    for method in ("megatron", "perseus", "nanobatch+perseus"):
+        for b in fr[method]:
+            # some kareus plan is at least as fast and uses at most as much energy
+            assert any(
+                t <= b.time_s * (1 + 1e-6) and e <= b.energy_j * (1 + 1e-6) for t, e in kareus
+            ), (method, b)
+    plan = small_plan.plan
+    # iso_time: no slower than Megatron-LM, and less energy.
+    meg = plan.baselines["megatron"][0]
+    assert plan.chosen.time_s <= meg.time_s * (1 + 1e-9) and plan.chosen.energy_j < meg.energy_j
+    assert plan.source == "modelled" and "modelled" in plan.to_text()
+    assert len(plan.clocks(0)) == 4 and len(plan.clocks(1)) == 4
+    assert set(plan.decisions_for(0)) == {"forward.a", "forward.b", "backward.a", "backward.b"}
+
+
+def test_plan_round_trips_through_json(small_plan, tmp_path):
+    plan = small_plan.plan
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path) == plan
+    data = json.loads(path.read_text())
+    data["version"] = 99
+    path.write_text(json.dumps(data))
+    with pytest.raises(KareusError, match="version 99 is not supported"):
+        Plan.load(path)
+    with pytest.raises(KareusError, match="cannot read a kareus plan"):
+        Plan.load(tmp_path / "missing.json")
+
+
+def test_selection_policies_and_infeasible_requests(small_plan):
+    front = small_plan.frontiers["kareus"]
+    fastest, frugal = front[0], front[-1]
+    assert select(front, "max_throughput") is fastest
+    assert select(front, "min_energy") is frugal
+    mid = front[len(front) // 2]
+    assert select(front, "deadline_s", deadline_s=mid.time_s).energy_j <= mid.energy_j
+    assert select(front, "energy_budget_j", energy_budget_j=mid.energy_j).time_s <= mid.time_s
+    with pytest.raises(InfeasiblePlanError, match=f"fastest achievable is {fastest.time_s:.6f}"):
+        select(front, "deadline_s", deadline_s=fastest.time_s * 0.5)
+    with pytest.raises(InfeasiblePlanError, match=f"least achievable is {frugal.energy_j:.3f}"):
+        select(front, "energy_budget_j", energy_budget_j=frugal.energy_j * 0.5)
+    with pytest.raises(ValueError, match="unknown policy"):
+        select(front, "cheapest")
+
+
+def test_replay_reproduces_a_recorded_plan(tmp_path):
+    pset = megatron_partition_set(
+        hidden=512, ffn=2048, heads=8, seq=512, microbatch=4, layers=1, tp=2
+    )
+    kwargs = dict(
+        gpu=SPEC.name,
+        clocks_mhz=SPEC.clocks_mhz(),
+        static_power_w=SPEC.calibration.static_power_w,
+        settings=PlannerSettings(sweep_points=3, clocks_mhz=(1410, 1005)),
+    )
+    log = tmp_path / "evals.jsonl"
+    first = plan_iteration(pset, RecordingEvaluator(Emulator(SPEC), log), **kwargs).plan
+    replayed = plan_iteration(pset, ReplayEvaluator(log), **kwargs).plan
+    assert replayed.frontier == first.frontier and replayed.schedule == first.schedule
+    with pytest.raises(KareusError, match="no recorded result"):
+        ReplayEvaluator(log).partition(attention_partition(), Knobs(1410, 3))
+
+
+def test_partition_set_round_trips_through_json():
+    pset = megatron_partition_set(
+        hidden=512, ffn=2048, heads=8, seq=512, microbatch=4, layers=2, tp=2
+    )
+    again = PartitionSet.from_json(pset.to_json())
+    assert again.types == pset.types and again.partitions == pset.partitions
+    assert again.counts("forward") == {"forward.a": 4, "forward.b": 4}
