@@ -9,6 +9,7 @@ handed to TorchInductor when ``Config.codegen == "inductor"``).
 from __future__ import annotations
 
 import functools
+import pathlib
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -23,8 +24,11 @@ from kareus.config import Config
 from kareus.errors import PassError
 from kareus.partitions import Decision
 from kareus.passes.base import PassContext, run_passes
+from kareus.plan import Plan
 from kareus.region import GraphRecord, Region
+from kareus.runtime.clocks import ClockController, default_controller
 from kareus.runtime.comm_pool import CommunicatorPool
+from kareus.runtime.switcher import ClockRuntime, IterationEnergy, Step
 
 T = TypeVar("T")
 _ORIG = "_orig_mod."
@@ -45,13 +49,36 @@ class KareusBackend:
         config: Config | None = None,
         *,
         decisions: Mapping[str, Decision] | None = None,
+        plan: Plan | str | pathlib.Path | None = None,
+        stage: int = 0,
+        clocks: ClockController | None = None,
+        journal: str | pathlib.Path | None = None,
+        on_iteration: Callable[[IterationEnergy], None] | None = None,
         **overrides: Any,
     ) -> None:
         base = config if config is not None else Config()
         if not isinstance(base, Config):
             raise TypeError(f"config must be a kareus.Config, got {type(base).__name__}")
         self.config = base.replace(**overrides) if overrides else base
+        self.plan = Plan.load(plan) if isinstance(plan, (str, pathlib.Path)) else plan
+        if decisions is None and self.plan is not None:
+            decisions = self.plan.decisions_for(stage)
         self.decisions: dict[str, Decision] = dict(decisions or {})
+        self.runtime: ClockRuntime | None = None
+        if self.plan is not None:
+            steps = [
+                Step(s.kind, s.freq_mhz, s.time_s, s.dynamic_energy_j)
+                for s in self.plan.schedule
+                if s.stage == stage
+            ]
+            self.runtime = ClockRuntime(
+                steps,
+                clocks if clocks is not None else default_controller(),
+                journal=journal,
+                static_power_w=self.plan.static_power_w,
+                iteration_time_s=self.plan.chosen.time_s,
+                on_iteration=on_iteration,
+            )
         for key, dec in self.decisions.items():
             if not isinstance(dec, Decision):
                 raise TypeError(f"decisions[{key!r}] must be a kareus.Decision, got {dec!r}")
@@ -67,6 +94,8 @@ class KareusBackend:
         region = Region(index=len(self.regions), compile_id=str(compile_id))
         self.regions.append(region)
         region.findings["decisions"] = _Decisions(self.decisions)
+        if self.runtime is not None:
+            region.findings["clock_runtime"] = self.runtime
         if self.decisions and dist.is_available() and dist.is_initialized():
             self._pool = self._pool or CommunicatorPool()
             region.findings["communicator_pool"] = self._pool
@@ -160,7 +189,8 @@ def compile(
     fullgraph: bool = False,
     dynamic: bool | None = None,
     decisions: Mapping[str, Decision] | None = None,
-    **overrides: Any,
+    plan: Plan | str | pathlib.Path | None = None,
+    **backend_options: Any,
 ) -> T:
     """Compile ``model`` with kareus; use the result exactly like ``torch.compile``'s.
 
@@ -176,8 +206,11 @@ def compile(
         decisions: per partition type (keys as ``kareus.explain`` lists them, ``"*"`` for
             all), where its collective is launched and with how many SMs. Without them, each
             collective launches at the start of its partition (nanobatching as published).
-        **overrides: fields of :class:`Config` that replace the config's, for example
-            ``nanobatches=1``.
+        plan: a :class:`~kareus.Plan` or the path of a saved one: its overlap decisions are
+            applied, and its clock schedule by a clock runtime (``stage=``, ``clocks=``,
+            ``journal=``, ``on_iteration=`` configure it; see :class:`KareusBackend`).
+        **backend_options: fields of :class:`Config` that replace the config's, for example
+            ``nanobatches=1``, and the clock runtime's options above.
 
     Returns:
         The compiled module or function.
@@ -188,7 +221,7 @@ def compile(
     """
     if not callable(model):
         raise TypeError(f"kareus.compile needs an nn.Module or a function, got {type(model)!r}")
-    backend = KareusBackend(config, decisions=decisions, **overrides)
+    backend = KareusBackend(config, decisions=decisions, plan=plan, **backend_options)
     compiled = torch.compile(model, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
     if isinstance(compiled, nn.Module):
         if backend.config.nanobatches > 1:

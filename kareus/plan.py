@@ -38,6 +38,8 @@ class ScheduledInstruction:
     kind: str
     microbatch: int
     freq_mhz: float
+    time_s: float = 0.0  # of the instruction itself, on one GPU
+    dynamic_energy_j: float = 0.0  # of the instruction, on one GPU, static power excluded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,7 @@ class Plan:
     baselines: dict[str, tuple[FrontierPoint, ...]]
     evaluations: dict[str, int] = dataclasses.field(default_factory=dict)
     skip_reasons: tuple[str, ...] = ()
+    static_power_w: float = 0.0
     version: int = PLAN_VERSION
 
     def clocks(self, stage: int = 0) -> list[float]:
@@ -113,6 +116,7 @@ class Plan:
             baselines={k: points(v) for k, v in data["baselines"].items()},
             evaluations=dict(data.get("evaluations", {})),
             skip_reasons=tuple(data.get("skip_reasons", ())),
+            static_power_w=float(data.get("static_power_w", 0.0)),
         )
 
     @classmethod

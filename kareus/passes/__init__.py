@@ -11,6 +11,7 @@ from kareus.passes.annotate_costs import AnnotateCosts
 from kareus.passes.base import GRAPH_KINDS, GraphPass, PassContext, PassRecord, PassResult
 from kareus.passes.cut_partitions import CutPartitions
 from kareus.passes.find_blocks import FindBlocks
+from kareus.passes.insert_clock_switches import InsertClockSwitches
 from kareus.passes.schedule_overlap import ScheduleOverlap
 from kareus.passes.split_nanobatches import SplitNanobatches
 
@@ -20,6 +21,7 @@ PIPELINE: tuple[GraphPass, ...] = (
     AnnotateCosts(),
     CutPartitions(),
     ScheduleOverlap(),
+    InsertClockSwitches(),
 )
 """Every pass, in the order it runs."""
 

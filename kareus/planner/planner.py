@@ -212,7 +212,14 @@ def plan_iteration(
     )
     assert isinstance(chosen, Solution)
     schedule = tuple(
-        ScheduledInstruction(instr.stage, instr.kind, instr.microbatch, opt.freq_mhz)
+        ScheduledInstruction(
+            instr.stage,
+            instr.kind,
+            instr.microbatch,
+            opt.freq_mhz,
+            opt.time_s,
+            opt.dynamic_energy_j,
+        )
         for instr, opt in zip(iteration.instructions, chosen.choices, strict=True)
     )
     decisions: dict[str, dict[str, Decision]] = {}
@@ -246,6 +253,7 @@ def plan_iteration(
             ),
         },
         skip_reasons=tuple(skip_reasons),
+        static_power_w=static_power_w,
     )
     return PlanningResult(plan, searches, frontiers, ev.evaluations, grid)
 

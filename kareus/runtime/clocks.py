@@ -1,0 +1,181 @@
+"""Clock controllers: one protocol, backends for real GPUs (Zeus, NVML) and an emulated one.
+
+Vendor errors are translated into :class:`ClockPermissionError` (the process may not change
+clocks: the fix is a capability or the ``zeusd`` daemon) or :class:`ClockError`, with the
+vendor's error chained. Nothing here is imported by ``import kareus``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kareus.errors import KareusError
+
+PERMISSION_FIX = (
+    "changing GPU clocks needs the SYS_ADMIN capability: run with "
+    "`docker run --cap-add SYS_ADMIN`, or as root, or start the Zeus daemon `zeusd` and set "
+    "ZEUSD_SOCK_PATH so that Zeus changes clocks on the process's behalf"
+)
+
+
+class ClockError(KareusError, RuntimeError):
+    """Setting or resetting a GPU clock failed."""
+
+
+class ClockPermissionError(ClockError, PermissionError):
+    """The process may not change GPU clocks."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"{detail}; {PERMISSION_FIX}")
+
+
+class ClockController(Protocol):
+    """Sets and resets the locked SM clock of one GPU."""
+
+    name: str
+
+    def supported_clocks(self) -> list[int]:
+        """Return the supported SM clocks in MHz."""
+        ...
+
+    def set(self, freq_mhz: float) -> None:
+        """Lock the SM clock at ``freq_mhz``."""
+        ...
+
+    def reset(self) -> None:
+        """Return the clock to the driver's default."""
+        ...
+
+
+class ZeusClocks:
+    """A real GPU through Zeus (``zeus.device``), which can also go through ``zeusd``."""
+
+    name = "zeus"
+
+    def __init__(self, gpu_index: int = 0) -> None:
+        from zeus.device import get_gpus
+
+        self.index = gpu_index
+        try:
+            self._gpus = get_gpus()
+        except Exception as err:  # Zeus raises its own init errors without a GPU
+            raise ClockError(f"Zeus found no usable GPU: {err}") from err
+
+    def _call(self, what: str, fn: object, *args: object) -> object:
+        from zeus.device.gpu.common import ZeusGPUNoPermissionError
+
+        try:
+            return fn(self.index, *args)  # type: ignore[operator]
+        except ZeusGPUNoPermissionError as err:
+            raise ClockPermissionError(f"Zeus may not {what} on GPU {self.index}") from err
+        except Exception as err:
+            raise ClockError(f"Zeus could not {what} on GPU {self.index}: {err}") from err
+
+    def supported_clocks(self) -> list[int]:
+        """Return the supported SM clocks in MHz."""
+        return list(self._call("read supported clocks", self._gpus.get_supported_graphics_clocks))  # type: ignore[call-overload]
+
+    def set(self, freq_mhz: float) -> None:
+        """Lock the SM clock."""
+        f = int(freq_mhz)
+        self._call("lock the clock", self._gpus.set_gpu_locked_clocks, f, f)
+
+    def reset(self) -> None:
+        """Reset the locked clock."""
+        self._call("reset the clock", self._gpus.reset_gpu_locked_clocks)
+
+
+class NvmlClocks:
+    """A real NVIDIA GPU through NVML directly, for when Zeus cannot be used."""
+
+    name = "nvml"
+
+    def __init__(self, gpu_index: int = 0) -> None:
+        import pynvml
+
+        self._nvml = pynvml
+        try:
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(gpu_index)
+        except pynvml.NVMLError as err:
+            raise ClockError(f"NVML is not usable here: {err}") from err
+        self.index = gpu_index
+
+    def _call(self, what: str, fn: object, *args: object) -> object:
+        nv = self._nvml
+        try:
+            return fn(self._handle, *args)  # type: ignore[operator]
+        except nv.NVMLError as err:
+            if getattr(err, "value", None) == nv.NVML_ERROR_NO_PERMISSION:
+                raise ClockPermissionError(f"NVML may not {what} on GPU {self.index}") from err
+            raise ClockError(f"NVML could not {what} on GPU {self.index}: {err}") from err
+
+    def supported_clocks(self) -> list[int]:
+        """Return the supported SM clocks in MHz."""
+        nv = self._nvml
+        mem = self._call("read memory clocks", nv.nvmlDeviceGetSupportedMemoryClocks)
+        return list(self._call("read clocks", nv.nvmlDeviceGetSupportedGraphicsClocks, max(mem)))  # type: ignore[arg-type, call-overload]
+
+    def set(self, freq_mhz: float) -> None:
+        """Lock the SM clock."""
+        f = int(freq_mhz)
+        self._call("lock the clock", self._nvml.nvmlDeviceSetGpuLockedClocks, f, f)
+
+    def reset(self) -> None:
+        """Reset the locked clock."""
+        self._call("reset the clock", self._nvml.nvmlDeviceResetGpuLockedClocks)
+
+
+class EmulatedClocks:
+    """An emulated GPU: accepts every switch (or refuses all, to test that path)."""
+
+    name = "emulated"
+
+    def __init__(self, clocks_mhz: list[int] | None = None, *, refuse: bool = False) -> None:
+        self._clocks = clocks_mhz or list(range(1410, 209, -15))
+        self.refuse = refuse
+        self.current: float | None = None
+
+    def supported_clocks(self) -> list[int]:
+        """Return the emulated GPU's clocks."""
+        return list(self._clocks)
+
+    def set(self, freq_mhz: float) -> None:
+        """Record the new clock (or refuse)."""
+        if self.refuse:
+            raise ClockPermissionError("the emulated GPU refuses clock changes (refuse=True)")
+        self.current = freq_mhz
+
+    def reset(self) -> None:
+        """Record the reset."""
+        if not self.refuse:
+            self.current = None
+
+
+class DryRunClocks:
+    """Wrap a controller and never change anything (for checks on shared GPUs)."""
+
+    name = "dry-run"
+
+    def __init__(self, inner: ClockController | None = None) -> None:
+        self.inner = inner
+
+    def supported_clocks(self) -> list[int]:
+        """Return the wrapped controller's clocks (reading is allowed)."""
+        return self.inner.supported_clocks() if self.inner else []
+
+    def set(self, freq_mhz: float) -> None:
+        """Do nothing."""
+
+    def reset(self) -> None:
+        """Do nothing."""
+
+
+def default_controller() -> ClockController:
+    """Zeus on a machine with a GPU, else NVML, else the emulated GPU."""
+    for cls in (ZeusClocks, NvmlClocks):
+        try:
+            return cls()
+        except (ClockError, ImportError):
+            continue
+    return EmulatedClocks()

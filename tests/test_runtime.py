@@ -1,0 +1,213 @@
+import subprocess
+import sys
+from unittest import mock
+
+import pytest
+import torch
+
+import kareus
+from kareus.models import PRESETS, Llama
+from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
+from kareus.runtime.clocks import (
+    PERMISSION_FIX,
+    ClockError,
+    ClockPermissionError,
+    EmulatedClocks,
+    NvmlClocks,
+    ZeusClocks,
+)
+from kareus.testing import token_batches
+
+
+def make_plan(schedule, stages=1):
+    sched = tuple(
+        ScheduledInstruction(stage, kind, mb, f, time_s=0.1, dynamic_energy_j=10.0)
+        for stage, kind, mb, f in schedule
+    )
+    return Plan(
+        gpu="A100-SXM4-40GB",
+        source="modelled",
+        policy="iso_time",
+        parallel={"tp": 1, "pp": stages, "microbatches": 2},
+        frontier=(FrontierPoint(1.0, 100.0),),
+        chosen=FrontierPoint(1.0, 100.0),
+        schedule=sched,
+        decisions={},
+        baselines={},
+        static_power_w=80.0,
+    )
+
+
+def journal_sets(path):
+    return [line.split()[1] for line in path.read_text().splitlines() if line.startswith("set")]
+
+
+def test_switch_order_with_gradient_accumulation(tmp_path):
+    plan = make_plan(
+        [
+            (0, "forward", 0, 1410),
+            (0, "backward", 0, 1200),
+            (0, "forward", 1, 1100),
+            (0, "backward", 1, 1005),
+        ]
+    )
+    journal = tmp_path / "journal"
+    clocks = EmulatedClocks()
+    seen = []
+    model = kareus.compile(
+        Llama(PRESETS["tiny"]), plan=plan, clocks=clocks, journal=journal, on_iteration=seen.append
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):  # two optimizer steps of two accumulated micro-batches
+        for ids, lab in token_batches(2, 4, 16, 128, seed=step):
+            (model(ids, lab) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    assert journal_sets(journal) == ["1410", "1200", "1100", "1005"] * 2
+    assert clocks.current == 1005
+    # The graphs carry the switch as their first node, named for reading.
+    report = kareus.explain(model)
+    torch.testing.FileCheck().check("kareus_set_clock_fwd").check("mm").run(report.graph("forward"))
+    torch.testing.FileCheck().check("kareus_set_clock_bwd").run(report.graph("backward"))
+    # One finished iteration (the second finishes at the next lap), modelled from the plan.
+    assert len(seen) == 1 and seen[0].source == "modelled"
+    assert seen[0].energy_j == pytest.approx(4 * 10.0 + 80.0 * 1.0)
+    assert "modelled" in report.summary() and "switches applied: 8" in report.summary()
+    kareus.api.find_backend(model).runtime.close()
+    assert journal.read_text().splitlines()[-1] == "restore"
+    assert clocks.current is None
+
+
+def test_pipeline_stage_schedule_order(tmp_path):
+    # Stage 0 of 1F1B with 2 stages and 3 micro-batches: F0 F1 B0 F2 B1 B2.
+    order = [
+        ("forward", 0, 1410),
+        ("forward", 1, 1395),
+        ("backward", 0, 1200),
+        ("forward", 2, 1380),
+        ("backward", 1, 1185),
+        ("backward", 2, 1170),
+    ]
+    plan = make_plan([(0, k, m, f) for k, m, f in order] + [(1, "forward", 0, 900)], stages=2)
+    journal = tmp_path / "journal"
+    model = kareus.compile(
+        Llama(PRESETS["tiny"]), plan=plan, stage=0, clocks=EmulatedClocks(), journal=journal
+    )
+    batches = token_batches(3, 4, 16, 128)
+    losses = {}
+    for kind, m, _f in order:  # the pipeline schedule calls forward and backward per micro-batch
+        if kind == "forward":
+            losses[m] = model(*batches[m])
+        else:
+            losses[m].backward()
+    assert journal_sets(journal) == [str(f) for _k, _m, f in order]
+
+
+def test_no_permission_warns_once_and_trains_on(tmp_path):
+    plan = make_plan([(0, "forward", 0, 1410), (0, "backward", 0, 1200)])
+    model = kareus.compile(Llama(PRESETS["tiny"]), plan=plan, clocks=EmulatedClocks(refuse=True))
+    ids, lab = token_batches(1, 4, 16, 128)[0]
+    with pytest.warns(RuntimeWarning, match="clocks were not applied") as record:
+        for _ in range(3):
+            model(ids, lab).backward()
+    assert len([w for w in record if "clocks were not applied" in str(w.message)]) == 1
+    assert "SYS_ADMIN" in str(record[0].message)
+    assert "NOT applied" in kareus.explain(model).summary()
+
+
+SCRIPT = """
+import os, signal, sys, time, torch, kareus
+from kareus.models import PRESETS, Llama
+from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
+from kareus.runtime.clocks import EmulatedClocks
+sched = (ScheduledInstruction(0, "forward", 0, 1410), ScheduledInstruction(0, "backward", 0, 1200))
+plan = Plan(gpu="x", source="modelled", policy="iso_time", parallel={{}}, frontier=(),
+            chosen=FrontierPoint(1.0, 1.0), schedule=sched, decisions={{}}, baselines={{}})
+model = kareus.compile(
+    Llama(PRESETS["tiny"]), plan=plan, clocks=EmulatedClocks(), journal={journal!r}
+)
+ids = torch.randint(0, 128, (4, 16))
+model(ids, ids).backward()
+print("ready", flush=True)
+how = {how!r}
+if how == "exception":
+    raise RuntimeError("boom")
+if how == "sigterm":
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("how", ["normal", "exception", "sigterm"])
+def test_clocks_are_restored_however_the_program_ends(tmp_path, how):
+    journal = tmp_path / "journal"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT.format(journal=str(journal), how=how)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    if how == "sigterm":
+        assert proc.stdout.readline().strip() == "ready"
+        proc.terminate()
+    proc.wait(timeout=120)
+    lines = journal.read_text().splitlines()
+    assert lines[0] == "set 1410" and lines[-1] == "restore", lines
+    assert (proc.returncode == 0) == (how == "normal")
+
+
+class _FakeZeusGPUs:
+    def __init__(self, error):
+        self.error = error
+
+    def set_gpu_locked_clocks(self, index, lo, hi, block=True):
+        raise self.error
+
+    def reset_gpu_locked_clocks(self, index, block=True):
+        raise self.error
+
+    def get_supported_graphics_clocks(self, index, memory_clock_mhz=None):
+        return [1410, 1395]
+
+
+def test_zeus_errors_are_translated():
+    from zeus.device.gpu.common import ZeusGPUNoPermissionError, ZeusGPUNotSupportedError
+
+    with mock.patch(
+        "zeus.device.get_gpus", return_value=_FakeZeusGPUs(ZeusGPUNoPermissionError("no"))
+    ):
+        clocks = ZeusClocks(0)
+        assert clocks.supported_clocks() == [1410, 1395]
+        with pytest.raises(ClockPermissionError, match="SYS_ADMIN") as info:
+            clocks.set(1200)
+        assert isinstance(info.value.__cause__, ZeusGPUNoPermissionError)
+    with mock.patch(
+        "zeus.device.get_gpus", return_value=_FakeZeusGPUs(ZeusGPUNotSupportedError("x"))
+    ):
+        with pytest.raises(ClockError, match="could not reset") as info:
+            ZeusClocks(0).reset()
+        assert not isinstance(info.value, ClockPermissionError)
+
+
+def test_nvml_errors_are_translated():
+    import pynvml
+
+    no_perm = pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
+    with (
+        mock.patch.object(pynvml, "nvmlInit"),
+        mock.patch.object(pynvml, "nvmlDeviceGetHandleByIndex", return_value="h"),
+        mock.patch.object(pynvml, "nvmlDeviceSetGpuLockedClocks", side_effect=no_perm),
+        mock.patch.object(
+            pynvml,
+            "nvmlDeviceResetGpuLockedClocks",
+            side_effect=pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN),
+        ),
+    ):
+        clocks = NvmlClocks(0)
+        with pytest.raises(ClockPermissionError, match=PERMISSION_FIX[:20]):
+            clocks.set(1200)
+        with pytest.raises(ClockError, match="NVML could not reset"):
+            clocks.reset()
+    if not torch.cuda.is_available():
+        # Without a GPU, NVML itself is not usable: a clear ClockError, not an NVML error.
+        with pytest.raises(ClockError, match="NVML is not usable"):
+            NvmlClocks(0)
