@@ -19,7 +19,7 @@ from kareus.hardware import Emulator, gpu
 from kareus.hardware.calibrate import attention_partition
 from kareus.planner import Parallelism, exhaustive, plan_iteration, search
 from kareus.planner.knobs import KnobSpace, default_clocks
-from kareus.planner.pareto import hypervolume
+from kareus.planner.pareto import hypervolume_share
 from kareus.testing import megatron_partition_set
 
 
@@ -33,9 +33,10 @@ def search_quality(spec, pset):
         space = KnobSpace(default_clocks(spec.clocks_mhz()), (2, 4, 8, 16, 32), len(work.ops))
         full = exhaustive(work, space, emu)
         got = search(work, space, emu)
-        pts = [(p.time_s, p.energy_j) for p in full.points]
-        ref = (max(p[0] for p in pts) * 1.05, max(p[1] for p in pts) * 1.05)
-        hv = hypervolume([(p.time_s, p.energy_j) for p in got.points], ref) / hypervolume(pts, ref)
+        hv = hypervolume_share(
+            [(p.time_s, p.energy_j) for p in full.points],
+            [(p.time_s, p.energy_j) for p in got.points],
+        )
         share = got.evaluations / full.evaluations
         print(f"  {name:26} {full.evaluations:5} {got.evaluations:9} {share:6.1%} {hv:10.4%}")
 

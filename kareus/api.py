@@ -94,6 +94,8 @@ class KareusBackend:
         region = Region(index=len(self.regions), compile_id=str(compile_id))
         self.regions.append(region)
         region.findings["decisions"] = _Decisions(self.decisions)
+        if self.plan is not None:
+            region.findings["plan"] = self.plan
         if self.runtime is not None:
             region.findings["clock_runtime"] = self.runtime
         if self.decisions and dist.is_available() and dist.is_initialized():

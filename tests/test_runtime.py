@@ -73,6 +73,7 @@ def test_switch_order_with_gradient_accumulation(tmp_path):
     assert len(seen) == 1 and seen[0].source == "modelled"
     assert seen[0].energy_j == pytest.approx(4 * 10.0 + 80.0 * 1.0)
     assert "modelled" in report.summary() and "switches applied: 8" in report.summary()
+    assert "kareus plan for A100-SXM4-40GB" in report.summary()  # the applied plan is shown
     kareus.api.find_backend(model).runtime.close()
     assert journal.read_text().splitlines()[-1] == "restore"
     assert clocks.current is None

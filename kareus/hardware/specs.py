@@ -215,41 +215,40 @@ _H100_SOURCES = {
     "vf_knee, v_floor": _VF,
 }
 
+
+def _hopper(name: str, memory_gb: float, bandwidth_gbs: float, sources: dict[str, str]) -> GPUSpec:
+    return GPUSpec(
+        name=name,
+        sm_count=132,
+        clock_min_mhz=345,
+        clock_max_mhz=1980,
+        clock_step_mhz=15,
+        peak_tflops={"fp16": 989.4, "bf16": 989.4, "fp8": 1978.9, "tf32": 494.7, "fp32": 66.9},
+        peak_clock_mhz=1830,
+        memory_bandwidth_gbs=bandwidth_gbs,
+        memory_gb=memory_gb,
+        tdp_w=700.0,
+        interconnect=NVLINK4,
+        vf_knee=0.55,
+        v_floor=0.70,
+        sources={**_H100_SOURCES, **sources},
+    )
+
+
 GPUS: dict[str, GPUSpec] = {
     "a100-sxm4-40gb": _a100("A100-SXM4-40GB", 40, 1555.0, f"{_DATASHEET_A100}: HBM2, 1555 GB/s"),
     "a100-sxm4-80gb": _a100("A100-SXM4-80GB", 80, 2039.0, f"{_DATASHEET_A100}: HBM2e, 2039 GB/s"),
-    "h100-sxm": GPUSpec(
-        name="H100-SXM5-80GB",
-        sm_count=132,
-        clock_min_mhz=345,
-        clock_max_mhz=1980,
-        clock_step_mhz=15,
-        peak_tflops={"fp16": 989.4, "bf16": 989.4, "fp8": 1978.9, "tf32": 494.7, "fp32": 66.9},
-        peak_clock_mhz=1830,
-        memory_bandwidth_gbs=3350.0,
-        memory_gb=80,
-        tdp_w=700.0,
-        interconnect=NVLINK4,
-        vf_knee=0.55,
-        v_floor=0.70,
-        sources={**_H100_SOURCES, "memory_bandwidth_gbs": f"{_DATASHEET_H100}: HBM3, 3.35 TB/s"},
+    "h100-sxm": _hopper(
+        "H100-SXM5-80GB",
+        80,
+        3350.0,
+        {"memory_bandwidth_gbs": f"{_DATASHEET_H100}: HBM3, 3.35 TB/s"},
     ),
-    "h200": GPUSpec(
-        name="H200-SXM-141GB",
-        sm_count=132,
-        clock_min_mhz=345,
-        clock_max_mhz=1980,
-        clock_step_mhz=15,
-        peak_tflops={"fp16": 989.4, "bf16": 989.4, "fp8": 1978.9, "tf32": 494.7, "fp32": 66.9},
-        peak_clock_mhz=1830,
-        memory_bandwidth_gbs=4800.0,
-        memory_gb=141,
-        tdp_w=700.0,
-        interconnect=NVLINK4,
-        vf_knee=0.55,
-        v_floor=0.70,
-        sources={
-            **_H100_SOURCES,
+    "h200": _hopper(
+        "H200-SXM-141GB",
+        141,
+        4800.0,
+        {
             "sm_count, peak_tflops, tdp_w": f"{_DATASHEET_H200} (same GH100 compute as H100 SXM)",
             "memory_bandwidth_gbs": f"{_DATASHEET_H200}: HBM3e, 4.8 TB/s",
         },

@@ -39,6 +39,17 @@ def hypervolume(points: Sequence[tuple[float, float]], reference: tuple[float, f
     return area
 
 
+def hypervolume_share(
+    reference_points: Sequence[tuple[float, float]], points: Sequence[tuple[float, float]]
+) -> float:
+    """Return the share of the reference set's hypervolume that ``points`` reach.
+
+    The reference point is 5 % worse than the reference set's worst time and energy.
+    """
+    ref = (max(p[0] for p in reference_points) * 1.05, max(p[1] for p in reference_points) * 1.05)
+    return hypervolume(points, ref) / hypervolume(reference_points, ref)
+
+
 def is_monotone(front: Sequence[tuple[float, float]]) -> bool:
     """Return whether time rises and energy falls strictly along ``front``."""
     return all(a[0] < b[0] and a[1] > b[1] for a, b in itertools.pairwise(front))
