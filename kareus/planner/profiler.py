@@ -1,0 +1,149 @@
+"""Measure partitions on a device: the evaluator that replaces the emulator on real GPUs.
+
+:class:`ProfilerEvaluator` runs a partition's workload back to back on a
+:class:`ProfilingDevice` after warm-up, over a window long enough for the energy counter
+(NVML's updates every ~100 ms, so windows of about a second), and divides time and energy by
+the repetitions. It locks the clock only when permitted (``lock_clocks=True``) and restores
+it after every measurement, also on errors; with ``lock_clocks=False`` it never changes a
+clock and measures at the clock the device runs at (the plan then holds that clock only).
+
+Devices: :class:`EmulatedProfilingDevice` advances a virtual time and a coarse energy
+counter with the hardware model, so the profiler is tested without a GPU (its figures are
+modelled); ``kareus.runtime.cuda_profiling.CudaProfilingDevice`` runs a synthetic workload
+built from the partition's costs on a CUDA GPU (GEMMs and copies of the same FLOPs and
+bytes, the collective on a side stream from its launch slot) and reads energy through Zeus's
+monitor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Protocol
+
+from kareus.costs import Estimate, Knobs, OpCost, PartitionWork
+from kareus.runtime.clocks import ClockController
+
+
+class ProfilingDevice(Protocol):
+    """Something that runs workloads and reports time and a cumulative energy counter."""
+
+    source: str
+
+    def run(self, work: PartitionWork, knobs: Knobs) -> None:
+        """Enqueue one execution of the partition's workload."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait for enqueued work to finish."""
+        ...
+
+    def now_s(self) -> float:
+        """Return the device's time in seconds."""
+        ...
+
+    def energy_j(self) -> float:
+        """Return the cumulative energy counter in joules."""
+        ...
+
+
+@dataclasses.dataclass
+class ProfilerEvaluator:
+    """The planner's evaluator over a profiling device (see the module docstring).
+
+    Attributes:
+        device: where workloads run.
+        clocks: the device's clock controller.
+        lock_clocks: set the knob's clock for each measurement (needs permission); when
+            False no clock is ever changed.
+        static_power_w: static power, to split off dynamic energy.
+        warmup: executions before measuring.
+        min_window_s: shortest measurement window.
+    """
+
+    device: ProfilingDevice
+    clocks: ClockController
+    lock_clocks: bool = False
+    static_power_w: float = 0.0
+    warmup: int = 3
+    min_window_s: float = 1.0
+    measurements: int = 0
+
+    @property
+    def source(self) -> str:
+        """``measured`` on a real device, ``modelled`` on the emulated one."""
+        return self.device.source
+
+    def partition(self, work: PartitionWork, knobs: Knobs) -> Estimate:
+        """Measure one partition under one knob setting."""
+        if self.lock_clocks:
+            self.clocks.set(knobs.freq_mhz)
+        try:
+            for _ in range(self.warmup):
+                self.device.run(work, knobs)
+            self.device.synchronize()
+            t0, e0 = self.device.now_s(), self.device.energy_j()
+            reps = 0
+            while True:
+                self.device.run(work, knobs)
+                reps += 1
+                if reps % 8 == 0 or reps < 8:
+                    self.device.synchronize()
+                    if self.device.now_s() - t0 >= self.min_window_s:
+                        break
+            self.device.synchronize()
+            time_s = (self.device.now_s() - t0) / reps
+            energy_j = (self.device.energy_j() - e0) / reps
+        finally:
+            if self.lock_clocks:
+                self.clocks.reset()
+        self.measurements += 1
+        return Estimate(time_s, energy_j, energy_j - self.static_power_w * time_s, self.source)  # type: ignore[arg-type]
+
+    def ops(self, ops: tuple[OpCost, ...], freq_mhz: float) -> Estimate:
+        """Measure compute alone at one clock."""
+        return self.partition(PartitionWork(ops, None), Knobs(freq_mhz, 0, launch_slot=None))
+
+
+class EmulatedProfilingDevice:
+    """A device whose time and energy come from the hardware model; runs nothing.
+
+    The energy counter updates only every ``counter_period_s`` (like NVML's), so a window
+    that is too short under-reads, as on a real GPU. The clock is the controller's current
+    one (an :class:`~kareus.runtime.clocks.EmulatedClocks`), else the maximum.
+    """
+
+    source = "modelled"
+
+    def __init__(
+        self, emulator: object, clocks: object | None = None, counter_period_s: float = 0.1
+    ) -> None:
+        self.emulator = emulator
+        self.clocks = clocks
+        self.period = counter_period_s
+        self._t = 0.0
+        self._e = 0.0
+        self.runs: list[float] = []
+
+    def run(self, work: PartitionWork, knobs: Knobs) -> None:
+        """Advance time and energy by one modelled execution at the device's clock."""
+        current = getattr(self.clocks, "current", None)
+        freq = current if current is not None else self.emulator.spec.clock_max_mhz  # type: ignore[attr-defined]
+        est = self.emulator.partition(work, dataclasses.replace(knobs, freq_mhz=freq))  # type: ignore[attr-defined]
+        self.runs.append(freq)
+        self._t += est.time_s
+        self._e += est.energy_j
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def now_s(self) -> float:
+        """Return virtual time."""
+        return self._t
+
+    def energy_j(self) -> float:
+        """Return the energy counter as of its last update."""
+        ticks = math.floor(self._t / self.period)
+        if self._t <= 0:
+            return 0.0
+        return self._e * (ticks * self.period) / self._t
