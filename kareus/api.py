@@ -134,7 +134,12 @@ class KareusBackend:
                 self._run_graph_passes(region, kind, g, inputs), inputs, **kwargs
             )
 
-        return compile_fx(gm, example_inputs, inner_compile=inner)  # type: ignore[return-value]
+        # kareus's passes run inside inner_compile: a cache hit would skip them silently.
+        with (
+            torch._inductor.config.patch(fx_graph_cache=False),
+            torch._functorch.config.patch(enable_autograd_cache=False),
+        ):
+            return compile_fx(gm, example_inputs, inner_compile=inner)  # type: ignore[return-value]
 
     def _run_graph_passes(
         self, region: Region, kind: str, gm: fx.GraphModule, example_inputs: Sequence[Any]

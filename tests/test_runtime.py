@@ -125,7 +125,8 @@ sched = (ScheduledInstruction(0, "forward", 0, 1410), ScheduledInstruction(0, "b
 plan = Plan(gpu="x", source="modelled", policy="iso_time", parallel={{}}, frontier=(),
             chosen=FrontierPoint(1.0, 1.0), schedule=sched, decisions={{}}, baselines={{}})
 model = kareus.compile(
-    Llama(PRESETS["tiny"]), plan=plan, clocks=EmulatedClocks(), journal={journal!r}
+    Llama(PRESETS["tiny"]), plan=plan, clocks=EmulatedClocks(), journal={journal!r},
+    nanobatches=1,
 )
 ids = torch.randint(0, 128, (4, 16))
 model(ids, ids).backward()

@@ -323,7 +323,7 @@ def test_config_names_the_batch_dimension():
 
 
 @settings(
-    max_examples=5,
+    max_examples=3,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],

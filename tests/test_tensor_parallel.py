@@ -29,7 +29,7 @@ class Grab(GraphPass):
 def _train_tp(rank, decisions):
     """Train the TP model eager and compiled; return histories, partitions and graph orders."""
     grab = Grab()
-    kareus.passes.PIPELINE = (*kareus.passes.PIPELINE, grab)
+    kareus.passes.PIPELINE = (*(p for p in kareus.passes.PIPELINE if p.name != "grab"), grab)
     holder = {}
 
     def make():
@@ -109,21 +109,31 @@ def test_default_schedule_launches_at_partition_start(default_run):
     )
 
 
-@pytest.mark.parametrize(
-    "decisions",
-    [
-        {"*": Decision(launch_slot=None)},
-        {"*": Decision(launch_slot=2)},
-        {"*": Decision(launch_slot=99)},  # clamped to the last slot
-    ],
-    ids=["no-overlap", "slot-2", "last-slot"],
-)
-def test_decisions_place_issue_and_wait_and_keep_results(decisions):
+DECISIONS = [
+    {"*": Decision(launch_slot=None)},  # no overlap
+    {"*": Decision(launch_slot=2)},
+    {"*": Decision(launch_slot=99)},  # clamped to the last slot
+    {"forward.2": Decision(launch_slot=1), "*": Decision(launch_slot=3)},  # per type
+]
+
+
+def _train_tp_each(rank, all_decisions):
+    out = []
+    for decisions in all_decisions:
+        torch._dynamo.reset()
+        out.append(_train_tp(rank, decisions))
+    return out
+
+
+def test_decisions_place_issue_and_wait_and_keep_results():
     from kareus.partitions import PartitionSet
 
-    for ref, got, pset_json, orders, _code, _ in run_ranks(_train_tp, decisions):
-        _check_order(PartitionSet.from_json(pset_json), orders, decisions)
-        assert_same_history(ref, got)
+    for per_rank in run_ranks(_train_tp_each, DECISIONS):
+        for decisions, (ref, got, pset_json, orders, _code, _) in zip(
+            DECISIONS, per_rank, strict=True
+        ):
+            _check_order(PartitionSet.from_json(pset_json), orders, decisions)
+            assert_same_history(ref, got)
 
 
 def _sm_share_groups(rank):
