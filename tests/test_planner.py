@@ -270,3 +270,10 @@ def test_profiler_never_changes_clocks_when_told_so():
     # Too short a window under-reads energy, as with NVML's counter: the minimum matters.
     short = ProfilerEvaluator(EmulatedProfilingDevice(emu), DryRunClocks(), min_window_s=0.0)
     assert short.partition(attention_partition(), Knobs(1410, 8)).energy_j == 0.0
+
+
+def test_frontier_plot_is_written(small_plan, tmp_path):
+    from kareus.planner.plot import plot_frontiers
+
+    out = plot_frontiers(small_plan.plan, tmp_path / "f.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

@@ -1,0 +1,53 @@
+"""Plot iteration frontiers (kareus and baselines) to a PNG with matplotlib."""
+
+from __future__ import annotations
+
+import pathlib
+
+from kareus.plan import Plan
+
+
+def plot_frontiers(plan: Plan, path: str | pathlib.Path) -> pathlib.Path:
+    """Write a time-energy plot of the plan's frontier and baselines; return the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
+    styles = {"megatron": "s", "perseus": "^", "nanobatch+perseus": "v"}
+    for name, pts in plan.baselines.items():
+        ax.plot(
+            [p.time_s for p in pts],
+            [p.energy_j for p in pts],
+            marker=styles.get(name, "o"),
+            linestyle="--",
+            label=name,
+        )
+    ax.plot(
+        [p.time_s for p in plan.frontier],
+        [p.energy_j for p in plan.frontier],
+        marker="o",
+        linewidth=2,
+        label="kareus",
+    )
+    ax.plot(
+        [plan.chosen.time_s],
+        [plan.chosen.energy_j],
+        marker="*",
+        markersize=14,
+        linestyle="none",
+        color="black",
+        label=f"chosen ({plan.policy})",
+    )
+    ax.set_xlabel("iteration time (s)")
+    ax.set_ylabel("energy per iteration, all GPUs (J)")
+    ax.set_title(f"{plan.gpu}: time-energy frontiers ({plan.source})")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
