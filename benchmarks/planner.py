@@ -17,7 +17,7 @@ import time
 from kareus.costs import PartitionWork
 from kareus.hardware import Emulator, gpu
 from kareus.hardware.calibrate import attention_partition
-from kareus.planner import Parallelism, exhaustive, plan_iteration, search
+from kareus.planner import Parallelism, exhaustive, plan_for_gpu, search
 from kareus.planner.knobs import KnobSpace, default_clocks
 from kareus.planner.pareto import hypervolume_share
 from kareus.testing import megatron_partition_set
@@ -51,14 +51,7 @@ def main():
     )
     search_quality(spec, pset)
     start = time.perf_counter()
-    result = plan_iteration(
-        pset,
-        Emulator(spec),
-        gpu=spec.name,
-        clocks_mhz=spec.clocks_mhz(),
-        static_power_w=spec.calibration.static_power_w,
-        parallel=Parallelism(tp=8, pp=2, microbatches=8),
-    )
+    result = plan_for_gpu(pset, spec, parallel=Parallelism(tp=8, pp=2, microbatches=8))
     wall = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(

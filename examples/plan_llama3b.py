@@ -11,8 +11,8 @@ import argparse
 import pathlib
 import time
 
-from kareus.hardware import Emulator, gpu
-from kareus.planner import POLICIES, Parallelism, plan_iteration
+from kareus.hardware import gpu
+from kareus.planner import POLICIES, Parallelism, plan_for_gpu
 from kareus.planner.plot import plot_frontiers
 from kareus.testing import megatron_partition_set
 
@@ -28,12 +28,9 @@ pset = megatron_partition_set(
     hidden=3072, ffn=8192, heads=24, seq=4096, microbatch=8, layers=14, tp=8, vocab=128256
 )
 start = time.perf_counter()
-result = plan_iteration(
+result = plan_for_gpu(
     pset,
-    Emulator(spec),
-    gpu=spec.name,
-    clocks_mhz=spec.clocks_mhz(),
-    static_power_w=spec.calibration.static_power_w,
+    spec,
     parallel=Parallelism(tp=8, pp=2, microbatches=8),
     policy=args.select,
     progress=lambda step: print(f"  {step} ...", flush=True),

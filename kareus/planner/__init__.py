@@ -6,7 +6,13 @@ passes produce and writes a :class:`~kareus.plan.Plan`.
 
 from kareus.planner.compose import Composer, chain, one_f_one_b
 from kareus.planner.knobs import KnobSpace, RecordingEvaluator, ReplayEvaluator, Setting
-from kareus.planner.planner import METHODS, Parallelism, PlannerSettings, plan_iteration
+from kareus.planner.planner import (
+    METHODS,
+    Parallelism,
+    PlannerSettings,
+    plan_for_gpu,
+    plan_iteration,
+)
 from kareus.planner.search import exhaustive, search
 from kareus.planner.select import POLICIES, InfeasiblePlanError, select
 
@@ -24,6 +30,7 @@ __all__ = [
     "chain",
     "exhaustive",
     "one_f_one_b",
+    "plan_for_gpu",
     "plan_iteration",
     "search",
     "select",

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kareus.costs import Evaluator, Knobs, PartitionWork
+from kareus.hardware import Emulator, GPUSpec
 from kareus.partitions import Decision, PartitionSet
 from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
 from kareus.planner.compose import Composer, Option, Solution, chain, one_f_one_b
@@ -256,6 +257,26 @@ def plan_iteration(
         static_power_w=static_power_w,
     )
     return PlanningResult(plan, searches, frontiers, ev.evaluations, grid)
+
+
+def plan_for_gpu(
+    psets: PartitionSet | Sequence[PartitionSet],
+    spec: GPUSpec,
+    evaluator: Evaluator | None = None,
+    **kwargs: Any,
+) -> PlanningResult:
+    """Plan for a GPU spec: its name, clocks and static power; the emulator by default.
+
+    Other keyword arguments are :func:`plan_iteration`'s.
+    """
+    return plan_iteration(
+        psets,
+        evaluator if evaluator is not None else Emulator(spec),
+        gpu=spec.name,
+        clocks_mhz=spec.clocks_mhz(),
+        static_power_w=spec.calibration.static_power_w,
+        **kwargs,
+    )
 
 
 def _profiles(
