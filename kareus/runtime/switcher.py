@@ -20,7 +20,6 @@ import pathlib
 import queue
 import signal
 import threading
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -94,7 +93,6 @@ class ClockRuntime:
         self._closed = False
         self._queue: queue.Queue[Any] | None = None
         self._monitor = _ZeusWindow() if measure else None
-        self._lap_start = time.perf_counter()
         self.id = next(_IDS)
         _RUNTIMES[self.id] = self
         atexit.register(self.close)
@@ -167,7 +165,6 @@ class ClockRuntime:
     # ---- iterations and energy ---------------------------------------------------------------
 
     def _finish_iteration(self) -> None:
-        now = time.perf_counter()
         if self._monitor is not None:
             time_s, energy_j = self._monitor.lap()
             rec = IterationEnergy(len(self.iterations), time_s, energy_j, "measured")
@@ -177,7 +174,6 @@ class ClockRuntime:
             rec = IterationEnergy(
                 len(self.iterations), t, dyn + self.static_power_w * t, "modelled"
             )
-        self._lap_start = now
         self.iterations.append(rec)
         if self.on_iteration is not None:
             try:
