@@ -1,6 +1,10 @@
 """An ordinary training loop; the only kareus line is the compile call.
 
-Run: python examples/train_tiny.py [--steps N] [--report PATH]
+kareus splits the layers into nanobatches and, given a GPU type, plans clocks for it with
+its hardware model (no GPU needed: the clock switches go to an emulated GPU here, and the
+energy printed is modelled).
+
+Run: python examples/train_tiny.py [--steps N] [--gpu a100-40gb] [--report PATH]
 """
 
 import argparse
@@ -13,12 +17,14 @@ from kareus.models import PRESETS, Llama
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--steps", type=int, default=5)
+parser.add_argument("--gpu", default="a100-40gb", help="GPU type to plan for")
 parser.add_argument("--report", type=pathlib.Path, default=pathlib.Path("kareus-out/explain.txt"))
 args = parser.parse_args()
 
 torch.manual_seed(0)
 model = Llama(PRESETS["tiny"])
-model = kareus.compile(model)  # instead of torch.compile(model)
+energy = []
+model = kareus.compile(model, gpu=args.gpu, on_iteration=energy.append)  # was torch.compile
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 data = torch.randint(0, 128, (2, 8, 33), generator=torch.Generator().manual_seed(0))
@@ -32,6 +38,8 @@ for step in range(args.steps):
 
 report = kareus.explain(model)
 print(report.summary())
+for it in energy:
+    print(f"iteration {it.iteration}: {it.time_s * 1e3:.3f} ms, {it.energy_j:.4f} J ({it.source})")
 args.report.parent.mkdir(parents=True, exist_ok=True)
 args.report.write_text(str(report))
 print(f"full report with the captured and rewritten graphs: {args.report}")

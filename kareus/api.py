@@ -61,6 +61,15 @@ class KareusBackend:
             raise TypeError(f"config must be a kareus.Config, got {type(base).__name__}")
         self.config = base.replace(**overrides) if overrides else base
         self.plan = Plan.load(plan) if isinstance(plan, (str, pathlib.Path)) else plan
+        # Without a plan or decisions, compile plans by itself for a known GPU type.
+        self._plan_for = (
+            (self.config.gpu or _this_gpu()) if plan is None and decisions is None else None
+        )
+        self._runtime_options: dict[str, Any] = {
+            "clocks": clocks,
+            "journal": journal,
+            "on_iteration": on_iteration,
+        }
         if decisions is None and self.plan is not None:
             decisions = self.plan.decisions_for(stage)
         self.decisions: dict[str, Decision] = dict(decisions or {})
@@ -109,8 +118,17 @@ class KareusBackend:
         from functorch.compile import make_boxed_func
         from torch._dynamo.backends.common import aot_autograd
 
+        compiled: dict[str, tuple[fx.GraphModule, Sequence[Any], fx.GraphModule]] = {}
+
         def compiler(kind: str, g: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
-            return make_boxed_func(self._run_graph_passes(region, kind, g, inputs).forward)
+            compiled[kind] = (g, inputs, self._run_graph_passes(region, kind, g, inputs))
+            if kind == "backward" and self._plan_for and "forward" in compiled:
+                self._plan_region(region, compiled)
+
+            def run(*args: Any) -> Any:  # looks the graph up: planning may replace it
+                return compiled[kind][2](*args)
+
+            return make_boxed_func(run)
 
         return aot_autograd(
             fw_compiler=functools.partial(compiler, "forward"),
@@ -118,10 +136,75 @@ class KareusBackend:
             inference_compiler=functools.partial(compiler, "inference"),
         )(gm, example_inputs)
 
+    def _plan_region(
+        self,
+        region: Region,
+        compiled: dict[str, tuple[fx.GraphModule, Sequence[Any], fx.GraphModule]],
+    ) -> None:
+        """Plan this region's forward and backward with the hardware model; apply the plan.
+
+        Both graphs are rewritten by the plan (the functions already returned pick the new
+        code up at their next call).
+        """
+        from kareus.hardware import gpu
+        from kareus.partitions import PartitionSet
+        from kareus.planner import Parallelism, plan_for_gpu
+
+        pset: PartitionSet = region.findings["cut_partitions"]
+        sizes = [
+            c.world_size
+            for t in pset.types.values()
+            for c in ([t.collective] if t.collective else [])
+        ] + [c.world_size for cs in pset.exposed.values() for c in cs]
+        spec = gpu(str(self._plan_for))
+        try:
+            result = plan_for_gpu(
+                pset,
+                spec,
+                parallel=Parallelism(tp=max(sizes, default=1)),
+                policy=self.config.select,
+            )
+        except Exception as err:  # planning must never stop training
+            note = f"planning for {spec.name} failed, nanobatching defaults kept: {err}"
+            region.notes.append(note)
+            warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=2)
+            return
+        plan = result.plan
+        region.findings["plan"] = plan
+        region.findings["decisions"] = _Decisions(plan.decisions_for(0))
+        if dist.is_available() and dist.is_initialized():
+            self._pool = self._pool or CommunicatorPool()
+            region.findings["communicator_pool"] = self._pool
+        opts = self._runtime_options
+        region.findings["clock_runtime"] = ClockRuntime(
+            [Step(s.kind, s.freq_mhz, s.time_s, s.dynamic_energy_j) for s in plan.schedule],
+            opts["clocks"] if opts["clocks"] is not None else default_controller(),
+            journal=opts["journal"],
+            static_power_w=plan.static_power_w,
+            iteration_time_s=plan.chosen.time_s,
+            on_iteration=opts["on_iteration"],
+        )
+        region.notes.append(
+            f"planned at compile time for {spec.name} with the hardware model "
+            f"(policy {self.config.select}; modelled {plan.chosen.time_s:.6f} s, "
+            f"{plan.chosen.energy_j:.3f} J per forward and backward)"
+        )
+        # Rewrite both graphs by the plan, from the captured graphs.
+        region.findings["cut_partitions"] = PartitionSet()
+        for kind in ("forward", "backward"):
+            g, inputs, _old = compiled[kind]
+            compiled[kind] = (g, inputs, self._run_graph_passes(region, kind, g, inputs))
+
     def _hand_to_inductor(
         self, region: Region, gm: fx.GraphModule, example_inputs: Sequence[Any]
     ) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        if self._plan_for:
+            region.notes.append(
+                "not planned at compile time: that needs codegen='python'; plan with "
+                "`kareus plan` and pass plan=... to apply clocks and overlap with Inductor"
+            )
 
         def inner(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
             if kwargs.get("is_backward"):
@@ -175,6 +258,15 @@ class _Decisions(dict):  # type: ignore[type-arg]
         if not self:
             return "none given: every partition type launches at its start (nanobatching)"
         return "\n".join(f"{k}: {v}" for k, v in self.items())
+
+
+def _this_gpu() -> str | None:
+    """Return the kareus GPU type of this CUDA device, or None (no GPU or unknown)."""
+    if not torch.cuda.is_available():
+        return None
+    from kareus.hardware.specs import spec_name_for_device
+
+    return spec_name_for_device(torch.cuda.get_device_name())
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:

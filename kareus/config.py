@@ -27,6 +27,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _known_gpu(name: Any) -> bool:
+    from kareus.hardware.specs import ALIASES, GPUS
+
+    key = str(name).lower().replace("_", "-")
+    return isinstance(name, str) and (key in GPUS or key in ALIASES)
+
+
 def _known_pass_names() -> tuple[str, ...]:
     from kareus.passes import PASS_NAMES
 
@@ -74,6 +81,28 @@ class Config:
         lambda v: v in _CODEGENS,
         "How the rewritten graphs run: 'python' executes them as plain Python; 'inductor' "
         "hands them to TorchInductor after kareus's passes.",
+    )
+    fuse_memory_ops: bool = _field(
+        True,
+        "True or False",
+        lambda v: isinstance(v, bool),
+        "Cost each run of consecutive memory-bound ops as one fused kernel that reads its "
+        "outside inputs and writes its outside outputs once (as Inductor or hand-fused "
+        "kernels run them). False costs every op as eager PyTorch runs it.",
+    )
+    gpu: str | None = _field(
+        None,
+        "None or a GPU type of kareus.hardware.GPUS (or an alias such as 'a100-40gb')",
+        lambda v: v is None or _known_gpu(v),
+        "The GPU type compile plans for when given neither a plan nor decisions (with the "
+        "hardware model, once both graphs of a region are captured). None: the GPU this "
+        "process runs on, when kareus knows its type; without one, nothing is planned.",
+    )
+    select: str = _field(
+        "iso_time",
+        "a policy of kareus.planner.POLICIES without a parameter",
+        lambda v: v in ("iso_time", "max_throughput", "min_energy"),
+        "How compile picks its own plan from the frontier (see kareus.planner.select).",
     )
     strict: bool = _field(
         False,

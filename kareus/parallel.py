@@ -29,19 +29,32 @@ Group = dist.ProcessGroup | str | None
 which (unlike groups) survive ``copy.deepcopy``."""
 
 
+_KNOWN: dict[str, tuple[int, int]] = {}
+"""(size, rank) of groups seen by name: inside a compiled forward, resolving a group name
+would break the graph, a dictionary lookup does not."""
+
+
 def group_name(group: Group) -> str:
     """Return the registered name of ``group`` (the default group when None)."""
     if isinstance(group, str):
         return group
     pg = group if group is not None else dist.group.WORLD
-    return pg.group_name  # type: ignore[union-attr]
+    name: str = pg.group_name  # type: ignore[union-attr]
+    _KNOWN[name] = (dist.get_world_size(pg), dist.get_rank(pg))
+    return name
+
+
+def _size_rank(group: Group) -> tuple[int, int]:
+    name = group_name(group)
+    if name not in _KNOWN:
+        pg = dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
+        _KNOWN[name] = (dist.get_world_size(pg), dist.get_rank(pg))
+    return _KNOWN[name]
 
 
 def group_size(group: Group) -> int:
     """Return the number of ranks in ``group``."""
-    if isinstance(group, str):
-        group = dist.distributed_c10d._resolve_process_group(group)  # type: ignore[arg-type]
-    return dist.get_world_size(group)
+    return _size_rank(group)[0]
 
 
 def _all_reduce(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -179,3 +192,69 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return the full ``x @ W.T`` from this rank's input shard."""
         return reduce_from_tp(self.linear(x), self.group)
+
+
+def group_rank(group: Group) -> int:
+    """Return this process's rank within ``group``."""
+    return _size_rank(group)[1]
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding whose rows (the vocabulary) are split across the group.
+
+    Each rank looks up the ids in its own range, zeroes the others, and the partial
+    embeddings are summed with an all-reduce ("g").
+    """
+
+    def __init__(self, vocab_size: int, dim: int, group: Group = None) -> None:
+        super().__init__()
+        self.group = group_name(group)
+        rows = _shard(vocab_size, group_size(group), "vocab_size")
+        self.start = group_rank(group) * rows
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+        nn.init.normal_(self.weight)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Return the embeddings of ``ids`` (replicated on every rank)."""
+        rows = self.weight.shape[0]
+        outside = (ids < self.start) | (ids >= self.start + rows)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = nn.functional.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, logits: torch.Tensor, labels: torch.Tensor, start: int, name: str
+    ) -> torch.Tensor:
+        logits = logits.float()
+        top = _fc.wait_tensor(_fc.all_reduce(logits.amax(-1), "max", name))
+        shifted = logits - top.unsqueeze(-1)
+        exp = shifted.exp()
+        total = _fc.wait_tensor(_fc.all_reduce(exp.sum(-1), "sum", name))
+        outside = (labels < start) | (labels >= start + logits.shape[-1])
+        local = (labels - start).masked_fill(outside, 0)
+        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        target = _fc.wait_tensor(_fc.all_reduce(picked, "sum", name))
+        ctx.save_for_backward(exp / total.unsqueeze(-1), local, outside)
+        return total.log() - target
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, local, outside = ctx.saved_tensors
+        onehot = nn.functional.one_hot(local, softmax.shape[-1]).to(softmax.dtype)
+        onehot = onehot.masked_fill(outside.unsqueeze(-1), 0.0)
+        return (softmax - onehot) * grad.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group: Group = None
+) -> torch.Tensor:
+    """Per-token cross-entropy of logits split by vocabulary across ``group`` (Megatron-style).
+
+    ``logits`` holds this rank's vocabulary columns, starting at ``vocab_start``; the full
+    logits are never gathered: the max, the softmax denominator and the target logit are
+    all-reduced. Computed in fp32.
+    """
+    return _VocabParallelCrossEntropy.apply(logits, labels, vocab_start, group_name(group))

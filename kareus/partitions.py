@@ -111,8 +111,11 @@ class PartitionSet:
     Attributes:
         partitions: every partition, in execution order per instruction.
         types: the partition types by key.
-        other: per instruction, the compute outside partitions (embedding, head, loss,
-            blocks left whole) at full cost.
+        other: per instruction, the compute outside partitions and outside split blocks
+            (embedding, head, loss, blocks left whole) at full cost.
+        block_other: per instruction and split block, the block's compute outside its
+            partitions (the sum of the two nanobatches' weight gradients; the last block's
+            residual tail). Kept per block so that counting repeated layers counts it too.
         exposed: per instruction, collectives that overlap no compute.
         notes: why a graph has no partitions.
     """
@@ -120,6 +123,7 @@ class PartitionSet:
     partitions: list[Partition] = dataclasses.field(default_factory=list)
     types: dict[str, PartitionType] = dataclasses.field(default_factory=dict)
     other: dict[str, tuple[OpCost, ...]] = dataclasses.field(default_factory=dict)
+    block_other: dict[str, dict[str, tuple[OpCost, ...]]] = dataclasses.field(default_factory=dict)
     exposed: dict[str, tuple[CollectiveCost, ...]] = dataclasses.field(default_factory=dict)
     notes: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -128,6 +132,11 @@ class PartitionSet:
         return dict(
             collections.Counter(p.type_key for p in self.partitions if p.instruction == instruction)
         )
+
+    def outside(self, instruction: str) -> tuple[OpCost, ...]:
+        """All compute of one instruction outside partitions (``other`` and ``block_other``)."""
+        blocks = self.block_other.get(instruction, {})
+        return self.other.get(instruction, ()) + tuple(c for ops in blocks.values() for c in ops)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the set as JSON-ready data."""
@@ -172,7 +181,11 @@ class PartitionSet:
         }
         other = {k: tuple(op(o) for o in v) for k, v in data["other"].items()}
         exposed = {k: tuple(CollectiveCost(**c) for c in v) for k, v in data["exposed"].items()}
-        return cls(parts, types, other, exposed, dict(data.get("notes", {})))
+        block_other = {
+            k: {b: tuple(op(o) for o in ops) for b, ops in blocks.items()}
+            for k, blocks in data.get("block_other", {}).items()
+        }
+        return cls(parts, types, other, block_other, exposed, dict(data.get("notes", {})))
 
     @classmethod
     def from_json(cls, text: str) -> PartitionSet:
@@ -193,7 +206,8 @@ class PartitionSet:
                 rows,
             )
         ]
-        for instr, ops in self.other.items():
+        for instr in self.other:
+            ops = self.outside(instr)
             flops = sum(o.flops for o in ops)
             lines.append(f"{instr}: {len(ops)} ops outside partitions ({flops / 1e9:.3f} GFLOP)")
         for instr, colls in self.exposed.items():

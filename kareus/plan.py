@@ -58,6 +58,7 @@ class Plan:
     evaluations: dict[str, int] = dataclasses.field(default_factory=dict)
     skip_reasons: tuple[str, ...] = ()
     static_power_w: float = 0.0
+    workload: dict[str, Any] = dataclasses.field(default_factory=dict)
     version: int = PLAN_VERSION
 
     def clocks(self, stage: int = 0) -> list[float]:
@@ -117,6 +118,7 @@ class Plan:
             evaluations=dict(data.get("evaluations", {})),
             skip_reasons=tuple(data.get("skip_reasons", ())),
             static_power_w=float(data.get("static_power_w", 0.0)),
+            workload=dict(data.get("workload", {})),
         )
 
     @classmethod
@@ -132,6 +134,8 @@ class Plan:
         src = self.source
         par = ", ".join(f"{k} {v}" for k, v in self.parallel.items())
         head = f"kareus plan for {self.gpu} ({par}), policy {self.policy}; all figures {src}"
+        if self.workload.get("describe"):
+            head += f"\nworkload: {self.workload['describe']}"
         front = render_table(
             f"kareus frontier ({src})",
             ("#", "iteration time s", "energy J", "chosen"),

@@ -104,7 +104,8 @@ def test_forward_and_backward_block_identities_agree(grab):
     assert checked > 100
     assert set(bs.spans["forward"]) == set(bs.spans["backward"]) == {"layers.0", "layers.1"}
     for name in ("layers.0", "layers.1"):
-        assert set(bs.spans["backward"][name]) == {0, 1}
+        # Both copies, and (None) the sums of their weight gradients, which read both.
+        assert set(bs.spans["backward"][name]) == {0, 1, None}
 
 
 # ---- every skip reason: block left whole, model still correct, reason reported ----
@@ -372,4 +373,4 @@ def test_random_transformers_split_correctly(grab, layers, heads, head_dim, mlp,
                 assert tag.nanobatch in (0, 1), node.name
                 counts[tag.nanobatch] += 1
         assert counts[0] == counts[1] == len(b.nodes)
-        assert set(bs.spans["forward"][b.name]) == {0, 1}
+        assert {0, 1} <= set(bs.spans["forward"][b.name]) <= {0, 1, None}

@@ -288,6 +288,28 @@ def load_calibration(name: str = "a100_sxm4") -> tuple[Calibration, str]:
     return cal, data["provenance"]
 
 
+ALIASES = {
+    "a100": "a100-sxm4-40gb",
+    "a100-40gb": "a100-sxm4-40gb",
+    "a100-80gb": "a100-sxm4-80gb",
+    "h100": "h100-sxm",
+    "h100-80gb": "h100-sxm",
+    "h200-141gb": "h200",
+}
+"""Short names accepted by :func:`gpu`."""
+
+
+def spec_name_for_device(device_name: str) -> str | None:
+    """Return the kareus GPU type of a CUDA device name (as torch reports it), or None."""
+    name = device_name.lower()
+    if "a100" in name:
+        return "a100-sxm4-80gb" if "80gb" in name.replace(" ", "") else "a100-sxm4-40gb"
+    for key, typ in (("h200", "h200"), ("h100", "h100-sxm"), ("a40", "a40")):
+        if key in name:
+            return typ
+    return None
+
+
 def gpu(name: str) -> GPUSpec:
     """Return the calibrated spec of a GPU by kareus name (case-insensitive).
 
@@ -295,8 +317,12 @@ def gpu(name: str) -> GPUSpec:
         UnknownGPUError: the name is not one of :data:`GPUS`.
     """
     key = name.lower().replace("_", "-")
+    key = ALIASES.get(key, key)
     if key not in GPUS:
-        raise UnknownGPUError(f"unknown GPU {name!r}; known GPUs: {', '.join(sorted(GPUS))}")
+        raise UnknownGPUError(
+            f"unknown GPU {name!r}; known GPUs: {', '.join(sorted(GPUS))} "
+            f"(also {', '.join(sorted(ALIASES))})"
+        )
     spec = GPUS[key]
     cal, provenance = load_calibration()
     if key.startswith("a100"):

@@ -1,5 +1,5 @@
 """Reference models: a Llama/Qwen3-style decoder family used by tests, examples and planning."""
 
-from kareus.models.llama import PRESETS, Llama, LlamaConfig
+from kareus.models.llama import PRESETS, Llama, LlamaConfig, preset
 
-__all__ = ["PRESETS", "Llama", "LlamaConfig"]
+__all__ = ["PRESETS", "Llama", "LlamaConfig", "preset"]

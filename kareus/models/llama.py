@@ -2,10 +2,19 @@
 
 Written plainly so that its graphs look like those of production models (HF transformers,
 Megatron-LM, torchtitan). Options cover the variants kareus must handle: optional QK-norm
-(Qwen3), tied embeddings, a plain GELU MLP, and post-norm blocks. With a tensor-parallel
-group, attention heads and MLP columns are split across it Megatron-style
-(:mod:`kareus.parallel`): each layer then all-reduces twice in the forward and twice in the
-backward.
+(Qwen3), tied embeddings, a plain GELU MLP, and post-norm blocks.
+
+Parallelism, from kareus's building blocks (:mod:`kareus.parallel`):
+
+- **tensor** (``tp_group``): attention heads and MLP columns are split Megatron-style, so
+  each layer all-reduces twice in the forward and twice in the backward; the embedding,
+  the output head and the cross-entropy are split by vocabulary.
+- **context** (``cp_group``): each rank holds a contiguous chunk of the sequence; K and V
+  are all-gathered along the sequence before attention (their gradients reduce-scattered
+  in the backward), with the causal mask and rotary positions offset to the chunk.
+- **pipeline** (``stage=(index, count)``): the model holds one stage's layers; the first
+  stage embeds token ids, the last applies the head and the loss, the others map hidden
+  states to hidden states.
 """
 
 from __future__ import annotations
@@ -20,15 +29,22 @@ from kareus.parallel import (
     ColumnParallelLinear,
     Group,
     RowParallelLinear,
+    VocabParallelEmbedding,
     copy_to_tp,
+    gather_from_sp,
     group_name,
+    group_rank,
     group_size,
+    vocab_parallel_cross_entropy,
 )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LlamaConfig:
-    """Shape of a decoder. Defaults give a tiny model for tests."""
+    """Shape of a decoder. Defaults give a tiny model for tests.
+
+    ``head_dim`` defaults to ``hidden_size // num_heads`` (Qwen3 sets it explicitly).
+    """
 
     vocab_size: int = 128
     hidden_size: int = 32
@@ -36,6 +52,7 @@ class LlamaConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 64
+    head_dim: int | None = None
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     qk_norm: bool = False
@@ -45,7 +62,7 @@ class LlamaConfig:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads:
+        if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}"
             )
@@ -59,21 +76,83 @@ class LlamaConfig:
             raise ValueError(f"norm_position={self.norm_position!r} must be 'pre' or 'post'")
 
     @property
-    def head_dim(self) -> int:
+    def dim_per_head(self) -> int:
         """Size of one attention head."""
-        return self.hidden_size // self.num_heads
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    def check_parallel(self, *, tp: int = 1, cp: int = 1, pp: int = 1, seq_len: int = 0) -> None:
+        """Raise ValueError, naming the dimension, when a parallel size does not divide it."""
+        checks = [
+            (tp, "tensor-parallel size", "num_kv_heads", self.num_kv_heads),
+            (tp, "tensor-parallel size", "num_heads", self.num_heads),
+            (tp, "tensor-parallel size", "intermediate_size", self.intermediate_size),
+            (tp, "tensor-parallel size", "vocab_size", self.vocab_size),
+            (pp, "pipeline-parallel size", "num_layers", self.num_layers),
+        ]
+        if seq_len:
+            checks.append((cp, "context-parallel size", "seq_len", seq_len))
+        for size, what, dim, value in checks:
+            if size < 1:
+                raise ValueError(f"the {what} must be at least 1, got {size}")
+            if value % size:
+                raise ValueError(f"{dim}={value} is not divisible by the {what} {size}")
+
+
+def _llama3(layers: int, hidden: int, heads: int, ffn: int, *, tied: bool) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=8,
+        intermediate_size=ffn,
+        rope_theta=500000.0,
+        tie_embeddings=tied,
+    )
+
+
+def _qwen3(layers: int, hidden: int, heads: int, ffn: int, *, tied: bool) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=151936,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=ffn,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        qk_norm=True,
+        tie_embeddings=tied,
+    )
 
 
 PRESETS: dict[str, LlamaConfig] = {
+    # Published shapes (the models' config.json on the Hugging Face Hub).
+    "llama3.2-1b": _llama3(16, 2048, 32, 8192, tied=True),
+    "llama3.2-3b": _llama3(28, 3072, 24, 8192, tied=True),
+    "llama3.1-8b": _llama3(32, 4096, 32, 14336, tied=False),
+    "llama3.3-70b": _llama3(80, 8192, 64, 28672, tied=False),
+    "qwen3-1.7b": _qwen3(28, 2048, 16, 6144, tied=True),
+    "qwen3-8b": _qwen3(36, 4096, 32, 12288, tied=False),
+    # Tiny shapes for tests and examples.
     "tiny": LlamaConfig(),
     "tiny-4l": LlamaConfig(num_layers=4, hidden_size=64, intermediate_size=128),
     "tiny-16l": LlamaConfig(num_layers=16, hidden_size=64, intermediate_size=128),
     "tiny-qwen3": LlamaConfig(qk_norm=True, tie_embeddings=True),
 }
-"""Named shapes; tiny ones for tests and examples."""
+"""Named shapes: real models' published shapes, and tiny ones for tests and examples."""
 
 
-def _tp_size(group: Group) -> int:
+def preset(name: str) -> LlamaConfig:
+    """Return the preset ``name``; the error lists the known names."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(PRESETS)}") from None
+
+
+def _size(group: Group) -> int:
     return group_size(group) if group is not None else 1
 
 
@@ -99,12 +178,27 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(var + self.eps) * self.weight
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return the cosine and sine tables of rotary position embedding, [seq, head_dim]."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)
+def rope_tables(
+    seq_len: int,
+    head_dim: int,
+    theta: float,
+    *,
+    offset: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the cosine and sine tables of rotary position embedding, [seq, head_dim].
+
+    Positions start at ``offset`` (a context-parallel rank's chunk); the angles are
+    computed in fp32 and the tables returned in ``dtype``.
+    """
+    inv = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    )
+    pos = torch.arange(offset, offset + seq_len, dtype=torch.float32, device=device)
+    angles = torch.outer(pos, inv)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -117,27 +211,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Grouped-query causal self-attention through ``scaled_dot_product_attention``."""
 
-    def __init__(self, cfg: LlamaConfig, tp_group: Group = None) -> None:
+    def __init__(self, cfg: LlamaConfig, tp_group: Group = None, cp_group: Group = None) -> None:
         super().__init__()
         self.cfg = cfg
-        hd = cfg.head_dim
-        tp = _tp_size(tp_group)
-        if cfg.num_kv_heads % tp:
-            raise ValueError(
-                f"num_kv_heads={cfg.num_kv_heads} is not divisible by the tensor-parallel size {tp}"
-            )
+        hd = cfg.dim_per_head
+        cfg.check_parallel(tp=_size(tp_group))
         self.q_proj = _linear(cfg.hidden_size, cfg.num_heads * hd, tp_group, "column")
         self.k_proj = _linear(cfg.hidden_size, cfg.num_kv_heads * hd, tp_group, "column")
         self.v_proj = _linear(cfg.hidden_size, cfg.num_kv_heads * hd, tp_group, "column")
         self.o_proj = _linear(cfg.num_heads * hd, cfg.hidden_size, tp_group, "row")
         self.tp_group = group_name(tp_group) if tp_group is not None else None
+        self.cp_group = group_name(cp_group) if cp_group is not None else None
+        self.cp_rank = group_rank(cp_group) if cp_group is not None else 0
         self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Attend over ``x`` of shape [batch, seq, hidden]."""
+        """Attend over ``x`` of shape [batch, seq, hidden] (this rank's chunk under CP)."""
         b, s, _ = x.shape
-        hd = self.cfg.head_dim
+        hd = self.cfg.dim_per_head
         if self.tp_group is not None:
             x = copy_to_tp(x, self.tp_group)
         q = self.q_proj(x).view(b, s, -1, hd).transpose(1, 2)
@@ -146,12 +238,26 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask = None
+        if self.cp_group is not None:
+            # One all-gather of K and V together along the sequence.
+            kv = gather_from_sp(torch.cat([k, v], dim=1), self.cp_group, dim=2)
+            k, v = kv.chunk(2, dim=1)
+            # Query i of this chunk sits at position offset + i and sees keys up to there.
+            mask = torch.ones(s, kv.shape[2], dtype=torch.bool, device=x.device).tril(
+                self.cp_rank * s
+            )
         groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.cfg.dropout if self.training else 0.0
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            dropout_p=self.cfg.dropout if self.training else 0.0,
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -180,11 +286,11 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """One transformer block: attention and MLP, each with a residual connection."""
 
-    def __init__(self, cfg: LlamaConfig, tp_group: Group = None) -> None:
+    def __init__(self, cfg: LlamaConfig, tp_group: Group = None, cp_group: Group = None) -> None:
         super().__init__()
         self.pre = cfg.norm_position == "pre"
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attn = Attention(cfg, tp_group)
+        self.attn = Attention(cfg, tp_group, cp_group)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = MLP(cfg, tp_group)
         self.dropout = nn.Dropout(cfg.dropout)
@@ -203,27 +309,110 @@ class Llama(nn.Module):
 
     Args:
         cfg: the shape.
-        tp_group: a process group to split each layer across (tensor parallelism), or None.
-            Embedding, final norm and head are replicated.
+        tp_group: a process group to split each layer, the embedding and the head across
+            (tensor parallelism), or None.
+        cp_group: a process group whose ranks each hold a contiguous chunk of the sequence
+            (context parallelism), or None. Each rank's loss is the mean over its chunk;
+            average the loss and sum-then-average the gradients over the group as with
+            data parallelism.
+        stage: ``(index, count)`` to hold only one pipeline stage's layers.
+
+    The first stage's ``forward`` takes token ids, the others hidden states [batch, seq,
+    hidden]; the last returns logits (or the loss when ``labels`` are given), the others
+    hidden states.
     """
 
-    def __init__(self, cfg: LlamaConfig, tp_group: Group = None) -> None:
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        tp_group: Group = None,
+        cp_group: Group = None,
+        *,
+        stage: tuple[int, int] = (0, 1),
+    ) -> None:
         super().__init__()
+        index, count = stage
+        if not 0 <= index < count:
+            raise ValueError(f"stage={stage} must be (index, count) with 0 <= index < count")
+        cfg.check_parallel(tp=_size(tp_group), cp=_size(cp_group), pp=count)
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp_group) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
+        self.first, self.last = index == 0, index == count - 1
+        self.tp_group = group_name(tp_group) if tp_group is not None else None
+        self.cp_rank = group_rank(cp_group) if cp_group is not None else 0
+        per_stage = cfg.num_layers // count
+        self.layer_offset = index * per_stage
+        self.embed: nn.Module | None = None
+        if self.first:
+            self.embed = (
+                nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+                if tp_group is None
+                else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group)
+            )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp_group, cp_group) for _ in range(per_stage))
+        self.norm: nn.Module | None = None
+        self.lm_head: nn.Module | None = None
+        if self.last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+            self.lm_head = (
+                nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+                if tp_group is None
+                else ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, tp_group)
+            )
+        if cfg.tie_embeddings and self.embed is not None and self.lm_head is not None:
+            head = self.lm_head if tp_group is None else self.lm_head.linear
+            head.weight = self.embed.weight  # type: ignore[union-attr]
+        self.vocab_start = (
+            group_rank(tp_group) * (cfg.vocab_size // _size(tp_group)) if tp_group else 0
+        )
 
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Return logits [batch, seq, vocab], or the mean cross-entropy when ``labels`` given."""
-        cos, sin = rope_tables(ids.shape[1], self.cfg.head_dim, self.cfg.rope_theta)
-        x = self.embed(ids)
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Return the logits, the mean cross-entropy, or hidden states.
+
+        Logits [batch, seq, vocab] (this rank's vocabulary shard under TP) from the last
+        stage, the mean cross-entropy when ``labels`` are given, hidden states otherwise.
+        """
+        seq = x.shape[1]
+        dtype = x.dtype if x.is_floating_point() else torch.get_default_dtype()
+        if self.embed is not None:
+            x = self.embed(x)
+            dtype = x.dtype
+        cos, sin = rope_tables(
+            seq,
+            self.cfg.dim_per_head,
+            self.cfg.rope_theta,
+            offset=self.cp_rank * seq,
+            dtype=dtype,
+            device=x.device,
+        )
         for layer in self.layers:
             x = layer(x, cos, sin)
+        if self.norm is None or self.lm_head is None:
+            return x
         logits = self.lm_head(self.norm(x))
         if labels is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        if self.tp_group is None:
+            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        losses = vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.tp_group)
+        return losses.mean()
+
+    def load_unsharded(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy an unsharded model's weights into this (tensor-parallel) model.
+
+        Each parameter takes its rank's contiguous chunk along the one dimension where its
+        shape differs from the full one. Only keys this model has are read (a stage's).
+        """
+        rank = group_rank(self.tp_group) if self.tp_group is not None else 0
+        with torch.no_grad():
+            for key, param in self.state_dict().items():
+                src = state_dict[self._unsharded_key(key)]
+                dims = [d for d in range(src.dim()) if src.shape[d] != param.shape[d]]
+                if dims:
+                    src = src.chunk(src.shape[dims[0]] // param.shape[dims[0]], dims[0])[rank]
+                param.copy_(src)
+
+    def _unsharded_key(self, key: str) -> str:
+        parts = [p for p in key.split(".") if p != "linear"]
+        if parts[0] == "layers":
+            parts[1] = str(int(parts[1]) + self.layer_offset)
+        return ".".join(parts)

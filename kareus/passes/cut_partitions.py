@@ -20,12 +20,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.fx as fx
 
 from kareus.costs import CollectiveCost, OpCost
 from kareus.partitions import Partition, PartitionSet, PartitionType, Slot
-from kareus.passes.annotate_costs import cost_of
+from kareus.passes.annotate_costs import concrete, cost_of
 from kareus.passes.base import GraphPass, PassContext, PassResult
 from kareus.passes.find_blocks import BlockSet
 
@@ -65,7 +66,7 @@ class CutPartitions(GraphPass):
         """Record the partitions of this graph in the region's ``PartitionSet``."""
         pset = ctx.findings.setdefault(self.name, PartitionSet())
         blockset: BlockSet | None = ctx.findings.get("find_blocks")
-        cut_graph(gm.graph, ctx.graph, blockset, pset)
+        cut_graph(gm.graph, ctx.graph, blockset, pset, fuse=ctx.config.fuse_memory_ops)
         return PassResult(gm, modified=False)
 
 
@@ -107,8 +108,8 @@ def _segments(
     return segs, current
 
 
-def _slots(nodes: list[fx.Node]) -> tuple[Slot, ...]:
-    slots: list[tuple[str, list[OpCost]]] = []
+def _slots(nodes: list[fx.Node], fuse: bool = False) -> tuple[Slot, ...]:
+    slots: list[tuple[str, list[fx.Node]]] = []
     pending_views: list[str] = []
     for node in nodes:
         cost = cost_of(node)
@@ -117,20 +118,90 @@ def _slots(nodes: list[fx.Node]) -> tuple[Slot, ...]:
             continue
         first = pending_views[0] if pending_views else node.name
         pending_views = []
-        if cost.op_class == "memory" and slots and slots[-1][1][-1].op_class == "memory":
-            slots[-1][1].append(cost)
+        if cost.op_class == "memory" and slots and cost_of(slots[-1][1][-1]).op_class == "memory":
+            slots[-1][1].append(node)
         else:
-            slots.append((first, [cost]))
-    return tuple(Slot(first, tuple(ops)) for first, ops in slots)
+            slots.append((first, [node]))
+    return tuple(Slot(first, _costs(run, fuse)) for first, run in slots)
 
 
-def cut_graph(graph: fx.Graph, kind: str, blockset: BlockSet | None, pset: PartitionSet) -> None:
-    """Add the partitions of one AOT graph to ``pset``."""
+def _costs(run: list[fx.Node], fuse: bool) -> tuple[OpCost, ...]:
+    """Return the costs of a run of ops: memory ops as one fused kernel when ``fuse``."""
+    costs = tuple(cost_of(n) for n in run)
+    if not fuse or len(run) < 2 or costs[0].op_class != "memory":
+        return costs
+    return (fused_cost(run),)
+
+
+def _out_bytes(node: fx.Node) -> float:
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    total = 0.0
+    for v in vals:
+        if isinstance(v, torch.Tensor):
+            numel = 1
+            for s in concrete(tuple(v.shape)):
+                numel *= s
+            total += numel * v.element_size()
+    return total
+
+
+def _source(node: fx.Node) -> fx.Node:
+    """Return the node whose storage a chain of views reads."""
+    while cost_of(node).op_class == "view" and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def fused_cost(run: list[fx.Node]) -> OpCost:
+    """Cost of memory-bound ops fused into one kernel.
+
+    The kernel reads each tensor from outside the run once and writes each value used
+    outside the run (or by no one inside it) once; intermediates stay in registers.
+    """
+    inside = set(run)
+    read: dict[fx.Node, float] = {}
+    for node in run:
+        for arg in node.all_input_nodes:
+            src = _source(arg)
+            if src not in inside:
+                read.setdefault(src, _out_bytes(arg))
+    written = sum(
+        _out_bytes(n) for n in run if not n.users or any(_source_user(u, inside) for u in n.users)
+    )
+    first = cost_of(run[0])
+    return OpCost(
+        "memory",
+        sum(cost_of(n).flops for n in run),
+        float(sum(read.values()) + written),
+        first.dtype,
+        f"fused[{run[0].name}..{run[-1].name}]",
+    )
+
+
+def _source_user(user: fx.Node, inside: set[fx.Node]) -> bool:
+    """Whether ``user`` (through views) is outside the fused run."""
+    if user in inside:
+        return False
+    if cost_of(user).op_class == "view":
+        return any(_source_user(u, inside) for u in user.users) or not user.users
+    return True
+
+
+def cut_graph(
+    graph: fx.Graph,
+    kind: str,
+    blockset: BlockSet | None,
+    pset: PartitionSet,
+    *,
+    fuse: bool = False,
+) -> None:
+    """Add the partitions of one AOT graph to ``pset`` (``fuse``: see ``Config``)."""
     spans = blockset.spans.get(kind, {}) if blockset else {}
     chain: list[tuple[str, dict[int, tuple[list[Segment], list[fx.Node]]]]] = []
     for block in blockset.split if blockset else []:
         per_nb = spans.get(block, {})
-        if set(per_nb) != {0, 1}:
+        if not {0, 1} <= set(per_nb):
             continue
         cut = {nb: _segments(graph, per_nb[nb], block, nb) for nb in (0, 1)}  # type: ignore[index]
         if not cut[0][0] or len(cut[0][0]) != len(cut[1][0]):
@@ -143,14 +214,30 @@ def cut_graph(graph: fx.Graph, kind: str, blockset: BlockSet | None, pset: Parti
     if not chain:
         pset.notes[kind] = "no split block with collectives: frequency planning only"
     else:
-        in_partitions = _interleave(graph, kind, chain, pset)
-    pset.other[kind] = tuple(
-        cost_of(n)
+        in_partitions = _interleave(graph, kind, chain, pset, fuse)
+    outside = [
+        n
         for n in graph.nodes
         if n.op == "call_function"
         and n.name not in in_partitions
-        and cost_of(n).op_class in ("gemm", "attention", "memory")
-    )
+        and cost_of(n).op_class in ("gemm", "attention", "memory", "view")
+    ]
+    owner = {
+        name: block
+        for block, _cut in chain
+        for names in spans.get(block, {}).values()
+        for name in names
+    }
+    per_block: dict[str, list[fx.Node]] = {}
+    for n in outside:
+        if n.name in owner:
+            per_block.setdefault(owner[n.name], []).append(n)
+    pset.block_other[kind] = {
+        block: tuple(c for slot in _slots(nodes, fuse) for c in slot.ops)
+        for block, nodes in per_block.items()
+    }
+    rest = [n for n in outside if n.name not in owner]
+    pset.other[kind] = tuple(c for slot in _slots(rest, fuse) for c in slot.ops)
     pset.exposed[kind] = tuple(
         collective_cost(n)
         for n in graph.nodes
@@ -160,7 +247,9 @@ def cut_graph(graph: fx.Graph, kind: str, blockset: BlockSet | None, pset: Parti
     )
 
 
-def _interleave(graph: fx.Graph, kind: str, chain: list[Any], pset: PartitionSet) -> set[str]:
+def _interleave(
+    graph: fx.Graph, kind: str, chain: list[Any], pset: PartitionSet, fuse: bool
+) -> set[str]:
     order = {n.name: i for i, n in enumerate(graph.nodes)}
     first_block = chain[0][1]
     # X: the nanobatch whose first segment runs first in this graph.
@@ -182,7 +271,7 @@ def _interleave(graph: fx.Graph, kind: str, chain: list[Any], pset: PartitionSet
             seg = segs[nb][k]
             compute = [n for n in seg.compute]
             coll = collective_cost(overlapped.issue) if overlapped and overlapped.issue else None
-            slots = _slots(compute)
+            slots = _slots(compute, fuse)
             costs = tuple(c for s in slots for c in s.ops)
             sig = _signature(costs, coll)
             if sig not in signatures:

@@ -114,7 +114,9 @@ class BlockSet:
             rows.append(cells)
         cols = ["family", "block", "module", "dynamo nodes", *(f"{k} nodes" for k in kinds)]
         return render_table(
-            "blocks (node counts per nanobatch, nb0/nb1)", [*cols, "nanobatches", "reason"], rows
+            "blocks (node counts per nanobatch: nb0/nb1, then both together)",
+            [*cols, "nanobatches", "reason"],
+            rows,
         )
 
 
@@ -233,7 +235,9 @@ def map_blocks(
             # Collectives traced inside an autograd.Function's backward carry neither tag
             # nor module stack; they belong to the block copy whose data they move.
             tag = from_inputs
-        elif tag is None and _untraceable(node):
+        elif tag is None and (_untraceable(node) or not node.meta.get(stack_key)):
+            # No module information (an autograd.Function's backward, accumulation adds):
+            # the node belongs to the block copy whose data it reads.
             tag = from_inputs
         elif (
             tag is not None
@@ -281,5 +285,26 @@ def _untraceable(node: fx.Node) -> bool:
 
 
 def _tag_from_inputs(inputs: Iterable[fx.Node], where: dict[fx.Node, NodeTag]) -> NodeTag | None:
-    tags = {where[n] for n in inputs if n in where}
-    return tags.pop() if len(tags) == 1 else None
+    mapped = [n for n in inputs if n in where]
+    tags = {where[n] for n in mapped}
+    if len(tags) <= 1:
+        return tags.pop() if tags else None
+    blocks = {t.block for t in tags}
+    if len(blocks) == 1:  # both nanobatches of one block (their weight gradients' sum)
+        return NodeTag(blocks.pop())
+    nanobatches = {t.nanobatch for t in tags}
+    if len(nanobatches) == 1 and None not in nanobatches:
+        # One nanobatch's data from two blocks (the residual gradient between layers):
+        # the block that produced its latest input.
+        return where[max(mapped, key=lambda n: _position(n))]
+    return None
+
+
+def _position(node: fx.Node) -> int:
+    # fx keeps nodes in a linked list; count from the graph's start once per call site.
+    pos = 0
+    cur = node
+    while cur.op != "root":
+        cur = cur.prev
+        pos += 1
+    return pos

@@ -227,6 +227,9 @@ class Composer:
         solver.parameters.max_time_in_seconds = self.time_limit_s
         status = solver.solve(m)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            if hint is not None and (bound_s is None or hint.time_s <= bound_s + 1e-9):
+                # Out of time before CP-SAT proved anything: the hint is still a valid plan.
+                return dataclasses.replace(hint, status="HINT")
             raise KareusError(
                 f"no plan finishes the iteration within {bound_s:.6f} s "
                 f"(CP-SAT status {solver.status_name(status)})"
@@ -246,11 +249,11 @@ class Composer:
         frugal = self.solve(hint=fastest)
         sols = [fastest, frugal]
         lo, hi = fastest.time_s, frugal.time_s
-        for k in range(points - 2, 0, -1):  # from slow to fast: each hint stays feasible
+        previous = fastest
+        for k in range(1, points - 1):  # from fast to slow: each hint meets the next bound
             bound = lo + (hi - lo) * k / (points - 1)
-            sols.append(
-                self.solve(bound_s=bound + 1e-6, hint=sols[-1] if k < points - 2 else frugal)
-            )
+            previous = self.solve(bound_s=bound + 1e-6, hint=previous)
+            sols.append(previous)
         return pareto_front(sols, key=lambda s: (s.time_s, s.energy_j))
 
     def brute_force(self, bound_s: float | None = None) -> tuple[float, float] | None:

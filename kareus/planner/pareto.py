@@ -8,6 +8,10 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+TIME_TOLERANCE = 1e-4
+"""Relative slack of "no slower than": the composer rounds times to microseconds per
+instruction, so equal plans may differ by a few microseconds."""
+
 
 def pareto_front(items: Iterable[T], key: Callable[[T], tuple[float, float]]) -> list[T]:
     """Return the items no other item beats in both time and energy, fastest first.
@@ -53,3 +57,30 @@ def hypervolume_share(
 def is_monotone(front: Sequence[tuple[float, float]]) -> bool:
     """Return whether time rises and energy falls strictly along ``front``."""
     return all(a[0] < b[0] and a[1] > b[1] for a, b in itertools.pairwise(front))
+
+
+def iso_time_energy_reduction(
+    frontier: Sequence[tuple[float, float]], baseline: Sequence[tuple[float, float]]
+) -> float | None:
+    """Energy saved at the baseline's best time, as a fraction of the baseline's energy there.
+
+    Least energy among ``frontier`` points no slower than the baseline's fastest point
+    (within :data:`TIME_TOLERANCE`),
+    against that fastest point's energy. None when no point is that fast.
+    """
+    t0, e0 = min(baseline)
+    ok = [e for t, e in frontier if t <= t0 * (1 + TIME_TOLERANCE)]
+    return (e0 - min(ok)) / e0 if ok else None
+
+
+def iso_energy_time_reduction(
+    frontier: Sequence[tuple[float, float]], baseline: Sequence[tuple[float, float]]
+) -> float | None:
+    """Time saved at the baseline's least energy, as a fraction of the baseline's time there.
+
+    Shortest time among ``frontier`` points using no more energy than the baseline's
+    least-energy point, against that point's time. None when no point is that frugal.
+    """
+    e0, t0 = min((e, t) for t, e in baseline)
+    ok = [t for t, e in frontier if e <= e0 * (1 + 1e-9)]
+    return (t0 - min(ok)) / t0 if ok else None

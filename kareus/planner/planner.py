@@ -18,6 +18,7 @@ from kareus.partitions import Decision, PartitionSet
 from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
 from kareus.planner.compose import Composer, Option, Solution, chain, one_f_one_b
 from kareus.planner.knobs import CountingEvaluator, KnobSpace, Setting, default_clocks, knobs_of
+from kareus.planner.pareto import pareto_front
 from kareus.planner.search import SearchResult, exhaustive, search
 from kareus.planner.select import select
 
@@ -48,22 +49,28 @@ class PlannerSettings:
     exhaustive: bool = False
     budget_fraction: float = 0.2
     sweep_points: int = 8
-    solver_time_limit_s: float = 3.0
+    solver_time_limit_s: float = 1.0
     solver_workers: int = 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Parallelism:
-    """How the job is parallelised: tensor, pipeline stages, micro-batches per iteration."""
+    """How the job is parallelised: tensor, context, pipeline stages, micro-batches."""
 
     tp: int = 1
     pp: int = 1
     microbatches: int = 1
+    cp: int = 1
+
+    @property
+    def gpus_per_stage(self) -> int:
+        """GPUs of one pipeline stage (tensor x context parallel)."""
+        return self.tp * self.cp
 
     @property
     def gpus(self) -> int:
         """GPUs of one pipeline replica."""
-        return self.tp * self.pp
+        return self.gpus_per_stage * self.pp
 
 
 @dataclasses.dataclass
@@ -91,6 +98,7 @@ def plan_iteration(
     deadline_s: float | None = None,
     skip_reasons: Sequence[str] = (),
     progress: Any = None,
+    workload: dict[str, Any] | None = None,
 ) -> PlanningResult:
     """Plan one training iteration.
 
@@ -106,7 +114,9 @@ def plan_iteration(
         energy_budget_j: the budget of policy ``energy_budget_j``.
         deadline_s: the deadline of policy ``deadline_s``.
         skip_reasons: reasons recorded by the passes, kept in the plan.
-        progress: optional callable ``progress(step: str)`` for long steps.
+        progress: optional callable ``progress(step: str)`` for long steps (one call per
+            type searched, one for the options, one per method composed).
+        workload: what was planned (model, batch shape...), recorded in the plan.
 
     Raises:
         InfeasiblePlanError: the policy's budget or deadline cannot be met.
@@ -132,7 +142,7 @@ def plan_iteration(
                     spaces[f"{stages.index(pset)}/{key}"],
                 )
                 continue
-            note(f"searching {key}")
+            note(f"searching {name}")
             work = PartitionWork(ptype.compute, ptype.collective)
             space = KnobSpace(
                 freqs,
@@ -193,7 +203,7 @@ def plan_iteration(
             sub,
             static_power_w=static_power_w,
             gpus=parallel.gpus,
-            gpus_per_stage=parallel.tp,
+            gpus_per_stage=parallel.gpus_per_stage,
             time_limit_s=settings.solver_time_limit_s,
             workers=settings.solver_workers,
         )
@@ -202,6 +212,12 @@ def plan_iteration(
             if method == "megatron"
             else comp.frontier(settings.sweep_points)
         )
+
+    # Every baseline plan is also a kareus plan (its options are a subset of kareus's): a
+    # point CP-SAT missed within its time limit must not make kareus look worse.
+    frontiers["kareus"] = pareto_front(
+        [s for sols in frontiers.values() for s in sols], key=lambda s: (s.time_s, s.energy_j)
+    )
 
     # 4. Select and write the plan.
     chosen = select(
@@ -234,7 +250,12 @@ def plan_iteration(
         gpu=gpu,
         source=source,
         policy=policy,
-        parallel={"tp": parallel.tp, "pp": parallel.pp, "microbatches": parallel.microbatches},
+        parallel={
+            "tp": parallel.tp,
+            "cp": parallel.cp,
+            "pp": parallel.pp,
+            "microbatches": parallel.microbatches,
+        },
         frontier=tuple(FrontierPoint(s.time_s, s.energy_j) for s in frontiers["kareus"]),
         chosen=FrontierPoint(chosen.time_s, chosen.energy_j),
         schedule=schedule,
@@ -255,6 +276,7 @@ def plan_iteration(
         },
         skip_reasons=tuple(skip_reasons),
         static_power_w=static_power_w,
+        workload=dict(workload or {}),
     )
     return PlanningResult(plan, searches, frontiers, ev.evaluations, grid)
 
@@ -323,7 +345,7 @@ def _base(
 ) -> tuple[float, float]:
     """Time and dynamic energy of an instruction's work outside partitions at clock f."""
     t = e = 0.0
-    other = pset.other.get(kind, ())
+    other = pset.outside(kind)
     if other:
         est = ev.ops(other, f)
         t, e = est.time_s, est.energy_j - static_power_w * est.time_s

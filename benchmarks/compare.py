@@ -1,0 +1,317 @@
+"""kareus against Megatron-LM, Perseus and nanobatching + Perseus, side by side.
+
+For a matrix of configurations, traces each workload once (fake tensors), plans it on
+every GPU type with the same evaluator for all four methods, and writes:
+
+- ``results.md``: per configuration and method, the fastest plan's time and energy and
+  their change against Megatron-LM; against Perseus, the iso-time energy reduction and the
+  iso-energy time reduction; the distance from the lower bound; planning wall time;
+- ``results.json``: every frontier point of every method, the bounds and the timings;
+- ``plots/<config>.png``: the frontiers of one configuration;
+- ``partitions/<workload>.json``: the traced partition sets (``--reuse`` plans from them).
+
+Every time and energy is modelled (the emulator); wall times are measured. Sanity checks
+fail the run (exit 1): no baseline point below kareus's frontier, every frontier monotone,
+kareus never worse than Perseus at iso-time, no plan below the lower bound.
+
+Run: python benchmarks/compare.py [--quick] [--out benchmarks/results] [--jobs 2] [--reuse]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+from typing import Any
+
+GPUS = ("a100-40gb", "h100", "h200")
+MODELS = ("llama3.2-3b", "qwen3-1.7b")
+PARALLEL = ((8, 1), (4, 2))  # (TP, CP)
+MICROBATCH = (8, 16)
+SEQ = (4096, 8192)
+PP, MICROBATCHES = 2, 8
+AT_SCALE = {"model": "llama3.3-70b", "tp": 8, "cp": 1, "pp": 8, "microbatch_size": 8,
+            "seq_len": 4096, "microbatches": 16}  # fmt: skip
+
+
+def matrix(quick: bool) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
+    """(workload fields, GPU types) to run."""
+    if quick:
+        base = {"pp": PP, "microbatches": MICROBATCHES, "microbatch_size": 8, "seq_len": 4096}
+        return [
+            ({"model": "llama3.2-3b", "tp": 8, "cp": 1, **base}, ("a100-40gb",)),
+            ({"model": "qwen3-1.7b", "tp": 4, "cp": 2, **base}, ("a100-40gb",)),
+        ]
+    runs = [
+        (
+            {
+                "model": m,
+                "tp": tp,
+                "cp": cp,
+                "pp": PP,
+                "microbatches": MICROBATCHES,
+                "microbatch_size": mb,
+                "seq_len": seq,
+            },
+            GPUS,
+        )
+        for m in MODELS
+        for tp, cp in PARALLEL
+        for mb in MICROBATCH
+        for seq in SEQ
+    ]
+    return [*runs, (AT_SCALE, ("a100-40gb", "h100"))]
+
+
+def workload_key(w: dict[str, Any]) -> str:
+    """A short file-name-safe name of a workload."""
+    return (
+        f"{w['model']}_tp{w['tp']}cp{w['cp']}pp{w['pp']}_mb{w['microbatch_size']}"
+        f"_s{w['seq_len']}_m{w['microbatches']}"
+    )
+
+
+def run_workload(
+    fields: dict[str, Any], gpus: tuple[str, ...], out: str, reuse: bool
+) -> list[dict[str, Any]]:
+    """Trace one workload (or reuse its partitions), plan it on each GPU; return rows."""
+    from kareus.hardware import Emulator, gpu
+    from kareus.planner import PlannerSettings
+    from kareus.planner.bounds import lower_bound
+    from kareus.planning import load_stages, plan_workload, save_stages
+    from kareus.trace import Workload, trace
+
+    work = Workload(**fields)
+    key = workload_key(fields)
+    parts = pathlib.Path(out) / "partitions" / f"{key}.json"
+    start = time.perf_counter()
+    if reuse and parts.exists():
+        stages = load_stages(work, parts)
+    else:
+        stages, _notes = trace(work)
+        parts.parent.mkdir(parents=True, exist_ok=True)
+        save_stages(work, stages, parts)
+    trace_s = time.perf_counter() - start
+    rows = []
+    for name in gpus:
+        spec = gpu(name)
+        marks: list[tuple[float, str]] = []
+        planned = plan_workload(
+            work,
+            name,
+            partitions=parts,
+            settings=PlannerSettings(solver_workers=1),
+            progress=lambda step, marks=marks: marks.append((time.perf_counter(), step)),
+        )
+        marks.append((time.perf_counter(), "end"))
+        compose_s = {
+            step.removeprefix("composing "): marks[i + 1][0] - t
+            for i, (t, step) in enumerate(marks[:-1])
+            if step.startswith("composing ")
+        }
+        search_s = next(t for t, s in marks if s.startswith("building")) - marks[0][0]
+        bound = lower_bound(
+            stages,
+            Emulator(spec),
+            spec.clocks_mhz(),
+            gpus_per_stage=work.tp * work.cp,
+            microbatches=work.microbatches,
+        )
+        plan = planned.plan
+        rows.append(
+            {
+                "workload": fields,
+                "key": key,
+                "gpu": spec.name,
+                "gpu_key": name,
+                "source": plan.source,
+                "frontiers": {
+                    "kareus": [dataclasses.asdict(p) for p in plan.frontier],
+                    **{
+                        m: [dataclasses.asdict(p) for p in pts] for m, pts in plan.baselines.items()
+                    },
+                },
+                "lower_bound": {"time_s": bound.time_s, "energy_j": bound.energy_j},
+                "trace_s": trace_s,
+                "search_s": search_s,
+                "compose_s": compose_s,
+                "plan_s": planned.plan_s,
+                "plan": plan.to_dict(),
+            }
+        )
+    return rows
+
+
+def _pts(points: list[dict[str, float]]) -> list[tuple[float, float]]:
+    return [(p["time_s"], p["energy_j"]) for p in points]
+
+
+def analyse(row: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Per-method figures of one configuration, and the sanity-check failures."""
+    from kareus.planner.pareto import (
+        TIME_TOLERANCE,
+        is_monotone,
+        iso_energy_time_reduction,
+        iso_time_energy_reduction,
+    )
+
+    fronts = {m: _pts(p) for m, p in row["frontiers"].items()}
+    mega_t, mega_e = min(fronts["megatron"])
+    perseus = fronts["perseus"]
+    lb = row["lower_bound"]
+    where = f"{row['key']} on {row['gpu']}"
+    failures = []
+    out = []
+    for method in ("megatron", "perseus", "nanobatch+perseus", "kareus"):
+        pts = fronts[method]
+        if not is_monotone(pts):
+            failures.append(f"{where}: the {method} frontier is not monotone: {pts}")
+        if method != "kareus":
+            for t, e in pts:
+                covered = any(
+                    kt <= t * (1 + TIME_TOLERANCE) and ke <= e * (1 + 1e-9)
+                    for kt, ke in fronts["kareus"]
+                )
+                if not covered:
+                    failures.append(f"{where}: {method} point ({t}, {e}) lies below kareus's")
+        for t, e in pts:
+            if t < lb["time_s"] * (1 - 1e-9) or e < lb["energy_j"] * (1 - 1e-9):
+                failures.append(f"{where}: {method} point ({t}, {e}) beats the lower bound {lb}")
+        fast_t, fast_e = min(pts)
+        least_e = min(e for _, e in pts)
+        iso_t = iso_time_energy_reduction(pts, perseus)
+        iso_e = iso_energy_time_reduction(pts, perseus)
+        if method == "kareus" and (iso_t is None or iso_t < -1e-9):
+            failures.append(f"{where}: kareus is worse than Perseus at iso-time ({iso_t})")
+        out.append(
+            {
+                "method": method,
+                "fastest_time_s": fast_t,
+                "fastest_energy_j": fast_e,
+                "time_vs_megatron": (fast_t - mega_t) / mega_t,
+                "energy_vs_megatron": (fast_e - mega_e) / mega_e,
+                "least_energy_j": least_e,
+                "iso_time_energy_reduction_vs_perseus": iso_t,
+                "iso_energy_time_reduction_vs_perseus": iso_e,
+                "time_above_bound": fast_t / lb["time_s"] - 1,
+                "energy_above_bound": least_e / lb["energy_j"] - 1,
+                "compose_s": row["compose_s"].get(method, 0.0),
+            }
+        )
+    return out, failures
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:+.1f} %"
+
+
+def markdown(rows: list[dict[str, Any]], total_s: float, command: str) -> str:
+    """The results table."""
+    head = (
+        "| configuration | GPU | method | fastest time s | its energy kJ | time vs Megatron "
+        "| energy vs Megatron | iso-time energy vs Perseus | iso-energy time vs Perseus "
+        "| least energy kJ | time above bound | energy above bound | compose s |"
+    )
+    lines = [
+        "# kareus vs Megatron-LM, Perseus and nanobatching + Perseus",
+        "",
+        "All times and energies are **modelled** (the kareus hardware model; H100 and H200 "
+        "borrow the A100's fitted factors); wall times are **measured** on the machine that "
+        f"ran `{command}` ({total_s / 60:.1f} min in all). Energy is per iteration, all GPUs "
+        "of one pipeline. Iso-time: least energy among the method's plans no slower than "
+        "Perseus's fastest, as a reduction of that plan's energy (positive = saves). "
+        "Iso-energy: shortest time among plans using no more energy than Perseus's "
+        "least-energy plan, as a reduction of its time. Bound: every op at its own best "
+        "clock, communication hidden and free (`kareus.planner.bounds`).",
+        "",
+        head,
+        "|" + "---|" * (head.count("|") - 1),
+    ]
+    for row in rows:
+        w = row["workload"]
+        config = (
+            f"{w['model']} TP{w['tp']} CP{w['cp']} PP{w['pp']} mb{w['microbatch_size']} "
+            f"seq{w['seq_len']} x{w['microbatches']}"
+        )
+        for m in row["methods"]:
+            lines.append(
+                f"| {config} | {row['gpu']} | {m['method']} | {m['fastest_time_s']:.3f} "
+                f"| {m['fastest_energy_j'] / 1e3:.2f} | {_pct(m['time_vs_megatron'])} "
+                f"| {_pct(m['energy_vs_megatron'])} "
+                f"| {_pct(m['iso_time_energy_reduction_vs_perseus'])} "
+                f"| {_pct(m['iso_energy_time_reduction_vs_perseus'])} "
+                f"| {m['least_energy_j'] / 1e3:.2f} | {_pct(m['time_above_bound'])} "
+                f"| {_pct(m['energy_above_bound'])} | {m['compose_s']:.1f} |"
+            )
+    lines += [
+        "",
+        "Planning wall time per configuration (measured): "
+        + "; ".join(
+            f"{r['key']} on {r['gpu_key']}: trace {r['trace_s']:.0f} s (once per workload), "
+            f"search {r['search_s']:.1f} s, plan {r['plan_s']:.1f} s"
+            for r in rows
+        ),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    """Run the matrix; return 1 when a sanity check fails."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="two A100 configurations")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    parser.add_argument("--jobs", type=int, default=2, help="workloads traced in parallel")
+    parser.add_argument("--reuse", action="store_true", help="reuse traced partition sets")
+    args = parser.parse_args()
+    from kareus.plan import Plan
+    from kareus.planner.plot import plot_frontiers
+
+    start = time.perf_counter()
+    runs = matrix(args.quick)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    ctx = __import__("multiprocessing").get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
+        futures = {
+            pool.submit(run_workload, fields, gpus, str(args.out), args.reuse): workload_key(fields)
+            for fields, gpus in runs
+        }
+        for n, fut in enumerate(concurrent.futures.as_completed(futures), 1):
+            got = fut.result()
+            rows.extend(got)
+            print(
+                f"[{n}/{len(runs)}] {futures[fut]}: "
+                + ", ".join(f"{r['gpu_key']} plan {r['plan_s']:.0f} s" for r in got)
+                + f", trace {got[0]['trace_s']:.0f} s ({time.perf_counter() - start:.0f} s in)",
+                flush=True,
+            )
+    order = {workload_key(f): i for i, (f, _g) in enumerate(runs)}
+    rows.sort(key=lambda r: (order[r["key"]], r["gpu_key"]))
+    failures: list[str] = []
+    for row in rows:
+        row["methods"], bad = analyse(row)
+        failures += bad
+        plot_frontiers(
+            Plan.from_dict(row["plan"]), args.out / "plots" / f"{row['key']}_{row['gpu_key']}.png"
+        )
+    total = time.perf_counter() - start
+    command = "python benchmarks/compare.py" + (" --quick" if args.quick else "")
+    (args.out / "results.md").write_text(markdown(rows, total, command))
+    for row in rows:
+        del row["plan"]  # plotted; the frontiers stay
+    (args.out / "results.json").write_text(
+        json.dumps({"total_s": total, "failures": failures, "rows": rows}, indent=1) + "\n"
+    )
+    print((args.out / "results.md").read_text())
+    for f in failures:
+        print(f"SANITY CHECK FAILED: {f}", file=sys.stderr)
+    print(f"{len(rows)} configurations in {total / 60:.1f} min; wrote {args.out}/results.md")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+r"""The ``kareus`` command line.
+
+    kareus plan --model llama3.2-3b --gpu a100-40gb --tp 8 --pp 2 --microbatch-size 8 \\
+        --seq-len 4096 --microbatches 8 --select iso_time --out kareus-out
+    kareus explain kareus-out/plan.json
+    kareus list
+
+Exit status: 0 done; 2 bad input (unknown model or GPU, parallel sizes that do not divide
+the model, unreadable files); 3 no plan meets the selection policy; 1 any other failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 1, 2, 3
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers"
+        ) from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must list positive integers")
+    return values
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kareus",
+        description="Plan GPU clocks and communication overlap together for training.",
+        epilog="exit status: 0 done, 1 failed, 2 bad input, 3 no plan meets the policy",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser(
+        "plan",
+        help="trace a model configuration, plan it, print the frontiers, write plan and report",
+        description="Trace a preset at scale on fake tensors, search clocks x SM shares x "
+        "launch points per partition type, compose the iteration with CP-SAT, and compare "
+        "kareus with Megatron-LM, Perseus and nanobatching + Perseus on the same evaluator.",
+    )
+    p.add_argument("--model", required=True, help="a preset (see `kareus list`)")
+    p.add_argument("--gpu", default="a100-40gb", help="GPU type (default a100-40gb)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--microbatch-size", type=int, default=8, help="sequences per micro-batch")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    from kareus.planner.select import POLICIES
+
+    p.add_argument("--select", default="iso_time", choices=POLICIES, help="selection policy")
+    p.add_argument("--energy-budget", type=float, help="J per iteration (--select energy_budget_j)")
+    p.add_argument("--deadline", type=float, help="s per iteration (--select deadline_s)")
+    p.add_argument("--clocks", type=_ints, help="SM clocks to consider, MHz, comma-separated")
+    p.add_argument("--sm-shares", type=_ints, help="SM shares of the collective, comma-separated")
+    p.add_argument("--evaluator", default="emulator", choices=("emulator", "replay"))
+    p.add_argument("--replay", type=pathlib.Path, help="recorded evaluations (--evaluator replay)")
+    p.add_argument("--record", type=pathlib.Path, help="append every evaluation to this file")
+    p.add_argument("--exhaustive", action="store_true", help="evaluate the whole knob grid")
+    p.add_argument(
+        "--partitions",
+        type=pathlib.Path,
+        help="partitions.json of an earlier run of this workload: plan again without tracing",
+    )
+    p.add_argument("--layers-traced", type=int, default=4, help="layers traced per stage (>= 4)")
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("kareus-out"))
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+
+    e = sub.add_parser("explain", help="print a saved plan")
+    e.add_argument("plan", type=pathlib.Path)
+
+    sub.add_parser("list", help="list the model presets and GPU types")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status."""
+    args = _parser().parse_args(argv)
+    from kareus.errors import KareusError
+    from kareus.planner.select import InfeasiblePlanError
+
+    try:
+        if args.command == "plan":
+            return _plan(args)
+        if args.command == "explain":
+            return _explain(args.plan)
+        return _list()
+    except InfeasiblePlanError as err:
+        print(f"kareus: no plan meets --select {args.select}: {err}", file=sys.stderr)
+        return EXIT_INFEASIBLE
+    except (ValueError, FileNotFoundError, KareusError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"kareus: error: {message}", file=sys.stderr)
+        return EXIT_BAD_INPUT if _bad_input(err) else EXIT_FAILED
+
+
+def _bad_input(err: Exception) -> bool:
+    from kareus.trace import TraceError
+
+    return not isinstance(err, TraceError) or "cannot read" in str(err) or "another" in str(err)
+
+
+def _list() -> int:
+    from kareus._table import render_table
+    from kareus.hardware.specs import ALIASES, GPUS
+    from kareus.models import PRESETS
+
+    print(
+        render_table(
+            "model presets",
+            ("name", "layers", "hidden", "heads (kv)", "FFN", "vocab"),
+            [
+                (
+                    n,
+                    c.num_layers,
+                    c.hidden_size,
+                    f"{c.num_heads} ({c.num_kv_heads})",
+                    c.intermediate_size,
+                    c.vocab_size,
+                )
+                for n, c in PRESETS.items()
+            ],
+        )
+    )
+    aliases = {v: [k for k, t in ALIASES.items() if t == v] for v in GPUS}
+    print(
+        render_table(
+            "GPU types",
+            ("name", "also", "SMs", "max clock MHz", "TDP W"),
+            [
+                (n, ", ".join(aliases[n]), s.sm_count, s.clock_max_mhz, s.tdp_w)
+                for n, s in GPUS.items()
+            ],
+        )
+    )
+    return EXIT_OK
+
+
+def _explain(path: pathlib.Path) -> int:
+    from kareus.plan import Plan
+
+    print(Plan.load(path).to_text())
+    return EXIT_OK
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from kareus.hardware import Emulator, gpu
+    from kareus.planner import PlannerSettings, RecordingEvaluator, ReplayEvaluator
+    from kareus.planning import (
+        COMPARISON_HEADER,
+        comparison_rows,
+        plan_workload,
+        planning_steps,
+        write_outputs,
+    )
+    from kareus.trace import Workload
+
+    spec = gpu(args.gpu)
+    work = Workload(
+        model=args.model,
+        tp=args.tp,
+        cp=args.cp,
+        pp=args.pp,
+        microbatch_size=args.microbatch_size,
+        seq_len=args.seq_len,
+        microbatches=args.microbatches,
+        dtype=args.dtype,
+    )
+    if args.layers_traced < 1:
+        raise ValueError(f"--layers-traced must be at least 1, got {args.layers_traced}")
+    if args.select == "energy_budget_j" and args.energy_budget is None:
+        raise ValueError("--select energy_budget_j needs --energy-budget J")
+    if args.select == "deadline_s" and args.deadline is None:
+        raise ValueError("--select deadline_s needs --deadline SECONDS")
+    if args.clocks:
+        lo, hi = min(spec.clocks_mhz()), max(spec.clocks_mhz())
+        bad = [c for c in args.clocks if not lo <= c <= hi]
+        if bad:
+            raise ValueError(f"--clocks {bad} outside {spec.name}'s range {lo}-{hi} MHz")
+    evaluator: Any
+    if args.evaluator == "replay":
+        if args.replay is None:
+            raise ValueError("--evaluator replay needs --replay FILE (written by --record)")
+        evaluator = ReplayEvaluator(args.replay)
+    else:
+        evaluator = Emulator(spec)
+    if args.record is not None:
+        evaluator = RecordingEvaluator(evaluator, args.record)
+    settings = PlannerSettings(
+        clocks_mhz=args.clocks,
+        exhaustive=args.exhaustive,
+        **({"sm_shares": args.sm_shares} if args.sm_shares else {}),
+    )
+    print(f"kareus plan: {work.describe()} on {spec.name} ({args.evaluator})", flush=True)
+    with _Progress(enabled=not args.quiet) as progress:
+        progress.start("tracing", len({0, min(1, work.pp - 1), work.pp - 1}))
+        planned = plan_workload(
+            work,
+            args.gpu,
+            policy=args.select,
+            settings=settings,
+            evaluator=evaluator,
+            energy_budget_j=args.energy_budget,
+            deadline_s=args.deadline,
+            layers=args.layers_traced,
+            partitions=args.partitions,
+            on_traced=lambda stages: progress.start("planning", planning_steps(stages)),
+            progress=progress.step,
+        )
+    print(
+        f"traced in {planned.trace_s:.1f} s, planned in {planned.plan_s:.1f} s, peak memory "
+        f"{planned.peak_rss_mib:.0f} MiB (measured)\n"
+    )
+    for i, pset in planned.distinct_stages():
+        print(f"stage {i} partition types (repeated layers counted):")
+        print(pset.to_text() + "\n")
+    print(planned.plan.to_text() + "\n")
+    from kareus._table import render_table
+
+    print(
+        render_table(
+            f"methods side by side ({planned.plan.source})",
+            COMPARISON_HEADER,
+            comparison_rows(planned.plan),
+        )
+    )
+    paths = write_outputs(planned, args.out)
+    print("\nwrote " + ", ".join(str(p) for p in paths.values()))
+    print(f"report: {paths['report']}  |  show the plan again: kareus explain {paths['plan']}")
+    return EXIT_OK
+
+
+class _Progress:
+    """Progress bars on stderr (rich); a no-op when disabled or not a terminal stage."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._progress: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn("{task.description:<10}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[step]}"),
+                console=Console(stderr=True),
+                transient=False,
+            )
+            self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._finish()
+            self._progress.__exit__(*exc)
+
+    def _finish(self) -> None:
+        if self._task is not None:
+            task = self._progress.tasks[self._task]
+            self._progress.update(self._task, completed=task.total, step="done")
+
+    def start(self, name: str, total: int) -> None:
+        """Begin a new bar of ``total`` steps."""
+        if self._progress is None:
+            return
+        self._finish()
+        self._task = self._progress.add_task(name, total=total, step="", started=True)
+        self._first = True
+
+    def step(self, text: str) -> None:
+        """Mark the previous step complete and show ``text`` as the current one."""
+        if self._progress is None or self._task is None:
+            return
+        if not self._first:
+            self._progress.advance(self._task)
+        self._first = False
+        self._progress.update(self._task, step=text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

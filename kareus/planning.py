@@ -1,0 +1,384 @@
+"""The main job: from a workload and a GPU type to a plan, its report and its plot.
+
+Traces the workload at scale (:mod:`kareus.trace`), plans every method on one evaluator
+(:mod:`kareus.planner`), and writes the results a user reads: ``plan.json`` (apply it with
+``kareus.compile(model, plan=...)``), ``report.md``, ``frontier.png`` and the partition
+sets. Used by ``kareus plan`` and by the benchmarks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import resource
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kareus.costs import Evaluator
+from kareus.hardware import GPUSpec, gpu
+from kareus.partitions import PartitionSet
+from kareus.plan import FrontierPoint, Plan
+from kareus.planner import Parallelism, PlannerSettings, plan_for_gpu
+from kareus.planner.pareto import iso_energy_time_reduction, iso_time_energy_reduction
+from kareus.planner.planner import PlanningResult
+from kareus.trace import TraceError, Workload, trace
+
+
+@dataclasses.dataclass
+class WorkloadPlan:
+    """A planned workload: the plan and what produced it.
+
+    Attributes:
+        work: the workload.
+        spec: the GPU type.
+        result: the planner's result (``result.plan`` is the plan).
+        stages: each pipeline stage's partition set (identical stages share one).
+        trace_s, plan_s: wall time of tracing and of planning (measured).
+        peak_rss_mib: peak resident memory of this process so far (measured).
+    """
+
+    work: Workload
+    spec: GPUSpec
+    result: PlanningResult
+    stages: list[PartitionSet]
+    trace_s: float
+    plan_s: float
+    peak_rss_mib: float
+
+    @property
+    def plan(self) -> Plan:
+        """The chosen plan."""
+        return self.result.plan
+
+    def distinct_stages(self) -> list[tuple[int, PartitionSet]]:
+        """(first stage index, set) of each distinct partition set."""
+        seen: list[tuple[int, PartitionSet]] = []
+        for i, pset in enumerate(self.stages):
+            if all(pset is not other for _, other in seen):
+                seen.append((i, pset))
+        return seen
+
+
+_TRACED_FIELDS = ("model", "tp", "cp", "pp", "microbatch_size", "seq_len", "dtype")
+"""Workload fields the partition sets depend on (the micro-batch count does not)."""
+
+
+def save_stages(work: Workload, stages: Sequence[PartitionSet], path: str | pathlib.Path) -> None:
+    """Write the stages' partition sets (each distinct set once) with their workload."""
+    distinct: list[PartitionSet] = []
+    for pset in stages:
+        if all(pset is not d for d in distinct):
+            distinct.append(pset)
+    data = {
+        "workload": workload_record(work),
+        "stages": [next(i for i, d in enumerate(distinct) if d is p) for p in stages],
+        "sets": [d.to_dict() for d in distinct],
+    }
+    pathlib.Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def load_stages(work: Workload, path: str | pathlib.Path) -> list[PartitionSet]:
+    """Read partition sets written by :func:`save_stages` for the same traced workload.
+
+    Raises:
+        TraceError: the file cannot be read or was traced for another workload.
+    """
+    try:
+        data = json.loads(pathlib.Path(path).read_text())
+        saved, order = data["workload"], data["stages"]
+        sets = [PartitionSet.from_dict(d) for d in data["sets"]]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise TraceError(f"cannot read partition sets from {path}: {err}") from err
+    want = workload_record(work)
+    diff = [
+        f"{k} {saved.get(k)!r} != {want[k]!r}" for k in _TRACED_FIELDS if saved.get(k) != want[k]
+    ]
+    if diff:
+        raise TraceError(f"{path} was traced for another workload: {', '.join(diff)}")
+    return [sets[i] for i in order]
+
+
+def planning_steps(stages: Sequence[PartitionSet]) -> int:
+    """How many progress steps planning these stages reports."""
+    distinct = {id(p): p for p in stages}.values()
+    return sum(len(p.types) for p in distinct) + 5
+
+
+def plan_workload(
+    work: Workload,
+    gpu_name: str,
+    *,
+    policy: str = "iso_time",
+    settings: PlannerSettings | None = None,
+    evaluator: Evaluator | None = None,
+    energy_budget_j: float | None = None,
+    deadline_s: float | None = None,
+    layers: int = 4,
+    partitions: str | pathlib.Path | None = None,
+    on_traced: Callable[[list[PartitionSet]], None] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> WorkloadPlan:
+    """Trace ``work``, plan it on ``gpu_name`` (the emulator unless ``evaluator``), return all.
+
+    Args:
+        work: model, parallel sizes, batch shape, dtype.
+        gpu_name: a GPU of :data:`kareus.hardware.GPUS` (aliases such as ``a100-40gb``).
+        policy: how to pick the plan (:func:`kareus.planner.select`).
+        energy_budget_j: the budget of policy ``energy_budget_j``.
+        deadline_s: the deadline of policy ``deadline_s``.
+        settings: planner knobs (clocks, SM shares, search budget...).
+        evaluator: times and energies; the emulator of ``gpu_name`` by default.
+        layers: layers traced per pipeline stage; the rest are counted.
+        partitions: a ``partitions.json`` of an earlier run of this workload: its partition
+            sets are used instead of tracing again.
+        on_traced: called with the stages' partition sets once tracing is done.
+        progress: called with a short description before each long step.
+
+    Raises:
+        UnknownGPUError, ValueError: bad input. TraceError: tracing failed.
+        InfeasiblePlanError: the policy's budget or deadline cannot be met.
+    """
+    spec = gpu(gpu_name)
+    start = time.perf_counter()
+    notes: list[str] = []
+    if partitions is not None:
+        stages = load_stages(work, partitions)
+    else:
+        stages, notes = trace(work, layers=layers, progress=progress)
+    traced = time.perf_counter()
+    if on_traced is not None:
+        on_traced(stages)
+    result = plan_for_gpu(
+        stages,
+        spec,
+        evaluator,
+        parallel=Parallelism(tp=work.tp, cp=work.cp, pp=work.pp, microbatches=work.microbatches),
+        settings=settings or PlannerSettings(),
+        policy=policy,
+        energy_budget_j=energy_budget_j,
+        deadline_s=deadline_s,
+        skip_reasons=notes,
+        progress=progress,
+        workload=workload_record(work),
+    )
+    done = time.perf_counter()
+    return WorkloadPlan(
+        work,
+        spec,
+        result,
+        stages,
+        traced - start,
+        done - traced,
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    )
+
+
+def workload_record(work: Workload) -> dict[str, Any]:
+    """Return the workload as plain data for the plan file."""
+    data = dataclasses.asdict(work)
+    if not isinstance(work.model, str):
+        data["model"] = dataclasses.asdict(work.model)
+    data["describe"] = work.describe()
+    return data
+
+
+def _pts(points: Sequence[FrontierPoint]) -> list[tuple[float, float]]:
+    return [(p.time_s, p.energy_j) for p in points]
+
+
+def comparison_rows(plan: Plan) -> list[tuple[str, ...]]:
+    """Per method: fastest time and its energy, least energy, and kareus's gains over it."""
+    rows: list[tuple[str, ...]] = []
+    kareus = _pts(plan.frontier)
+    methods: dict[str, Sequence[FrontierPoint]] = {**plan.baselines, "kareus": plan.frontier}
+    mega = min(_pts(plan.baselines["megatron"])) if "megatron" in plan.baselines else None
+    for name, pts in methods.items():
+        fast_t, fast_e = min(_pts(pts))
+        least = min(e for _, e in _pts(pts))
+        iso_t = iso_time_energy_reduction(kareus, _pts(pts)) if name != "kareus" else None
+        iso_e = iso_energy_time_reduction(kareus, _pts(pts)) if name != "kareus" else None
+        rows.append(
+            (
+                name,
+                f"{fast_t:.4f}",
+                f"{fast_e:.1f}",
+                f"{100 * (fast_e - mega[1]) / mega[1]:+.1f} %" if mega else "",
+                f"{least:.1f}",
+                _pct(iso_t),
+                _pct(iso_e),
+            )
+        )
+    return rows
+
+
+COMPARISON_HEADER = (
+    "method",
+    "fastest time s",
+    "its energy J",
+    "energy vs Megatron",
+    "least energy J",
+    "kareus iso-time energy saving",
+    "kareus iso-energy time saving",
+)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f} %"
+
+
+def write_outputs(planned: WorkloadPlan, out: str | pathlib.Path) -> dict[str, pathlib.Path]:
+    """Write plan.json, report.md, frontier.png and partitions.json to ``out``."""
+    from kareus.planner.plot import plot_frontiers
+
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "plan": out / "plan.json",
+        "report": out / "report.md",
+        "plot": out / "frontier.png",
+        "partitions": out / "partitions.json",
+    }
+    planned.plan.save(paths["plan"])
+    plot_frontiers(planned.plan, paths["plot"])
+    save_stages(planned.work, planned.stages, paths["partitions"])
+    paths["report"].write_text(report_markdown(planned, plot_name=paths["plot"].name))
+    return paths
+
+
+def _md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def report_markdown(planned: WorkloadPlan, plot_name: str = "frontier.png") -> str:
+    """Return the report: workload, comparison, frontiers, decisions, clocks, partitions, cost."""
+    plan, work, src = planned.plan, planned.work, planned.plan.source
+    cfg = work.config
+    chosen = plan.chosen
+    mega = min(_pts(plan.baselines["megatron"]))
+    lines = [
+        f"# kareus plan: {work.name} on {plan.gpu}",
+        "",
+        f"Every time and energy below is **{src}** "
+        + (
+            f"(the hardware model of {plan.gpu}: {planned.spec.calibration_source})."
+            if src == "modelled"
+            else "(measured on the GPU)."
+        )
+        + " Energy is per training iteration, summed over all "
+        f"{work.tp * work.cp * work.pp} GPUs of one pipeline, static power included.",
+        "",
+        "## Workload",
+        "",
+        _md_table(
+            ("model", "layers", "hidden", "heads (kv)", "FFN", "vocab", "dtype"),
+            [
+                (
+                    work.name,
+                    cfg.num_layers,
+                    cfg.hidden_size,
+                    f"{cfg.num_heads} ({cfg.num_kv_heads})",
+                    cfg.intermediate_size,
+                    cfg.vocab_size,
+                    work.dtype,
+                )
+            ],
+        ),
+        "",
+        _md_table(
+            ("TP", "CP", "PP", "micro-batch", "sequence", "micro-batches / iteration"),
+            [(work.tp, work.cp, work.pp, work.microbatch_size, work.seq_len, work.microbatches)],
+        ),
+        "",
+        "## Chosen plan",
+        "",
+        f"Policy `{plan.policy}`: {chosen.time_s:.4f} s and {chosen.energy_j:.1f} J per "
+        f"iteration ({src}); Megatron-LM's default (max clock, no overlap) takes "
+        f"{mega[0]:.4f} s and {mega[1]:.1f} J: "
+        f"{100 * (chosen.time_s - mega[0]) / mega[0]:+.1f} % time, "
+        f"{100 * (chosen.energy_j - mega[1]) / mega[1]:+.1f} % energy.",
+        "",
+        "## Methods side by side",
+        "",
+        "Iso-time saving: least energy among kareus's plans no slower than the method's "
+        "fastest plan, against that plan's energy. Iso-energy saving: shortest kareus time "
+        "using no more energy than the method's least-energy plan.",
+        "",
+        _md_table(COMPARISON_HEADER, comparison_rows(plan)),
+        "",
+        f"![time-energy frontiers]({plot_name})",
+        "",
+        "## Frontiers",
+        "",
+    ]
+    methods: dict[str, Sequence[FrontierPoint]] = {"kareus": plan.frontier, **plan.baselines}
+    for name, pts in methods.items():
+        rows = [
+            (i, f"{p.time_s:.4f}", f"{p.energy_j:.1f}", "chosen" if p == chosen else "")
+            for i, p in enumerate(pts)
+        ]
+        lines += [f"### {name} ({src})", "", _md_table(("#", "time s", "energy J", ""), rows), ""]
+    lines += [
+        "## Overlap decisions (per partition type)",
+        "",
+        _md_table(
+            ("stage/kind", "type", "launch slot", "SM share"),
+            [
+                (
+                    g,
+                    k,
+                    "no overlap" if d.launch_slot is None else d.launch_slot,
+                    d.sm_share or "default",
+                )
+                for g, decs in plan.decisions.items()
+                for k, d in decs.items()
+            ],
+        ),
+        "",
+        "## Clock schedule (MHz; F = forward, B = backward, then the micro-batch)",
+        "",
+    ]
+    for s in sorted({c.stage for c in plan.schedule}):
+        steps = " ".join(
+            f"{c.kind[0].upper()}{c.microbatch}@{c.freq_mhz:g}"
+            for c in plan.schedule
+            if c.stage == s
+        )
+        lines.append(f"- stage {s}: {steps}")
+    lines += ["", "## Partition types", ""]
+    for i, pset in planned.distinct_stages():
+        per = work.config.num_layers // work.pp
+        lines += [
+            f"### stage {i} ({per} layers; traced on fake tensors, repeated layers counted)",
+            "",
+            _md_table(
+                ("type", "count", "compute ‖ collective", "launch slots"),
+                [
+                    (
+                        key,
+                        sum(1 for p in pset.partitions if p.type_key == key),
+                        t.describe(),
+                        len(t.slot_labels),
+                    )
+                    for key, t in pset.types.items()
+                ],
+            ),
+            "",
+        ]
+    ev = plan.evaluations
+    lines += [
+        "## Cost of planning (measured)",
+        "",
+        f"- tracing: {planned.trace_s:.1f} s; planning: {planned.plan_s:.1f} s; peak memory "
+        f"{planned.peak_rss_mib:.0f} MiB",
+        f"- evaluations: {ev.get('search', 0)} in the search of a {ev.get('grid', 0)}-setting "
+        f"grid, {ev.get('total', 0)} in all; {ev.get('solves', 0)} CP-SAT solves "
+        f"({ev.get('solves_not_proven_optimal', 0)} not proven optimal in the time limit)",
+        "",
+        'Apply the plan: `model = kareus.compile(model, plan="plan.json", stage=STAGE)`.',
+    ]
+    lines += [f"- note: {r}" for r in plan.skip_reasons]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,268 @@
+"""Trace a real model configuration without its hardware, and count what repeats.
+
+A preset of :mod:`kareus.models` is built under ``FakeTensorMode`` (parameters and
+activations have shapes and dtypes but no storage) inside a fake process group whose world
+is the configuration's tensor × context-parallel size, so one process traces a rank of a
+70B model split over 64 GPUs. Only a few layers of each pipeline stage are traced: the
+partitions of an interior layer repeat for every other layer of the stage, so the
+partition set of a full stage is the traced one plus that layer's partitions counted again.
+Tracing cost does not grow with depth.
+
+The fake process group is for tracing only: no collective runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kareus.errors import KareusError
+from kareus.models.llama import Llama, LlamaConfig, preset
+from kareus.partitions import Partition, PartitionSet
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""Training dtypes by name."""
+
+
+class TraceError(KareusError, RuntimeError):
+    """Tracing a configuration failed, or its graphs had no partitions to plan."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+    """A training configuration: model, parallel sizes, batch shape and dtype.
+
+    Attributes:
+        model: a preset name of :data:`kareus.models.PRESETS`, or a config.
+        tp, cp, pp: tensor, context and pipeline-parallel sizes.
+        microbatch_size: sequences per micro-batch (split into two nanobatches).
+        seq_len: tokens per sequence (split across the context-parallel ranks).
+        microbatches: micro-batches per iteration (per pipeline).
+        dtype: ``bf16``, ``fp16`` or ``fp32``.
+    """
+
+    model: str | LlamaConfig
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    microbatch_size: int = 8
+    seq_len: int = 4096
+    microbatches: int = 8
+    dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        cfg = self.config  # raises on an unknown preset
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
+        for name in ("microbatch_size", "seq_len", "microbatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.microbatch_size < 4:
+            raise ValueError(
+                f"microbatch_size={self.microbatch_size}: splitting into two nanobatches "
+                "needs at least 4 sequences per micro-batch"
+            )
+        cfg.check_parallel(tp=self.tp, cp=self.cp, pp=self.pp, seq_len=self.seq_len)
+
+    @property
+    def config(self) -> LlamaConfig:
+        """The model's shape."""
+        return preset(self.model) if isinstance(self.model, str) else self.model
+
+    @property
+    def name(self) -> str:
+        """The model's name (``custom`` for a config)."""
+        return self.model if isinstance(self.model, str) else "custom"
+
+    def describe(self) -> str:
+        """One line, e.g. ``llama3.2-3b bf16, TP 8 x CP 1 x PP 2, 8 x 8 x 4096 tokens``."""
+        return (
+            f"{self.name} {self.dtype}, TP {self.tp} x CP {self.cp} x PP {self.pp}, "
+            f"{self.microbatches} micro-batches x {self.microbatch_size} x {self.seq_len} tokens"
+        )
+
+
+@contextlib.contextmanager
+def fake_world(tp: int, cp: int) -> Iterator[tuple[Any, Any]]:
+    """Start a fake process group of ``tp * cp`` ranks; yield (tp_group, cp_group).
+
+    This process plays rank 0. A group of one rank is None.
+
+    Raises:
+        TraceError: a process group is already initialised in this process.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise TraceError(
+            "tracing at scale starts its own fake process group, but this process already "
+            "has one; trace in a separate process (`kareus plan` does)"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * cp)
+    try:
+        tp_group = dist.new_group(list(range(tp))) if tp > 1 else None
+        cp_group = dist.new_group(list(range(0, tp * cp, tp))) if cp > 1 else None
+        yield tp_group, cp_group
+    finally:
+        dist.destroy_process_group()
+
+
+def stage_kinds(pp: int) -> list[int]:
+    """Return the indices of the distinct pipeline stages: first, one middle, last."""
+    return sorted({0, min(1, pp - 1), pp - 1})
+
+
+def trace_stage(
+    work: Workload,
+    stage: int,
+    *,
+    layers: int,
+    groups: tuple[Any, Any] = (None, None),
+) -> tuple[PartitionSet, list[str]]:
+    """Trace ``layers`` layers of one pipeline stage; return its partition set and notes.
+
+    Runs one forward and backward of a kareus-compiled stage on fake tensors (analysis
+    passes only: nothing is rewritten).
+    """
+    import kareus
+    from kareus.api import find_backend
+
+    cfg = dataclasses.replace(work.config, num_layers=layers * work.pp)
+    tp_group, cp_group = groups
+    dtype = DTYPES[work.dtype]
+    local_seq = work.seq_len // work.cp
+    torch._dynamo.reset()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = Llama(cfg, tp_group, cp_group, stage=(stage, work.pp))
+        finally:
+            torch.set_default_dtype(default)
+        shape = (work.microbatch_size, local_seq)
+        ids = torch.zeros(shape, dtype=torch.long)
+        x = ids if model.first else torch.zeros(*shape, cfg.hidden_size, dtype=dtype)
+        x.requires_grad_(x.is_floating_point())
+        compiled = kareus.compile(
+            model, disable_passes=("schedule_overlap", "insert_clock_switches")
+        )
+        out = compiled(x, ids if model.last else None)
+        out.backward(torch.ones_like(out))
+    backend = find_backend(compiled)
+    assert backend is not None
+    notes: list[str] = []
+    psets = []
+    for region in backend.regions:
+        notes.extend(region.notes)
+        pset = region.findings.get("cut_partitions")
+        if pset is not None and "backward" in pset.other:
+            psets.append(pset)
+    if len(psets) != 1:
+        raise TraceError(
+            f"stage {stage} of {work.describe()} traced into {len(psets)} training graphs "
+            f"(expected one){': ' + '; '.join(notes) if notes else ''}"
+        )
+    notes.extend(f"stage {stage} {kind}: {note}" for kind, note in psets[0].notes.items())
+    return psets[0], notes
+
+
+TEMPLATE_POSITION = 2
+"""Which block, in execution order, stands for the repeated ones: the third. The first
+block overlaps nothing before it, and a block's first partition takes in the tail of the
+block run before it, so the third is the first whose neighbours are all ordinary."""
+
+
+def extrapolate(pset: PartitionSet, traced: int, total: int, family: str = "layers") -> None:
+    """Add the partitions of ``total - traced`` more layers, copying an ordinary layer's.
+
+    Per instruction (forward, backward: the backward runs the layers in reverse), the
+    block at :data:`TEMPLATE_POSITION` in execution order is copied, with its compute
+    outside partitions. Needs ``traced >= TEMPLATE_POSITION + 2`` so that the template is
+    not the last block either.
+
+    Raises:
+        TraceError: too few layers traced to count the rest.
+    """
+    if total <= traced or not pset.partitions:
+        return
+    if traced < TEMPLATE_POSITION + 2:
+        raise TraceError(
+            f"tracing {traced} layers cannot stand for {total}: trace at least "
+            f"{TEMPLATE_POSITION + 2}"
+        )
+    added: list[Partition] = []
+    for kind in sorted({p.instruction for p in pset.partitions}):
+        order = list(dict.fromkeys(p.block for p in pset.partitions if p.instruction == kind))
+        template_block = order[TEMPLATE_POSITION]
+        template = [
+            p for p in pset.partitions if p.instruction == kind and p.block == template_block
+        ]
+        blocks = pset.block_other.get(kind, {})
+        for extra in range(traced, total):
+            name = f"{family}.{extra}"
+            added.extend(dataclasses.replace(p, block=name) for p in template)
+            if template_block in blocks:
+                blocks[name] = blocks[template_block]
+    pset.partitions.extend(added)
+
+
+def trace(
+    work: Workload,
+    *,
+    layers: int = TEMPLATE_POSITION + 2,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[list[PartitionSet], list[str]]:
+    """Partition sets of every pipeline stage of ``work`` (identical stages share one).
+
+    Args:
+        work: the configuration.
+        layers: layers traced per stage (at least 4 when the stage has more; the rest are
+            counted from an ordinary layer, see :func:`extrapolate`).
+        progress: called with a short description before each stage is traced.
+
+    Returns:
+        One partition set per pipeline stage, and the notes the passes recorded.
+    """
+    per_stage = work.config.num_layers // work.pp
+    traced = min(per_stage, max(layers, TEMPLATE_POSITION + 2))
+    note = progress or (lambda _s: None)
+    by_kind: dict[int, PartitionSet] = {}
+    notes: list[str] = []
+    with fake_world(work.tp, work.cp) as groups:
+        for kind in stage_kinds(work.pp):
+            note(f"tracing stage {kind} ({traced} of {per_stage} layers, fake tensors)")
+            pset, found = trace_stage(work, kind, layers=traced, groups=groups)
+            extrapolate(pset, traced, per_stage)
+            by_kind[kind] = pset
+            notes.extend(found)
+    stages = [
+        by_kind[0 if s == 0 else work.pp - 1 if s == work.pp - 1 else 1] for s in range(work.pp)
+    ]
+    return stages, notes
+
+
+def partition_count(pset: PartitionSet) -> dict[str, int]:
+    """Partitions per instruction kind (for summaries)."""
+    counts: dict[str, int] = {}
+    for p in pset.partitions:
+        counts[p.instruction] = counts.get(p.instruction, 0) + 1
+    return counts
+
+
+__all__ = [
+    "DTYPES",
+    "TraceError",
+    "Workload",
+    "extrapolate",
+    "fake_world",
+    "stage_kinds",
+    "trace",
+    "trace_stage",
+]

@@ -1,0 +1,148 @@
+"""`kareus plan` / `kareus explain` / `kareus list`, and tracing at scale on fake tensors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kareus.cli import EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_OK, main
+from kareus.models import LlamaConfig
+from kareus.plan import Plan
+from kareus.trace import Workload, trace
+
+SMALL = ["--model", "tiny-4l", "--tp", "2", "--microbatch-size", "4", "--seq-len", "32"]
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """One end-to-end run of the CLI on a small preset (TP 2 x CP 2, PP 2)."""
+    out = tmp_path_factory.mktemp("plan")
+    args = ["plan", *SMALL, "--cp", "2", "--pp", "2", "--microbatches", "4", "--out", str(out)]
+    return main([*args, "--quiet"]), out
+
+
+def test_plan_writes_plan_report_plot_and_partitions(planned, capsys):
+    rc, out = planned
+    assert rc == EXIT_OK
+    plan = Plan.load(out / "plan.json")
+    assert plan.parallel == {"tp": 2, "cp": 2, "pp": 2, "microbatches": 4}
+    assert plan.workload["model"] == "tiny-4l" and plan.source == "modelled"
+    assert set(plan.baselines) == {"megatron", "perseus", "nanobatch+perseus"}
+    assert len(plan.schedule) == 2 * 2 * 4  # stages x (F, B) x micro-batches
+    report = (out / "report.md").read_text()
+    for heading in ("## Methods side by side", "## Frontiers", "## Overlap decisions"):
+        assert heading in report
+    assert "modelled" in report and "frontier.png" in report
+    assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sets = json.loads((out / "partitions.json").read_text())["sets"]
+    kinds = {t["collective"]["kind"] for s in sets for t in s["types"].values() if t["collective"]}
+    assert {"all_reduce", "all_gather", "reduce_scatter"} <= kinds  # TP and CP collectives
+
+
+def test_explain_prints_a_saved_plan_through_the_entry_point(planned):
+    _rc, out = planned
+    shown = subprocess.run(
+        [sys.executable, "-m", "kareus.cli", "explain", str(out / "plan.json")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "kareus frontier (modelled)" in shown and "megatron" in shown
+    assert "workload: tiny-4l bf16, TP 2 x CP 2 x PP 2" in shown
+
+
+@pytest.mark.parametrize(
+    ("args", "rc", "message"),
+    [
+        (["plan", "--model", "llama9"], EXIT_BAD_INPUT, "unknown model 'llama9'; known models"),
+        (["plan", "--model", "tiny", "--gpu", "v100"], EXIT_BAD_INPUT, "unknown GPU 'v100'"),
+        (
+            ["plan", "--model", "llama3.2-3b", "--tp", "16"],
+            EXIT_BAD_INPUT,
+            "num_kv_heads=8 is not divisible by the tensor-parallel size 16",
+        ),
+        (
+            ["plan", "--model", "llama3.2-3b", "--pp", "3"],
+            EXIT_BAD_INPUT,
+            "num_layers=28 is not divisible by the pipeline-parallel size 3",
+        ),
+        (
+            ["plan", "--model", "tiny", "--cp", "3", "--seq-len", "32"],
+            EXIT_BAD_INPUT,
+            "seq_len=32 is not divisible by the context-parallel size 3",
+        ),
+        (["plan", "--model", "tiny", "--microbatch-size", "2"], EXIT_BAD_INPUT, "at least 4"),
+        (["plan", "--model", "tiny", "--select", "deadline_s"], EXIT_BAD_INPUT, "--deadline"),
+        (["plan", "--model", "tiny", "--clocks", "99999"], EXIT_BAD_INPUT, "outside"),
+        (["plan", "--model", "tiny", "--evaluator", "replay"], EXIT_BAD_INPUT, "--replay FILE"),
+        (["explain", "/no/such/plan.json"], EXIT_BAD_INPUT, "cannot read a kareus plan"),
+    ],
+)
+def test_bad_input_gets_its_error_and_exit_status(args, rc, message, capsys):
+    assert main(args) == rc
+    assert message in capsys.readouterr().err
+
+
+def test_malformed_lists_are_rejected_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--model", "tiny", "--clocks", "fast"])
+    assert exit_.value.code == EXIT_BAD_INPUT
+    assert "comma-separated list of integers" in capsys.readouterr().err
+
+
+def test_replanning_from_saved_partitions_needs_the_same_workload(planned, tmp_path, capsys):
+    _rc, out = planned
+    args = ["plan", *SMALL, "--cp", "2", "--pp", "2", "--microbatches", "2", "--quiet"]
+    saved = ["--partitions", str(out / "partitions.json"), "--out", str(tmp_path)]
+    assert main([*args, *saved, "--gpu", "h100", "--select", "min_energy"]) == EXIT_OK
+    plan = Plan.load(tmp_path / "plan.json")
+    assert plan.gpu.startswith("H100") and plan.parallel["microbatches"] == 2
+    other = ["plan", *SMALL, "--cp", "2", "--pp", "2", "--seq-len", "64", "--quiet", *saved]
+    assert main(other) == EXIT_BAD_INPUT
+    assert "traced for another workload: seq_len 32 != 64" in capsys.readouterr().err
+
+
+def test_a_deadline_nothing_meets_says_what_is_achievable(planned, tmp_path, capsys):
+    _rc, out = planned
+    args = ["plan", *SMALL, "--cp", "2", "--pp", "2", "--quiet", "--out", str(tmp_path)]
+    args += ["--partitions", str(out / "partitions.json")]
+    assert main([*args, "--select", "deadline_s", "--deadline", "1e-9"]) == EXIT_INFEASIBLE
+    assert "the fastest achievable is" in capsys.readouterr().err
+
+
+def test_explain_rejects_a_file_that_is_not_a_plan(tmp_path, capsys):
+    bad = tmp_path / "x.json"
+    bad.write_text('{"hello": 1}')
+    assert main(["explain", str(bad)]) == EXIT_BAD_INPUT
+    assert "plan version None is not supported" in capsys.readouterr().err
+
+
+def test_list_shows_presets_and_gpus(capsys):
+    assert main(["list"]) == EXIT_OK
+    shown = capsys.readouterr().out
+    assert "llama3.3-70b" in shown and "a100-sxm4-40gb" in shown and "a100-40gb" in shown
+
+
+def test_counting_repeated_layers_equals_tracing_them_all():
+    """Four traced layers, the rest counted, give the partition set of tracing all six."""
+    cfg = LlamaConfig(
+        num_layers=6, hidden_size=16, num_heads=2, num_kv_heads=2, intermediate_size=32
+    )
+    work = Workload(model=cfg, tp=2, microbatch_size=4, seq_len=8, microbatches=1)
+    [counted], _ = trace(work, layers=4)
+    [full], _ = trace(work, layers=6)
+    assert {k: t.describe() for k, t in counted.types.items()} == {
+        k: t.describe() for k, t in full.types.items()
+    }
+    for kind in ("forward", "backward"):
+        assert counted.counts(kind) == full.counts(kind)
+        assert _costs(counted.other[kind]) == _costs(full.other[kind])
+        assert sorted(_costs(counted.outside(kind))) == sorted(_costs(full.outside(kind)))
+        assert _costs(counted.exposed[kind]) == _costs(full.exposed[kind])
+    assert len(full.partitions) == 6 * 2 * 2 * 2  # layers x nanobatches x segments x kinds
+
+
+def _costs(items):
+    """Costs without node names (names differ between traces)."""
+    return [tuple(v for k, v in vars(c).items() if k != "name") for c in items]

@@ -1,0 +1,63 @@
+"""The CPU examples run as a user runs them, and say what they should."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(*args, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout
+
+
+def _losses(out):
+    return [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", out)]
+
+
+@pytest.mark.timeout(300)
+def test_train_tiny_prints_explain_and_modelled_energy(tmp_path):
+    out = _run(sys.executable, ROOT / "examples/train_tiny.py", "--steps", "3", tmp_path=tmp_path)
+    assert len(_losses(out)) == 3
+    assert "planned at compile time for A100-SXM4-40GB" in out
+    assert re.search(r"iteration 0: [0-9.]+ ms, [0-9.]+ J \(modelled\)", out)
+    assert (tmp_path / "kareus-out/explain.txt").exists()
+
+
+@pytest.mark.timeout(300)
+def test_train_hf_model(tmp_path):
+    out = _run(sys.executable, ROOT / "examples/train_hf.py", "--steps", "2", tmp_path=tmp_path)
+    assert len(_losses(out)) == 2 and "split" in out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_tensor_parallel_example_under_torchrun(tmp_path):
+    out = _run(
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(_port()),
+        ROOT / "examples/train_tp.py",
+        "--steps",
+        "2",
+        tmp_path=tmp_path,
+    )
+    assert len(_losses(out)) == 2
+    assert "all_reduce" in out and "(modelled)" in out
+
+
+def _port():
+    from kareus.testing import free_port
+
+    return free_port()

@@ -1,0 +1,135 @@
+"""The reference model family: presets, parallel-size errors, and TP/CP equal to unsharded."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import kareus
+from kareus.models import PRESETS, Llama, LlamaConfig, preset
+from kareus.runtime.clocks import EmulatedClocks
+from kareus.testing import run_ranks
+
+CFG = LlamaConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
+
+
+def test_presets_have_the_published_shapes():
+    cfg = preset("llama3.2-3b")
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (28, 3072, 24, 8)
+    assert cfg.intermediate_size == 8192 and cfg.vocab_size == 128256 and cfg.tie_embeddings
+    assert preset("llama3.3-70b").num_layers == 80 and not preset("llama3.3-70b").tie_embeddings
+    qwen = preset("qwen3-1.7b")
+    assert qwen.qk_norm and qwen.dim_per_head == 128 and qwen.num_heads * 128 == qwen.hidden_size
+    assert {"llama3.2-1b", "llama3.1-8b", "qwen3-8b", "tiny"} <= set(PRESETS)
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(ValueError, match="unknown model 'llama9'.*llama3.2-3b"):
+        preset("llama9")
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        ({"tp": 16}, "num_kv_heads=8 is not divisible by the tensor-parallel size 16"),
+        ({"pp": 3}, "num_layers=28 is not divisible by the pipeline-parallel size 3"),
+        ({"cp": 3, "seq_len": 4096}, "seq_len=4096 is not divisible by the context-parallel"),
+        ({"tp": 0}, "must be at least 1"),
+    ],
+)
+def test_parallel_sizes_that_do_not_divide_are_named(sizes, message):
+    with pytest.raises(ValueError, match=message):
+        preset("llama3.2-3b").check_parallel(**sizes)
+
+
+def test_pipeline_stages_hold_their_layers_and_chain_to_the_full_model():
+    torch.manual_seed(0)
+    full = Llama(CFG)
+    stages = [Llama(CFG, stage=(i, 2)) for i in range(2)]
+    for s in stages:
+        s.load_unsharded(full.state_dict())
+    ids = torch.randint(0, CFG.vocab_size, (2, 8))
+    assert len(stages[0].layers) == 1 and stages[0].lm_head is None and stages[1].embed is None
+    torch.testing.assert_close(stages[1](stages[0](ids), ids), full(ids, ids), rtol=0, atol=0)
+
+
+def _step(model, run, ids, labels):
+    loss = run(ids, labels)
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def _sharded_vs_full(rank, mode):
+    """Loss and gradients of the TP or CP model (eager and kareus) against the unsharded."""
+    torch.manual_seed(0)
+    full = Llama(CFG)
+    ids = torch.randint(0, CFG.vocab_size, (4, 8))
+    labels = torch.randint(0, CFG.vocab_size, (4, 8))
+    ref_loss, ref_grads = _step(full, full, ids, labels)
+    out = {}
+    hows = ("eager", "kareus", "planned") if mode == "tp" else ("eager", "kareus")
+    for how in hows:
+        if mode == "tp":
+            model = Llama(CFG, tp_group=dist.group.WORLD)
+            x, y = ids, labels
+        else:
+            model = Llama(CFG, cp_group=dist.group.WORLD)
+            x, y = ids.chunk(2, dim=1)[rank], labels.chunk(2, dim=1)[rank]
+        model.load_unsharded(full.state_dict())
+        run = model
+        if how == "kareus":
+            run = kareus.compile(model, strict=True)
+        elif how == "planned":  # no plan given: compile plans for the named GPU type
+            run = kareus.compile(model, strict=True, gpu="a100-40gb", clocks=EmulatedClocks())
+            _step(model, run, x, y)  # the first step plans; the second runs the plan
+            model.zero_grad()
+        loss, grads = _step(model, run, x, y)
+        if mode == "cp":  # each rank's loss is its chunk's mean: average as with DP
+            dist.all_reduce(loss)
+            loss /= 2
+            for g in grads.values():
+                dist.all_reduce(g)
+                g /= 2
+        diffs = {}
+        for key, g in grads.items():
+            want = ref_grads[model._unsharded_key(key)]
+            dims = [d for d in range(want.dim()) if want.shape[d] != g.shape[d]]
+            if dims:
+                want = want.chunk(want.shape[dims[0]] // g.shape[dims[0]], dims[0])[rank]
+            diffs[key] = (g, want)
+        split = None
+        if how != "eager":
+            region = kareus.explain(run).regions[0]
+            split = region.findings["find_blocks"].split
+        if how == "planned":
+            plan = region.findings["plan"]
+            split = (
+                split,
+                plan.gpu,
+                plan.parallel["tp"],
+                region.findings["clock_runtime"].switches,
+            )
+        out[how] = (loss, ref_loss, diffs, split)
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["tp", "cp"])
+def test_tensor_and_context_parallel_match_the_unsharded_model(mode):
+    for rank, result in enumerate(run_ranks(_sharded_vs_full, mode)):
+        for how, (loss, ref_loss, diffs, split) in result.items():
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=f"{how} loss")
+            for key, (got, want) in diffs.items():
+                torch.testing.assert_close(
+                    got,
+                    want,
+                    rtol=1e-5,
+                    atol=1e-5,
+                    msg=lambda m, k=key, h=how, r=rank: f"{h} r{r} {k}: {m}",
+                )
+            if how == "kareus":
+                assert split, f"kareus split no block of the {mode} model"
+            if how == "planned":
+                blocks, gpu, tp, switches = split
+                assert blocks and gpu.lower() == "a100-sxm4-40gb" and tp == 2
+                assert switches, "the planned clocks were never applied"
