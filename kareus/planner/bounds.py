@@ -47,8 +47,8 @@ def lower_bound(
     per_instr: dict[tuple[int, str], tuple[float, float]] = {}
     for si, pset in enumerate(stages):
         for kind in ("forward", "backward"):
-            ops = [o for p in pset.partitions if p.instruction == kind for s in p.slots for o in s.ops]
-            ops += list(pset.outside(kind))
+            parts = [p for p in pset.partitions if p.instruction == kind]
+            ops = [o for p in parts for s in p.slots for o in s.ops] + list(pset.outside(kind))
             bests = [best(o) for o in ops]
             per_instr[(si, kind)] = (sum(t for t, _ in bests), sum(e for _, e in bests))
     iteration = one_f_one_b(pp, microbatches) if pp > 1 else chain(microbatches)
