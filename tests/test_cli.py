@@ -125,13 +125,13 @@ def test_list_shows_presets_and_gpus(capsys):
 
 
 def test_counting_repeated_layers_equals_tracing_them_all():
-    """Four traced layers, the rest counted, give the partition set of tracing all six."""
+    """Four traced layers, the rest counted, give the partition set of tracing all five."""
     cfg = LlamaConfig(
-        num_layers=6, hidden_size=16, num_heads=2, num_kv_heads=2, intermediate_size=32
+        num_layers=5, hidden_size=16, num_heads=2, num_kv_heads=2, intermediate_size=32
     )
     work = Workload(model=cfg, tp=2, microbatch_size=4, seq_len=8, microbatches=1)
     [counted], _ = trace(work, layers=4)
-    [full], _ = trace(work, layers=6)
+    [full], _ = trace(work, layers=5)
     assert {k: t.describe() for k, t in counted.types.items()} == {
         k: t.describe() for k, t in full.types.items()
     }
@@ -140,7 +140,7 @@ def test_counting_repeated_layers_equals_tracing_them_all():
         assert _costs(counted.other[kind]) == _costs(full.other[kind])
         assert sorted(_costs(counted.outside(kind))) == sorted(_costs(full.outside(kind)))
         assert _costs(counted.exposed[kind]) == _costs(full.exposed[kind])
-    assert len(full.partitions) == 6 * 2 * 2 * 2  # layers x nanobatches x segments x kinds
+    assert len(full.partitions) == 5 * 2 * 2 * 2  # layers x nanobatches x segments x kinds
 
 
 def _costs(items):

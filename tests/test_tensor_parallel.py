@@ -111,9 +111,13 @@ def test_default_schedule_launches_at_partition_start(default_run):
 
 DECISIONS = [
     {"*": Decision(launch_slot=None)},  # no overlap
-    {"*": Decision(launch_slot=99)},  # clamped to the last slot
-    # per type, one with its own SM share (a communicator from the pool)
-    {"forward.2": Decision(launch_slot=1, sm_share=4), "*": Decision(launch_slot=2)},
+    # per type: one with its own SM share (a communicator from the pool), one slot clamped
+    # to the last, the rest at slot 2
+    {
+        "forward.2": Decision(launch_slot=1, sm_share=4),
+        "backward.2": Decision(launch_slot=99),
+        "*": Decision(launch_slot=2),
+    },
 ]
 
 
