@@ -38,6 +38,12 @@ def test_plan_writes_plan_report_plot_and_partitions(planned, capsys):
     sets = json.loads((out / "partitions.json").read_text())["sets"]
     kinds = {t["collective"]["kind"] for s in sets for t in s["types"].values() if t["collective"]}
     assert {"all_reduce", "all_gather", "reduce_scatter"} <= kinds  # TP and CP collectives
+    for s in sets:  # every layer of every stage is partitioned in both directions
+        blocks = {
+            kind: {p["block"] for p in s["partitions"] if p["instruction"] == kind}
+            for kind in ("forward", "backward")
+        }
+        assert blocks["forward"] == blocks["backward"] == {"layers.0", "layers.1"}
 
 
 def test_explain_prints_a_saved_plan_through_the_entry_point(planned):

@@ -230,7 +230,7 @@ def map_blocks(
         seq_nr = node.meta.get("seq_nr")
         if tag is None and kind == "backward" and seq_nr is not None:
             tag = blockset._by_seq_nr.get(seq_nr)
-        from_inputs = _tag_from_inputs(node.all_input_nodes, where)
+        from_inputs = _tag_from_inputs(node.all_input_nodes, where, joint=kind == "backward")
         if "_c10d_functional" in str(node.target) and from_inputs is not None:
             # Collectives traced inside an autograd.Function's backward carry neither tag
             # nor module stack; they belong to the block copy whose data they move.
@@ -284,11 +284,15 @@ def _untraceable(node: fx.Node) -> bool:
     return not (meta.get("nn_module_stack") or meta.get("fwd_nn_module_stack") or "seq_nr" in meta)
 
 
-def _tag_from_inputs(inputs: Iterable[fx.Node], where: dict[fx.Node, NodeTag]) -> NodeTag | None:
+def _tag_from_inputs(
+    inputs: Iterable[fx.Node], where: dict[fx.Node, NodeTag], joint: bool = False
+) -> NodeTag | None:
+    """The tag shared by the mapped inputs; with ``joint`` (backward graphs), also a tag for
+    nodes that join two nanobatches or two blocks."""
     mapped = [n for n in inputs if n in where]
     tags = {where[n] for n in mapped}
-    if len(tags) <= 1:
-        return tags.pop() if tags else None
+    if len(tags) <= 1 or not joint:
+        return tags.pop() if len(tags) == 1 else None
     blocks = {t.block for t in tags}
     if len(blocks) == 1:  # both nanobatches of one block (their weight gradients' sum)
         return NodeTag(blocks.pop())
