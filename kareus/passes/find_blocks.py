@@ -287,8 +287,11 @@ def _untraceable(node: fx.Node) -> bool:
 def _tag_from_inputs(
     inputs: Iterable[fx.Node], where: dict[fx.Node, NodeTag], joint: bool = False
 ) -> NodeTag | None:
-    """The tag shared by the mapped inputs; with ``joint`` (backward graphs), also a tag for
-    nodes that join two nanobatches or two blocks."""
+    """Return the tag shared by the mapped inputs, or None.
+
+    With ``joint`` (backward graphs), nodes that join two nanobatches or two blocks get a
+    tag too (see the comments below).
+    """
     mapped = [n for n in inputs if n in where]
     tags = {where[n] for n in mapped}
     if len(tags) <= 1 or not joint:
