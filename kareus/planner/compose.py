@@ -131,7 +131,7 @@ class Composer:
         static_power_w: static power of one GPU.
         gpus: GPUs the iteration runs on (all stages, all tensor-parallel ranks).
         gpus_per_stage: GPUs that run each instruction (tensor-parallel ranks).
-        time_limit_s: CP-SAT time limit per solve.
+        time_limit_s: CP-SAT time limit per solve, per 64 instructions of the iteration.
         workers: CP-SAT search workers (1-2 on small machines).
     """
 
@@ -224,15 +224,18 @@ class Composer:
         solver = cp_model.CpSolver()
         solver.parameters.num_workers = self.workers
         solver.parameters.random_seed = self.seed
-        solver.parameters.max_time_in_seconds = self.time_limit_s
+        # Larger iterations get proportionally longer: the limit is per 64 instructions.
+        limit = self.time_limit_s * max(1.0, len(self.it.instructions) / 64)
+        solver.parameters.max_time_in_seconds = limit
         status = solver.solve(m)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             if hint is not None and (bound_s is None or hint.time_s <= bound_s + 1e-9):
                 # Out of time before CP-SAT proved anything: the hint is still a valid plan.
                 return dataclasses.replace(hint, status="HINT")
+            within = f"within {bound_s:.6f} s " if bound_s is not None else ""
             raise KareusError(
-                f"no plan finishes the iteration within {bound_s:.6f} s "
-                f"(CP-SAT status {solver.status_name(status)})"
+                f"CP-SAT found no plan {within}in {limit:.1f} s "
+                f"(status {solver.status_name(status)})"
             )
         choices = tuple(
             self.options[instr.group][next(k for k, v in enumerate(x[i]) if solver.value(v))]
@@ -241,11 +244,20 @@ class Composer:
         time_s, energy_j = self.evaluate(choices)
         return Solution(choices, time_s, energy_j, solver.status_name(status))
 
+    def fastest_choice(self) -> Solution:
+        """Every instruction's fastest option (least energy among equals): a feasible start."""
+        choices = tuple(
+            min(self.options[i.group], key=lambda o: (o.time_s, o.dynamic_energy_j))
+            for i in self.it.instructions
+        )
+        time_s, energy_j = self.evaluate(choices)
+        return Solution(choices, time_s, energy_j, "GREEDY")
+
     def frontier(self, points: int = 8) -> list[Solution]:
         """Sweep the time bound from the fastest plan to the least-energy plan."""
         from kareus.planner.pareto import pareto_front
 
-        fastest = self.solve(minimise="time")
+        fastest = self.solve(minimise="time", hint=self.fastest_choice())
         frugal = self.solve(hint=fastest)
         sols = [fastest, frugal]
         lo, hi = fastest.time_s, frugal.time_s
