@@ -286,7 +286,8 @@ def main() -> int:
             print(
                 f"[{n}/{len(runs)}] {futures[fut]}: "
                 + ", ".join(f"{r['gpu_key']} plan {r['plan_s']:.0f} s" for r in got)
-                + f", trace {got[0]['trace_s']:.0f} s ({time.perf_counter() - start:.0f} s in)",
+                + f", trace {got[0]['trace_s']:.0f} s ({time.perf_counter() - start:.0f} s in;"
+                " wall times measured)",
                 flush=True,
             )
     order = {workload_key(f): i for i, (f, _g) in enumerate(runs)}

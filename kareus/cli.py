@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _bad_input(err: Exception) -> bool:
     from kareus.trace import TraceError
 
-    return not isinstance(err, TraceError) or "cannot read" in str(err) or "another" in str(err)
+    return not isinstance(err, TraceError)
 
 
 def _list() -> int:
@@ -163,7 +163,7 @@ def _plan(args: argparse.Namespace) -> int:
         planning_steps,
         write_outputs,
     )
-    from kareus.trace import Workload
+    from kareus.trace import Workload, stage_kinds
 
     spec = gpu(args.gpu)
     work = Workload(
@@ -203,7 +203,7 @@ def _plan(args: argparse.Namespace) -> int:
     )
     print(f"kareus plan: {work.describe()} on {spec.name} ({args.evaluator})", flush=True)
     with _Progress(enabled=not args.quiet) as progress:
-        progress.start("tracing", len({0, min(1, work.pp - 1), work.pp - 1}))
+        progress.start("tracing", len(stage_kinds(work.pp)))
         planned = plan_workload(
             work,
             args.gpu,

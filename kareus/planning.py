@@ -17,13 +17,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kareus.costs import Evaluator
+from kareus.errors import KareusError
 from kareus.hardware import GPUSpec, gpu
 from kareus.partitions import PartitionSet
 from kareus.plan import FrontierPoint, Plan
 from kareus.planner import Parallelism, PlannerSettings, plan_for_gpu
 from kareus.planner.pareto import iso_energy_time_reduction, iso_time_energy_reduction
 from kareus.planner.planner import PlanningResult
-from kareus.trace import TraceError, Workload, trace
+from kareus.trace import Workload, trace
 
 
 @dataclasses.dataclass
@@ -54,11 +55,7 @@ class WorkloadPlan:
 
     def distinct_stages(self) -> list[tuple[int, PartitionSet]]:
         """(first stage index, set) of each distinct partition set."""
-        seen: list[tuple[int, PartitionSet]] = []
-        for i, pset in enumerate(self.stages):
-            if all(pset is not other for _, other in seen):
-                seen.append((i, pset))
-        return seen
+        return _distinct(self.stages)
 
 
 _TRACED_FIELDS = ("model", "tp", "cp", "pp", "microbatch_size", "seq_len", "dtype")
@@ -67,10 +64,7 @@ _TRACED_FIELDS = ("model", "tp", "cp", "pp", "microbatch_size", "seq_len", "dtyp
 
 def save_stages(work: Workload, stages: Sequence[PartitionSet], path: str | pathlib.Path) -> None:
     """Write the stages' partition sets (each distinct set once) with their workload."""
-    distinct: list[PartitionSet] = []
-    for pset in stages:
-        if all(pset is not d for d in distinct):
-            distinct.append(pset)
+    distinct = [pset for _, pset in _distinct(stages)]
     data = {
         "workload": workload_record(work),
         "stages": [next(i for i, d in enumerate(distinct) if d is p) for p in stages],
@@ -79,31 +73,43 @@ def save_stages(work: Workload, stages: Sequence[PartitionSet], path: str | path
     pathlib.Path(path).write_text(json.dumps(data, indent=1) + "\n")
 
 
+class PartitionsFileError(KareusError, ValueError):
+    """A partitions.json that cannot be read, or was traced for another workload."""
+
+
 def load_stages(work: Workload, path: str | pathlib.Path) -> list[PartitionSet]:
     """Read partition sets written by :func:`save_stages` for the same traced workload.
 
     Raises:
-        TraceError: the file cannot be read or was traced for another workload.
+        PartitionsFileError: the file cannot be read or was traced for another workload.
     """
     try:
         data = json.loads(pathlib.Path(path).read_text())
         saved, order = data["workload"], data["stages"]
         sets = [PartitionSet.from_dict(d) for d in data["sets"]]
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise TraceError(f"cannot read partition sets from {path}: {err}") from err
+        raise PartitionsFileError(f"cannot read partition sets from {path}: {err}") from err
     want = workload_record(work)
     diff = [
         f"{k} {saved.get(k)!r} != {want[k]!r}" for k in _TRACED_FIELDS if saved.get(k) != want[k]
     ]
     if diff:
-        raise TraceError(f"{path} was traced for another workload: {', '.join(diff)}")
+        raise PartitionsFileError(f"{path} was traced for another workload: {', '.join(diff)}")
     return [sets[i] for i in order]
 
 
+def _distinct(stages: Sequence[PartitionSet]) -> list[tuple[int, PartitionSet]]:
+    """(first stage index, set) of each distinct set (identical stages share one object)."""
+    seen: list[tuple[int, PartitionSet]] = []
+    for i, pset in enumerate(stages):
+        if all(pset is not other for _, other in seen):
+            seen.append((i, pset))
+    return seen
+
+
 def planning_steps(stages: Sequence[PartitionSet]) -> int:
-    """How many progress steps planning these stages reports."""
-    distinct = {id(p): p for p in stages}.values()
-    return sum(len(p.types) for p in distinct) + 5
+    """Return how many progress steps planning these stages reports."""
+    return sum(len(p.types) for _, p in _distinct(stages)) + 5
 
 
 def plan_workload(

@@ -248,14 +248,6 @@ def trace(
     return stages, notes
 
 
-def partition_count(pset: PartitionSet) -> dict[str, int]:
-    """Partitions per instruction kind (for summaries)."""
-    counts: dict[str, int] = {}
-    for p in pset.partitions:
-        counts[p.instruction] = counts.get(p.instruction, 0) + 1
-    return counts
-
-
 __all__ = [
     "DTYPES",
     "TraceError",

@@ -223,6 +223,7 @@ def map_blocks(
     by_path = {b.path: b.name for b in blockset.blocks}
     stack_key = "fwd_nn_module_stack" if kind == "backward" else "nn_module_stack"
     where: dict[fx.Node, NodeTag] = {}
+    order = {n: i for i, n in enumerate(graph.nodes)}
     for node in graph.nodes:
         if node.op not in _COMPUTE:
             continue
@@ -230,7 +231,7 @@ def map_blocks(
         seq_nr = node.meta.get("seq_nr")
         if tag is None and kind == "backward" and seq_nr is not None:
             tag = blockset._by_seq_nr.get(seq_nr)
-        from_inputs = _tag_from_inputs(node.all_input_nodes, where, joint=kind == "backward")
+        from_inputs = _tag_from_inputs(node.all_input_nodes, where, kind == "backward", order)
         if "_c10d_functional" in str(node.target) and from_inputs is not None:
             # Collectives traced inside an autograd.Function's backward carry neither tag
             # nor module stack; they belong to the block copy whose data they move.
@@ -285,16 +286,19 @@ def _untraceable(node: fx.Node) -> bool:
 
 
 def _tag_from_inputs(
-    inputs: Iterable[fx.Node], where: dict[fx.Node, NodeTag], joint: bool = False
+    inputs: Iterable[fx.Node],
+    where: dict[fx.Node, NodeTag],
+    joint: bool = False,
+    order: dict[fx.Node, int] | None = None,
 ) -> NodeTag | None:
     """Return the tag shared by the mapped inputs, or None.
 
-    With ``joint`` (backward graphs), nodes that join two nanobatches or two blocks get a
-    tag too (see the comments below).
+    With ``joint`` (backward graphs; ``order`` gives node positions), nodes that join two
+    nanobatches or two blocks get a tag too (see the comments below).
     """
     mapped = [n for n in inputs if n in where]
     tags = {where[n] for n in mapped}
-    if len(tags) <= 1 or not joint:
+    if len(tags) <= 1 or not joint or order is None:
         return tags.pop() if len(tags) == 1 else None
     blocks = {t.block for t in tags}
     if len(blocks) == 1:  # both nanobatches of one block (their weight gradients' sum)
@@ -303,15 +307,5 @@ def _tag_from_inputs(
     if len(nanobatches) == 1 and None not in nanobatches:
         # One nanobatch's data from two blocks (the residual gradient between layers):
         # the block that produced its latest input.
-        return where[max(mapped, key=lambda n: _position(n))]
+        return where[max(mapped, key=lambda n: order[n])]
     return None
-
-
-def _position(node: fx.Node) -> int:
-    # fx keeps nodes in a linked list; count from the graph's start once per call site.
-    pos = 0
-    cur = node
-    while cur.op != "root":
-        cur = cur.prev
-        pos += 1
-    return pos
