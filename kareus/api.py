@@ -8,9 +8,11 @@ handed to TorchInductor when ``Config.codegen == "inductor"``).
 
 from __future__ import annotations
 
+import collections
 import functools
 import pathlib
 import warnings
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -24,6 +26,7 @@ from kareus.config import Config
 from kareus.errors import PassError
 from kareus.partitions import Decision
 from kareus.passes.base import PassContext, run_passes
+from kareus.passes.census import Key, as_side, census, describe, lost
 from kareus.plan import Plan
 from kareus.region import GraphRecord, Region
 from kareus.runtime.clocks import ClockController, default_controller
@@ -110,10 +113,34 @@ class KareusBackend:
         if self.decisions and dist.is_available() and dist.is_initialized():
             self._pool = self._pool or CommunicatorPool()
             region.findings["communicator_pool"] = self._pool
+        captured = gm
         gm = self._run_graph_passes(region, "dynamo", gm, example_inputs)
+        try:
+            return self._lower(region, gm, example_inputs)
+        except LostCollectivesError as err:
+            if gm is captured or self.config.strict:
+                raise
+            # The rewritten graph lost collectives on its way through AOTAutograd: run the
+            # region as captured, and say so loudly.
+            note = f"region runs as captured, unchanged: {err}"
+            region.notes.append(note)
+            warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=2)
+            _undo_split(region, err.detail)
+            region.graphs["dynamo"].final_code = region.graphs["dynamo"].captured_code
+            return self._lower(region, captured, example_inputs)
 
+    def _lower(
+        self, region: Region, gm: fx.GraphModule, example_inputs: Sequence[Any]
+    ) -> Callable[..., Any]:
+        """Hand the Dynamo graph to AOTAutograd (or Inductor) with kareus's compilers.
+
+        Raises:
+            LostCollectivesError: AOTAutograd's graphs lack a collective the Dynamo graph
+                holds (checked on the joint graph, or on the inference graph).
+        """
+        expected = census(gm)
         if self.config.codegen == "inductor":
-            return self._hand_to_inductor(region, gm, example_inputs)
+            return self._hand_to_inductor(region, gm, example_inputs, expected)
 
         from functorch.compile import make_boxed_func
         from torch._dynamo.backends.common import aot_autograd
@@ -121,6 +148,8 @@ class KareusBackend:
         compiled: dict[str, tuple[fx.GraphModule, Sequence[Any], fx.GraphModule]] = {}
 
         def compiler(kind: str, g: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
+            if kind == "inference":
+                _check_lowered(g, expected, "inference")
             compiled[kind] = (g, inputs, self._run_graph_passes(region, kind, g, inputs))
             if kind == "backward" and self._plan_for and "forward" in compiled:
                 self._plan_region(region, compiled)
@@ -134,6 +163,7 @@ class KareusBackend:
             fw_compiler=functools.partial(compiler, "forward"),
             bw_compiler=functools.partial(compiler, "backward"),
             inference_compiler=functools.partial(compiler, "inference"),
+            partition_fn=functools.partial(_checked_partition, expected),
         )(gm, example_inputs)
 
     def _plan_region(
@@ -196,7 +226,11 @@ class KareusBackend:
             compiled[kind] = (g, inputs, self._run_graph_passes(region, kind, g, inputs))
 
     def _hand_to_inductor(
-        self, region: Region, gm: fx.GraphModule, example_inputs: Sequence[Any]
+        self,
+        region: Region,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        expected: collections.Counter[Key],
     ) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -213,6 +247,8 @@ class KareusBackend:
                 kind = "inference"
             else:
                 kind = "forward"
+            if kind != "backward":
+                _check_lowered(g, expected, kind)
             return compile_fx_inner(
                 self._run_graph_passes(region, kind, g, inputs), inputs, **kwargs
             )
@@ -234,7 +270,7 @@ class KareusBackend:
         region.graphs[kind] = record
         ctx = PassContext(self.config, kind, region.findings, example_inputs)
         # The passes rewrite a copy of the graph so that a failure leaves the captured one.
-        work = fx.GraphModule(gm, _copy_graph(gm.graph), class_name=type(gm).__name__)
+        work = _copy_module(gm)
         try:
             out, records = run_passes(work, passes.PIPELINE, ctx)
         except PassError as err:
@@ -245,6 +281,8 @@ class KareusBackend:
             region.notes.append(note)
             warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=2)
             record.final_code = record.captured_code
+            if kind == "dynamo":
+                _undo_split(region, err.detail)
             return gm
         region.history.extend(records)
         record.final_code = graph_code(out)
@@ -260,6 +298,50 @@ class _Decisions(dict):  # type: ignore[type-arg]
         return "\n".join(f"{k}: {v}" for k, v in self.items())
 
 
+def _undo_split(region: Region, reason: str) -> None:
+    """Record that the region's blocks run whole after all (the split was not kept)."""
+    blockset = region.findings.get("find_blocks")
+    if blockset is not None:
+        for name in blockset.split:
+            blockset.skipped[name] = f"split undone: {reason}"
+        blockset.split.clear()
+
+
+class LostCollectivesError(PassError):
+    """AOTAutograd's graphs of a rewritten region lack collectives its Dynamo graph holds."""
+
+
+def _check_lowered(
+    g: fx.GraphModule, expected: collections.Counter[Key], graph: str, *, joint: bool = False
+) -> None:
+    """Raise :class:`LostCollectivesError` when ``g`` lacks a collective of ``expected``.
+
+    A joint graph holds both sides; a forward-only (inference) graph only the forward side.
+    """
+    got = as_side(census(g), "forward")
+    want = as_side(
+        expected if joint else Counter({k: n for k, n in expected.items() if k[0] == "forward"}),
+        "forward",
+    )
+    missing = lost(want, got)
+    if missing:
+        raise LostCollectivesError(
+            "aot_autograd",
+            graph,
+            f"AOTAutograd's {graph} graph lacks {describe(missing)} of the Dynamo graph",
+        )
+
+
+def _checked_partition(
+    expected: collections.Counter[Key], joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """AOTAutograd's default partition, after checking the joint graph's collectives."""
+    from torch._functorch.partitioners import default_partition
+
+    _check_lowered(joint, expected, "joint", joint=True)
+    return default_partition(joint, joint_inputs, **kwargs)
+
+
 def _this_gpu() -> str | None:
     """Return the kareus GPU type of this CUDA device, or None (no GPU or unknown)."""
     if not torch.cuda.is_available():
@@ -267,6 +349,19 @@ def _this_gpu() -> str | None:
     from kareus.hardware.specs import spec_name_for_device
 
     return spec_name_for_device(torch.cuda.get_device_name())
+
+
+def _copy_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """Copy ``gm``'s graph and those of its graph submodules (higher-order-op bodies).
+
+    Parameters and other modules are shared; bodies are copied so that a pass that changes
+    one (or fails half-way) leaves the captured graph whole.
+    """
+    work = fx.GraphModule(gm, _copy_graph(gm.graph), class_name=type(gm).__name__)
+    for name, child in gm.named_children():
+        if isinstance(child, fx.GraphModule):
+            setattr(work, name, _copy_module(child))
+    return work
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:

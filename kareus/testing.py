@@ -387,3 +387,117 @@ def megatron_partition_set(
         pset.other[kind] = head if kind == "forward" else backward(head)
         pset.exposed[kind] = (coll,)
     return pset
+
+
+class _InplaceReduce(torch.autograd.Function):
+    """Megatron's "g" as TP libraries write it: an in-place ``dist.all_reduce``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _InplaceCopy(torch.autograd.Function):
+    """Megatron's "f": identity forward, in-place ``dist.all_reduce`` of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+def _gather_seq(x: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    moved = x.transpose(0, 1).contiguous()
+    out = moved.new_empty((moved.shape[0] * dist.get_world_size(), *moved.shape[1:]))
+    dist.all_gather_into_tensor(out, moved)
+    return out.transpose(0, 1)
+
+
+def _scatter_seq(x: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    moved = x.transpose(0, 1).contiguous()
+    out = moved.new_empty((moved.shape[0] // dist.get_world_size(), *moved.shape[1:]))
+    dist.reduce_scatter_tensor(out, moved)
+    return out.transpose(0, 1)
+
+
+class _InplaceGather(torch.autograd.Function):
+    """Sequence parallelism: all-gather the sequence forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return _gather_seq(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return _scatter_seq(grad)
+
+
+class _InplaceScatter(torch.autograd.Function):
+    """Sequence parallelism: reduce-scatter the sequence forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return _scatter_seq(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return _gather_seq(grad)
+
+
+class InplaceTPLayer(nn.Module):
+    """A tensor-parallel MLP layer with in-place ``dist`` collectives in autograd.Functions.
+
+    This is how Megatron-style TP libraries write their collectives.
+
+    With ``sequence_parallel``, activations are split along dimension 1 between layers:
+    all-gathered before the column-parallel matmul, reduce-scattered after the row-parallel
+    one (the gradients the other way round); without it, "f" and "g" all-reduces.
+    """
+
+    def __init__(self, width: int, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, width)
+        self.down = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return ``x`` plus the layer's update."""
+        h = self.norm(x)
+        h = _InplaceGather.apply(h) if self.sequence_parallel else _InplaceCopy.apply(h)
+        h = self.down(torch.relu(self.up(h)))
+        h = _InplaceScatter.apply(h) if self.sequence_parallel else _InplaceReduce.apply(h)
+        return x + h
+
+
+class InplaceTPNet(nn.Module):
+    """Layers of :class:`InplaceTPLayer`; called as ``net(x, target)``, returns the MSE."""
+
+    def __init__(self, layers: int = 3, width: int = 16, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(InplaceTPLayer(width, sequence_parallel) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Return the mean squared error of the output against ``target``."""
+        for layer in self.layers:
+            x = layer(x)
+        return ((x - target) ** 2).mean()

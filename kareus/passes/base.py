@@ -10,6 +10,7 @@ already run.
 from __future__ import annotations
 
 import abc
+import collections
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch.fx as fx
 
 from kareus.errors import NodeError, PassError
+from kareus.passes import census as _census
 
 if TYPE_CHECKING:
     from kareus.config import Config
@@ -28,10 +30,20 @@ GRAPH_KINDS = ("dynamo", "forward", "backward", "inference")
 
 @dataclasses.dataclass(frozen=True)
 class PassResult:
-    """What a pass returns: the (possibly new) graph module and whether it changed it."""
+    """What a pass returns: the (possibly new) graph module and whether it changed it.
+
+    Attributes:
+        gm: the graph module after the pass.
+        modified: whether the pass changed the graph (checked against its code).
+        collectives: the live collectives the graph holds after the pass
+            (:func:`kareus.passes.census.census`), when the pass changed them on purpose
+            (the nanobatch split doubles a split block's); None means "unchanged". The
+            runner fails the pass when the graph's count differs.
+    """
 
     gm: fx.GraphModule
     modified: bool
+    collectives: collections.Counter[_census.Key] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,10 +130,12 @@ def run_passes(
         nodes_before = len(gm.graph.nodes)
         start = time.perf_counter()
         try:
+            collectives = _census.census(gm)
             p.requires(gm, ctx)
             result = p.run(gm, ctx)
             result.gm.graph.lint()
             p.ensures(result.gm, ctx)
+            _check_collectives(collectives, result)
             after_code = graph_code(result.gm)
             if not result.modified and after_code != before_code:
                 raise ValueError("the pass reported no change but changed the graph")
@@ -156,6 +170,21 @@ def run_passes(
         )
         ctx.passes_run.append(p.name)
     return gm, records
+
+
+def _check_collectives(before: collections.Counter[_census.Key], result: PassResult) -> None:
+    """Raise when the pass lost (or added) collectives it did not announce."""
+    expected = before if result.collectives is None else result.collectives
+    after = _census.census(result.gm)
+    missing, extra = _census.lost(expected, after), _census.lost(after, expected)
+    if missing or extra:
+        parts = [f"lost {_census.describe(missing)}"] if missing else []
+        parts += [f"added {_census.describe(extra)}"] if extra else []
+        raise ValueError(
+            "the pass changed the graph's collectives: "
+            + "; ".join(parts)
+            + " (a lost collective means wrong results, so the rewrite is refused)"
+        )
 
 
 def _as_pass_error(name: str, ctx: PassContext, exc: Exception) -> PassError:

@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from kareus.passes.base import GraphPass, PassContext, PassResult
+from kareus.passes.census import census
 from kareus.passes.find_blocks import BlockSet
 from kareus.passes.tags import NodeTag, set_tag
 
@@ -149,14 +150,19 @@ class SplitNanobatches(GraphPass):
                 blockset.skipped[block.name] = plan
             else:
                 plans.append((block.name, block.nodes, plan))
+        # A split block's collectives run once per nanobatch: announce the doubled count
+        # so the runner can tell a lost collective from a duplicated one.
+        by_name = {n.name: n for n in gm.graph.nodes}
+        expected = census(gm)
+        for _name, nodes, _plan in plans:
+            expected.update(census(gm, (by_name[n] for n in nodes)))
         joined: dict[str, fx.Node] = {}  # outputs of split blocks -> their joined node
+        made: list[fx.Node] = []
         for name, nodes, plan in plans:
-            rewrite_split(gm.graph, name, nodes, plan, joined)
+            made += rewrite_split(gm.graph, name, nodes, plan, joined)
             blockset.split.append(name)
-        changed = bool(plans)
-        if changed:
-            gm.graph.eliminate_dead_code()
-        return PassResult(gm, modified=changed)
+        _erase_unused(gm.graph, made)
+        return PassResult(gm, modified=bool(plans), collectives=expected)
 
 
 def batch_info(graph: fx.Graph, batch_dim: int) -> BatchInfo:
@@ -334,7 +340,7 @@ def rewrite_split(
     names: Sequence[str],
     plan: SplitPlan,
     joined: dict[str, fx.Node] | None = None,
-) -> None:
+) -> list[fx.Node]:
     """Replace the block's nodes by one copy per nanobatch and join the outputs.
 
     Args:
@@ -344,6 +350,10 @@ def rewrite_split(
         plan: from :func:`find_split` on the graph before any rewrite.
         joined: outputs of blocks rewritten earlier, by their old name, mapped to the nodes
             that replaced them; this block's are added.
+
+    Returns:
+        The nodes the rewrite inserted that are not copies of the block's own nodes (sizes,
+        narrows, joins): the only ones :func:`_erase_unused` may remove.
     """
     joined = {} if joined is None else joined
     by_name = {n.name: n for n in graph.nodes} | joined
@@ -356,6 +366,7 @@ def rewrite_split(
         half = graph.call_function(operator.floordiv, (size, 2))
     with graph.inserting_after(half):
         rest = graph.call_function(operator.sub, (size, half))
+    made = [size, half, rest]
     cursor = rest
     copies: list[dict[fx.Node, fx.Node]] = []
     bounds: tuple[tuple[Any, fx.Node], ...] = ((0, half), (half, rest))
@@ -376,6 +387,7 @@ def rewrite_split(
                     f"{name}_nb{nb}",
                 )
             env[source] = cursor
+            made.append(cursor)
         for node in nodes:
             with graph.inserting_after(cursor):
                 new = graph.node_copy(node, functools.partial(_lookup, env))
@@ -396,8 +408,24 @@ def rewrite_split(
         for user in [u for u in out.users if u not in inside]:
             user.replace_input_with(out, cursor)
         joined[name] = cursor
+        made.append(cursor)
     for node in reversed(nodes):
         graph.erase_node(node)
+    return made
+
+
+def _erase_unused(graph: fx.Graph, made: Sequence[fx.Node]) -> None:
+    """Erase the inserted nodes nobody uses (a join the next block reads by halves).
+
+    Only nodes the split inserted are candidates: fx's own dead-code elimination treats
+    in-place method calls (``copy_``, which writes a collective's result back into an
+    in-place ``dist`` call's buffer) as pure, also inside higher-order-op bodies, and would
+    drop collectives with them.
+    """
+    candidates = set(made)
+    for node in reversed(list(graph.nodes)):
+        if node in candidates and not node.users:
+            graph.erase_node(node)
 
 
 def _joined_parts(node: fx.Node, dim: int) -> tuple[fx.Node, fx.Node] | None:

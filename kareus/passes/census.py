@@ -1,0 +1,153 @@
+"""Count the live collectives of a graph, inside higher-order-op bodies too.
+
+A rewrite that loses a collective computes wrong results without an error: a tensor-parallel
+partial sum is used as if it were reduced. The pass runner therefore counts the collectives
+of every graph before and after every pass (:func:`census`) and fails the pass when the
+count changes in a way the pass did not announce; the backend checks AOTAutograd's joint
+graph against the Dynamo graph the same way (:func:`lost`).
+
+A collective counts when its result is used: through its ``wait_tensor`` by anything (a
+``copy_`` back into an in-place ``dist`` call's buffer counts; a wait nobody reads does
+not, because AOTAutograd then drops the collective). Collectives inside the bodies of
+higher-order ops (``autograd_function_apply``, activation checkpointing, ``wrap``) are
+counted once per call of the body: an ``autograd_function_apply``'s backward body counts on
+the backward side, every other body on the forward side.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Iterable
+
+import torch.fx as fx
+
+Key = tuple[str, str, str]
+"""(side, kind, group): side is "forward" or "backward"; kind the op's name; group its
+ranks ("ranks 0,1"), or its name where it cannot be resolved."""
+
+_NAMESPACES = ("_c10d_functional::", "_c10d_functional_autograd::")
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    """Return the functional collective ``node`` issues (e.g. ``all_reduce``), or None."""
+    if node.op != "call_function":
+        return None
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    name = schema.name if schema is not None else getattr(target, "_qualified_op_name", "")
+    for ns in _NAMESPACES:
+        if name.startswith(ns):
+            kind = name[len(ns) :]
+            return None if kind == "wait_tensor" else kind
+    return None
+
+
+def _group(node: fx.Node) -> str:
+    group = node.kwargs.get("group_name")
+    if group is None:
+        strings = [a for a in node.args if isinstance(a, str)]
+        group = strings[-1] if strings else "?"
+    return _ranks(str(group))
+
+
+@functools.lru_cache(maxsize=256)
+def _ranks(name: str) -> str:
+    """Name a group by its ranks: the SM-share communicators of one group are the same."""
+    try:
+        import torch.distributed as dist
+
+        pg = dist.distributed_c10d._resolve_process_group(name)
+        return "ranks " + ",".join(map(str, dist.get_process_group_ranks(pg)))
+    except Exception:  # not initialised, or an unregistered name: keep the name
+        return name
+
+
+def _is_wait(node: fx.Node) -> bool:
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    name = schema.name if schema is not None else getattr(target, "_qualified_op_name", "")
+    return name.endswith("::wait_tensor")
+
+
+def _live(node: fx.Node) -> bool:
+    users = list(node.users)
+    for user in users:
+        if _is_wait(user):
+            if user.users:
+                return True
+        elif user.op == "call_function" and getattr(user.target, "__name__", "") == "getitem":
+            if _live(user):
+                return True
+        else:
+            return True
+    return False
+
+
+def census(gm: fx.GraphModule, nodes: Iterable[fx.Node] | None = None) -> collections.Counter[Key]:
+    """Count the live collectives of ``gm`` (or of ``nodes`` of its graph), by side/kind/group.
+
+    Args:
+        gm: a graph module; bodies of higher-order ops are its ``get_attr`` submodules.
+        nodes: restrict the count to these nodes of ``gm.graph`` (their bodies included).
+    """
+    out: collections.Counter[Key] = collections.Counter()
+    _count(gm, gm.graph.nodes if nodes is None else nodes, "forward", out)
+    return out
+
+
+def _count(
+    gm: fx.GraphModule, nodes: Iterable[fx.Node], side: str, out: collections.Counter[Key]
+) -> None:
+    for node in nodes:
+        kind = collective_kind(node)
+        if kind is not None:
+            if _live(node):
+                out[(side, kind, _group(node))] += 1
+            continue
+        if node.op != "call_function":
+            continue
+        bodies = [
+            a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"
+        ]  # higher-order op bodies are passed as get_attr nodes
+        backward_body = (
+            bodies[1] if getattr(node.target, "__name__", "") == "autograd_function_apply" else None
+        )
+        for body in bodies:
+            sub = _submodule(gm, str(body.target))
+            if sub is not None:
+                body_side = "backward" if body is backward_body else side
+                _count(sub, sub.graph.nodes, body_side, out)
+
+
+def _submodule(gm: fx.GraphModule, target: str) -> fx.GraphModule | None:
+    try:
+        sub = gm.get_submodule(target)
+    except AttributeError:
+        return None
+    return sub if isinstance(sub, fx.GraphModule) else None
+
+
+def as_side(counts: collections.Counter[Key], side: str) -> collections.Counter[Key]:
+    """Return ``counts`` with every collective moved to ``side`` (for a joint comparison)."""
+    out: collections.Counter[Key] = collections.Counter()
+    for (_s, kind, group), n in counts.items():
+        out[(side, kind, group)] += n
+    return out
+
+
+def lost(
+    expected: collections.Counter[Key], got: collections.Counter[Key]
+) -> collections.Counter[Key]:
+    """Return the collectives of ``expected`` missing from ``got`` (empty when none)."""
+    return collections.Counter(
+        {k: n - got.get(k, 0) for k, n in expected.items() if got.get(k, 0) < n}
+    )
+
+
+def describe(counts: collections.Counter[Key]) -> str:
+    """Render counts as ``2 forward all_reduce on ranks 0,1``, comma-separated."""
+    return ", ".join(
+        f"{n} {side} {kind} on {group if group.startswith('ranks ') else repr(group)}"
+        for (side, kind, group), n in sorted(counts.items())
+    )

@@ -1,0 +1,192 @@
+"""Collectives are never lost: in-place ``dist`` calls inside autograd.Functions, the census
+the pass runner keeps, and the fallback when a rewrite drops one."""
+
+import collections
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import kareus
+import kareus.passes
+from kareus.errors import PassError
+from kareus.passes.base import GraphPass, PassResult
+from kareus.passes.census import census, lost
+from kareus.testing import InplaceTPNet, assert_same_history, compare_training, run_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+
+class _Grab(GraphPass):
+    name = "grab"
+    graphs = frozenset({"forward", "backward"})
+
+    def __init__(self):
+        self.counts = {}
+
+    def run(self, gm, ctx):
+        self.counts[ctx.graph] = collections.Counter(
+            {(k, g): n for (_s, k, g), n in census(gm).items()}
+        )
+        return PassResult(gm, False)
+
+
+def _batches(sequence_parallel):
+    gen = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(8, 4, 16, generator=gen), torch.randn(8, 4, 16, generator=gen))
+        for _ in range(2)
+    ]
+    if sequence_parallel:  # each rank holds its slice of the sequence
+        w, r = dist.get_world_size(), dist.get_rank()
+        batches = [
+            (x.chunk(w, 1)[r].contiguous(), y.chunk(w, 1)[r].contiguous()) for x, y in batches
+        ]
+    return batches
+
+
+def _train(sequence_parallel, **options):
+    grab = _Grab()
+    saved = kareus.passes.PIPELINE
+    kareus.passes.PIPELINE = (*saved, grab)
+    holder = {}
+
+    def make():
+        torch.manual_seed(1)
+        return InplaceTPNet(sequence_parallel=sequence_parallel)
+
+    def comp(m):
+        holder["c"] = kareus.compile(m, **options)
+        return holder["c"]
+
+    try:
+        torch._dynamo.reset()
+        ref, got = compare_training(make, comp, _batches(sequence_parallel), resync=True)
+    finally:
+        kareus.passes.PIPELINE = saved
+    region = kareus.explain(holder["c"]).regions[0]
+    pset = region.findings["cut_partitions"]
+    with_collective = sum(1 for p in pset.partitions if p.collective is not None)
+    blocks = region.findings["find_blocks"]
+    return ref, got, grab.counts, blocks.split, with_collective, region.notes
+
+
+def _inplace_runs(rank):
+    out = {}
+    for sp in (False, True):
+        out[sp, 1] = _train(sp, strict=True, nanobatches=1)
+        out[sp, 2] = _train(sp, strict=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def inplace_runs():
+    return run_ranks(_inplace_runs)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_inplace_dist_collectives_survive_the_split(inplace_runs, sequence_parallel):
+    for per_rank in inplace_runs:
+        ref, got, counts, split, with_collective, _notes = per_rank[sequence_parallel, 2]
+        assert split == ["layers.0", "layers.1", "layers.2"]
+        # Losses bitwise, gradients within fp32 rounding of the uncompiled model.
+        assert_same_history(ref, got)
+        # Every layer's collectives are in both AOT graphs, once per nanobatch.
+        whole = per_rank[sequence_parallel, 1][2]
+        for graph in ("forward", "backward"):
+            # 3 layers x ("f" or "g"; all-gather and reduce-scatter with SP)
+            assert sum(whole[graph].values()) == 3 * (1 + sequence_parallel), whole
+            assert counts[graph] == collections.Counter({k: 2 * n for k, n in whole[graph].items()})
+        kinds = {k for k, _g in counts["forward"]}
+        assert kinds == (
+            {"all_gather_into_tensor", "reduce_scatter_tensor"}
+            if sequence_parallel
+            else {"all_reduce"}
+        )
+        # ... and they are overlapped: partitions with a collective in both directions.
+        assert with_collective >= 8
+
+
+def _dropping_runs(rank):
+    import kareus.passes.split_nanobatches as split
+
+    keep = split._erase_unused
+    # fx's dead-code elimination drops the copy_ that writes an in-place all-reduce back.
+    split._erase_unused = lambda graph, made: graph.eliminate_dead_code()
+    try:
+        ref, got, _counts, split_blocks, _w, notes = _train(False)
+        try:
+            _train(False, strict=True)
+            strict_error = ""
+        except Exception as err:  # Dynamo wraps the PassError
+            strict_error = str(err)
+        return ref, got, split_blocks, notes, strict_error
+    finally:
+        split._erase_unused = keep
+
+
+def test_a_pass_that_drops_a_collective_is_refused_and_the_region_runs_as_captured():
+    for ref, got, split_blocks, notes, strict_error in run_ranks(_dropping_runs):
+        assert split_blocks == []  # the split was refused...
+        assert_same_history(ref, got)  # ...so results are exact: the bodies were not touched
+        assert any("runs as captured" in n and "lost 6 backward all_reduce" in n for n in notes)
+        assert "lost 6 backward all_reduce" in strict_error
+        assert "6 forward all_reduce" in strict_error
+        assert "split_nanobatches" in strict_error
+
+
+def test_census_counts_bodies_per_call_and_ignores_dead_waits():
+    import torch.fx as fx
+
+    fc = torch.ops._c10d_functional
+
+    def body_fn(x):
+        w = fc.wait_tensor(fc.all_reduce(x, "sum", "g"))
+        return x.add_(w)
+
+    body = fx.symbolic_trace(body_fn)
+    dead = fx.symbolic_trace(lambda x: (fc.wait_tensor(fc.all_reduce(x, "sum", "g")), x)[1])
+    root = torch.nn.Module()
+    root.body, root.dead = body, dead
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    b = graph.get_attr("body")
+    d = graph.get_attr("dead")
+    wrap = torch.ops.higher_order.wrap
+    first = graph.call_function(wrap, (b, x))
+    second = graph.call_function(wrap, (b, first))
+    third = graph.call_function(wrap, (d, second))
+    graph.output(third)
+    gm = fx.GraphModule(root, graph)
+    counts = census(gm)
+    assert counts == collections.Counter({("forward", "all_reduce", "g"): 2})
+    assert census(gm, [first]) == collections.Counter({("forward", "all_reduce", "g"): 1})
+    assert lost(counts, census(gm, [first])) == collections.Counter(
+        {("forward", "all_reduce", "g"): 1}
+    )
+
+
+def test_runner_refuses_a_pass_that_loses_a_collective_unannounced():
+    from kareus.config import Config
+    from kareus.passes.base import PassContext, run_passes
+
+    fc = torch.ops._c10d_functional
+
+    class Drop(GraphPass):
+        name = "drop"
+        graphs = frozenset({"forward"})
+
+        def run(self, gm, ctx):
+            for node in gm.graph.nodes:
+                if node.op == "call_function" and node.target is fc.wait_tensor.default:
+                    node.replace_all_uses_with(node.args[0].args[0])
+            gm.graph.eliminate_dead_code()
+            return PassResult(gm, True)
+
+    def fn(x):
+        return fc.wait_tensor.default(fc.all_reduce.default(x, "sum", "g")) + 1
+
+    gm = torch.fx.symbolic_trace(fn)
+    ctx = PassContext(Config(), "forward", {})
+    with pytest.raises(PassError, match="lost 1 forward all_reduce on 'g'"):
+        run_passes(gm, [Drop()], ctx)
