@@ -57,7 +57,7 @@ def _ranks(name: str) -> str:
     try:
         import torch.distributed as dist
 
-        pg = dist.distributed_c10d._resolve_process_group(name)
+        pg = dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
         return "ranks " + ",".join(map(str, dist.get_process_group_ranks(pg)))
     except Exception:  # not initialised, or an unregistered name: keep the name
         return name
