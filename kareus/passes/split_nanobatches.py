@@ -9,9 +9,10 @@ and nanobatch (:mod:`kareus.passes.tags`) and named ``<node>_nb0`` / ``<node>_nb
 A block is never split when that could change results or force recompiles; it is left
 whole and the reason recorded (shown by ``kareus.explain``): a static or too small batch,
 a graph break or a different structure inside the block, in-place mutation of a value
-from outside the block (a buffer, an input), an op that mixes the batch (a reduction or
-normalisation across it), random ops (unless ``Config.allow_random_split``), a size
-derived from the batch outside the block, or block code interleaved with other code.
+from outside the block (a buffer, an input), an op not known to act per sample (see
+:mod:`kareus.passes.per_sample`: unknown ops are never split), random ops (unless
+``Config.allow_random_split``), a size derived from the batch outside the block, or block
+code interleaved with other code.
 """
 
 from __future__ import annotations
@@ -28,43 +29,9 @@ import torch.fx as fx
 from kareus.passes.base import GraphPass, PassContext, PassResult
 from kareus.passes.census import census
 from kareus.passes.find_blocks import BlockSet
+from kareus.passes.per_sample import op_name, why_not_per_sample
 from kareus.passes.tags import NodeTag, set_tag
 
-_REDUCING = frozenset(
-    [
-        "sum",
-        "mean",
-        "amax",
-        "amin",
-        "max",
-        "min",
-        "softmax",
-        "log_softmax",
-        "cumsum",
-        "cumprod",
-        "sort",
-        "argsort",
-        "topk",
-        "var",
-        "std",
-        "norm",
-        "logsumexp",
-        "prod",
-        "any",
-        "all",
-        "argmax",
-        "argmin",
-        "median",
-        "nansum",
-        "nanmean",
-        "var_mean",
-        "std_mean",
-        "cummax",
-        "cummin",
-        "kthvalue",
-        "mode",
-    ]
-)
 _RANDOM = frozenset(
     [
         "rand",
@@ -269,19 +236,10 @@ def _mentions(sizes: Sequence[Any], sym: Any) -> bool:
     return any(isinstance(s, torch.SymInt) and sym in s.node.expr.free_symbols for s in sizes)
 
 
-def _target_name(node: fx.Node) -> str:
-    t = node.target
-    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
-
-
 def _unsafe_op(nodes: list[fx.Node], inside: set[fx.Node], sym: Any, allow_random: bool) -> str:
     """Return why an op of the block makes splitting unsafe, or ''."""
     for node in nodes:
-        name = _target_name(node)
-        owner = node.graph.owning_module
-        if node.op == "call_module" and owner is not None:
-            name = type(owner.get_submodule(str(node.target))).__name__
-        value = node.meta.get("example_value")
+        name = op_name(node)
         if name in _BATCH_NORMS:
             return f"{node.name} ({name}) normalises across the batch"
         if not allow_random and _is_random(node, name):
@@ -295,30 +253,10 @@ def _unsafe_op(nodes: list[fx.Node], inside: set[fx.Node], sym: Any, allow_rando
                 return (
                     f"{node.name} ({name}) mutates {target.name}, from outside the block, in place"
                 )
-        inputs_with_batch = [
-            i
-            for i in node.all_input_nodes
-            if isinstance(v := i.meta.get("example_value"), torch.Tensor)
-            and _mentions(v.shape, sym)
-        ]
-        if not inputs_with_batch or not isinstance(value, torch.Tensor):
-            continue
-        if not _mentions(value.shape, sym):
-            return f"{node.name} ({name}) reduces across the batch dimension"
-        if name in _REDUCING:
-            source = inputs_with_batch[0].meta["example_value"]
-            bdims = {i for i, s in enumerate(source.shape) if _mentions((s,), sym)}
-            if _reduced_dims(node, source.dim()) & bdims:
-                return f"{node.name} ({name}) reduces across the batch dimension"
+        reason = why_not_per_sample(node, sym)
+        if reason:
+            return reason
     return ""
-
-
-def _reduced_dims(node: fx.Node, ndim: int) -> set[int]:
-    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-    if dim is None:
-        return set(range(ndim))  # a full reduction
-    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
-    return {d % ndim for d in dims if isinstance(d, int)}
 
 
 def _is_random(node: fx.Node, name: str) -> bool:

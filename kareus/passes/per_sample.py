@@ -1,0 +1,404 @@
+"""Which ops of a Dynamo graph act per sample, so that a block may be split along the batch.
+
+Splitting a block into nanobatches is exact only when every op computes each sample from
+that sample alone. This module decides it from the ops' semantics, by an allow-list, and
+from where the batch dimension sits in each value (the one dimension whose size mentions
+the batch symbol, read from Dynamo's ``example_value``):
+
+- elementwise ops, whose batch-carrying inputs line up with the output's batch dimension
+  under broadcasting;
+- ops that act along named dimensions (reductions, softmax, sort, flip, roll, indexing
+  along a dimension, concatenation, normalisation over trailing dimensions, matmuls and
+  attention over their inner dimensions), when the batch dimension is not among them;
+- shape ops (views, reshapes, transposes), when the batch stays whole: every sample's
+  elements stay in rows of its own (no dimension without the batch gets mixed data);
+- higher-order ops (``autograd_function_apply``, activation checkpointing, ``wrap``), when
+  every op of their bodies acts per sample.
+
+Anything else is unknown, and an unknown op means "do not split": the caller records the
+op's name as the reason. :func:`why_not_per_sample` returns that reason, or "".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+
+def _names(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
+_ELEMENTWISE = _names(
+    """
+    abs absolute acos acosh add addcdiv addcmul angle asin asinh atan atan2 atanh bitwise_and
+    bitwise_not bitwise_or bitwise_xor ceil clamp clamp_max clamp_min clip clone contiguous
+    copy_ cos cosh deg2rad detach div divide elu eq erf erfc erfinv exp exp2 expm1 fill_
+    float_power floor floor_divide fmod frac ge gelu glu_ gt hardsigmoid hardswish hardtanh
+    isfinite isinf isnan le leaky_relu lerp lgamma log log10 log1p log2 log_sigmoid
+    logical_and logical_not logical_or logical_xor logit lt masked_fill maximum minimum mish
+    mul multiply nan_to_num ne neg negative pow rad2deg reciprocal relu relu6 remainder
+    round rsqrt selu sgn sigmoid sign silu sin sinh softplus softsign sqrt square sub
+    subtract tan tanh threshold true_divide trunc where xlogy
+    float half bfloat16 double int long bool to type type_as
+    add_ sub_ mul_ div_ masked_fill_ clamp_ relu_ copy_ zero_
+    iadd isub imul itruediv truediv floordiv mod neg pos invert and_ or_ xor
+    wait_tensor all_reduce dropout alpha_dropout feature_alpha_dropout
+    """
+)
+"""Ops that compute each output element from the elements at the same (broadcast) index;
+all-reduce is elementwise across ranks, dropout across elements."""
+
+_CREATES = _names("new_empty new_zeros new_ones new_full empty_like zeros_like ones_like full_like")
+"""Ops that make a new tensor from a shape alone: they read no sample's data."""
+
+_FACTORIES = _names("zeros ones full empty zeros_like ones_like full_like empty_like")
+"""Ops that make a tensor whose every element is the same constant (or uninitialised)."""
+
+_SIZES = _names("view reshape expand new_empty new_zeros new_ones new_full narrow getitem")
+"""Ops whose size arguments may mention the batch (they follow the nanobatch's size)."""
+
+_METADATA = _names("size dim numel stride is_contiguous __len__ getattr")
+
+_PERMUTE = _names(
+    """
+    permute transpose t movedim moveaxis swapaxes swapdims squeeze unsqueeze expand expand_as
+    """
+)
+"""Ops that reorder, add or drop dimensions (or broadcast size-1 ones): a sample's
+elements stay at its own batch index."""
+
+_RESHAPE = _names("view reshape view_as reshape_as flatten unflatten")
+"""Ops that regroup elements in row-major order; checked by :func:`_keeps_samples`."""
+
+
+def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[index] if len(node.args) > index else default
+
+
+def _dims_arg(index: int, name: str, default: Any = "all") -> Callable[[fx.Node, int], Any]:
+    """Say that the op acts along the dims of argument ``index``/``name`` (all if absent)."""
+
+    def dims(node: fx.Node, ndim: int) -> Any:
+        value = _arg(node, index, name, default)
+        if value is None or value == "all":
+            return "all"
+        return value
+
+    return dims
+
+
+def _var_dims(node: fx.Node, ndim: int) -> Any:
+    # x.flip(0, 1) / x.permute style varargs, or one list argument.
+    rest = node.args[1:]
+    if "dims" in node.kwargs:
+        return node.kwargs["dims"]
+    if len(rest) == 1:
+        return rest[0]
+    return list(rest) if rest else "all"
+
+
+def _trailing(count_of: Callable[[fx.Node], int]) -> Callable[[fx.Node, int], Any]:
+    def dims(node: fx.Node, ndim: int) -> Any:
+        return list(range(ndim - count_of(node), ndim))
+
+    return dims
+
+
+def _normalized_len(node: fx.Node) -> int:
+    shape = _arg(node, 1, "normalized_shape", ())
+    return len(shape) if isinstance(shape, (list, tuple)) else 1
+
+
+_ALONG: dict[str, Callable[[fx.Node, int], Any]] = {
+    # reductions and scans: dim is argument 1; a missing dim reduces everything
+    **{
+        name: _dims_arg(1, "dim")
+        for name in _names(
+            """sum mean amax amin max min var std norm logsumexp prod any all argmax
+            argmin median nansum nanmean var_mean std_mean cumsum cumprod cummax cummin
+            logcumsumexp kthvalue mode softmax log_softmax _softmax count_nonzero"""
+        )
+    },
+    # ops with a default dimension
+    "sort": _dims_arg(1, "dim", -1),
+    "argsort": _dims_arg(1, "dim", -1),
+    "topk": _dims_arg(2, "dim", -1),
+    "cat": _dims_arg(1, "dim", 0),
+    "concat": _dims_arg(1, "dim", 0),
+    "concatenate": _dims_arg(1, "dim", 0),
+    "stack": _dims_arg(1, "dim", 0),
+    "split": _dims_arg(2, "dim", 0),
+    "chunk": _dims_arg(2, "dim", 0),
+    "unbind": _dims_arg(1, "dim", 0),
+    "tensor_split": _dims_arg(2, "dim", 0),
+    "narrow": _dims_arg(1, "dim"),
+    "select": _dims_arg(1, "dim"),
+    "index_select": _dims_arg(1, "dim"),
+    "gather": _dims_arg(1, "dim"),
+    "take_along_dim": _dims_arg(2, "dim"),
+    "scatter": _dims_arg(1, "dim"),
+    "scatter_add": _dims_arg(1, "dim"),
+    "index_add": _dims_arg(1, "dim"),
+    "index_copy": _dims_arg(1, "dim"),
+    "index_fill": _dims_arg(1, "dim"),
+    "repeat_interleave": _dims_arg(2, "dim"),
+    "flip": _var_dims,
+    "roll": _dims_arg(2, "dims"),
+    "diff": _dims_arg(2, "dim", -1),
+    # normalisation over trailing dims; GEMMs and attention over their inner dims
+    "layer_norm": _trailing(_normalized_len),
+    "rms_norm": _trailing(_normalized_len),
+    "normalize": _dims_arg(2, "dim", 1),
+    "linear": _trailing(lambda n: 1),
+    "matmul": _trailing(lambda n: 2),
+    "bmm": _trailing(lambda n: 2),
+    "baddbmm": _trailing(lambda n: 2),
+    "einsum": lambda n, ndim: "all",
+    "scaled_dot_product_attention": _trailing(lambda n: 2),
+    "mm": _trailing(lambda n: 1),
+    "addmm": _trailing(lambda n: 1),
+    "glu": _dims_arg(1, "dim", -1),
+    # collectives that concatenate or split ranks along dimension 0
+    "all_gather_into_tensor": lambda n, ndim: [0],
+    "reduce_scatter_tensor": lambda n, ndim: [0],
+    "all_to_all_single": lambda n, ndim: [0],
+}
+"""Ops that act along some dimensions of their (first) tensor input: safe when the batch
+dimension is none of them."""
+
+_HIGHER_ORDER = frozenset(
+    {"autograd_function_apply", "tag_activation_checkpoint", "checkpoint", "wrap"}
+)
+
+_MODULES = {
+    "Linear": "linear",
+    "LayerNorm": "layer_norm",
+    "RMSNorm": "rms_norm",
+    "Dropout": "dropout",
+    "ReLU": "relu",
+    "GELU": "gelu",
+    "SiLU": "silu",
+    "Tanh": "tanh",
+    "Sigmoid": "sigmoid",
+    "Identity": "clone",
+    "Embedding": "embedding",
+}
+
+
+def op_name(node: fx.Node) -> str:
+    """Return the short name of ``node``'s op (``linear``, ``flip``, ``add``...)."""
+    target = node.target
+    if node.op == "call_module":
+        owner = node.graph.owning_module
+        if owner is not None:
+            return type(owner.get_submodule(str(target))).__name__
+    if isinstance(target, str):
+        return target
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        return str(schema.name).split("::")[-1]
+    name = getattr(target, "__name__", None) or getattr(target, "_name", None)
+    return str(name or target)
+
+
+def batch_dim_of(value: Any, sym: Any) -> int | str | None:
+    """Return the batch dimension of ``value``: its index, None (no batch), or "mixed".
+
+    "mixed" means the batch symbol appears in several dimensions, or in one whose size is
+    not a multiple of the batch (the batch was merged into a dimension that mixes samples).
+    """
+    if not isinstance(value, torch.Tensor):
+        return None
+    dims = [
+        i
+        for i, s in enumerate(value.shape)
+        if isinstance(s, torch.SymInt) and sym in s.node.expr.free_symbols
+    ]
+    if not dims:
+        return None
+    if len(dims) > 1:
+        return "mixed"
+    expr = value.shape[dims[0]].node.expr
+    if not (expr / sym).free_symbols.isdisjoint({sym}):
+        return "mixed"  # e.g. s*s or s + 1: not whole samples per row
+    return dims[0]
+
+
+def why_not_per_sample(node: fx.Node, sym: Any) -> str:
+    """Return why ``node`` may compute a sample from other samples' data, or "" if it cannot.
+
+    Args:
+        node: a node of a Dynamo graph (or of a higher-order op's body in it).
+        sym: the batch symbol (sympy) of the region.
+    """
+    if node.op in ("placeholder", "output", "get_attr"):
+        return ""
+    name = op_name(node)
+    name = _MODULES.get(name, name)
+    value = node.meta.get("example_value")
+    inputs = [i for i in node.all_input_nodes if i.op != "get_attr"]
+    carrying = [
+        (i, batch_dim_of(i.meta.get("example_value"), sym))
+        for i in inputs
+        if batch_dim_of(i.meta.get("example_value"), sym) is not None
+    ]
+    if name in _HIGHER_ORDER:
+        return _body_reason(node, name, sym)
+    label = f"{node.name} ({name})"
+    if name in _METADATA or (name == "getitem" and not _is_tensor(node.args[0])):
+        return ""  # sizes; an element of a tuple (a split's parts, an op's outputs)
+    if isinstance(value, torch.Tensor) and name not in _SIZES | _FACTORIES | _CREATES:
+        sized = [
+            a
+            for a in _flat(node.args, node.kwargs)
+            if isinstance(a, fx.Node)
+            and isinstance(v := a.meta.get("example_value"), torch.SymInt)
+            and sym in v.node.expr.free_symbols
+        ]
+        if sized:
+            return (
+                f"{label} uses the batch size ({sized[0].name}) as a value, which a nanobatch "
+                "would replace with its own size"
+            )
+    if not carrying:
+        if batch_dim_of(value, sym) is not None and name not in _FACTORIES | _CREATES:
+            return (
+                f"{label} makes a tensor along the batch whose values depend on the sample's "
+                "index, which differs in a nanobatch"
+            )
+        return ""
+    if name in _CREATES:
+        return ""
+    if any(d == "mixed" for _i, d in carrying):
+        return f"{label} reads a value whose batch is merged with another dimension"
+    out_dim = batch_dim_of(value, sym) if isinstance(value, torch.Tensor) else None
+    if isinstance(value, torch.Tensor) and out_dim is None:
+        return f"{label} reduces across the batch dimension"
+    if out_dim == "mixed":
+        return f"{label} merges the batch with another dimension"
+    if name == "getitem":
+        return _index_reason(node, carrying, label)
+    if name == "embedding":
+        return ""  # each id looks up its own row
+    if name in _ELEMENTWISE:
+        return _broadcast_reason(carrying, value, out_dim, label)
+    if name in _PERMUTE:
+        return ""
+    if name in _RESHAPE:
+        source = carrying[0][0].meta["example_value"]
+        if _keeps_samples(source, carrying[0][1], value, out_dim):  # type: ignore[arg-type]
+            return ""
+        return f"{label} moves elements of different samples into one row"
+    if name in _ALONG:
+        for inp, dim in carrying:
+            ndim = inp.meta["example_value"].dim()
+            dims = _ALONG[name](node, ndim)
+            if dims == "all":
+                return f"{label} acts across every dimension, the batch's too"
+            dims = dims if isinstance(dims, (list, tuple)) else [dims]
+            if any(isinstance(d, int) and d % max(ndim, 1) == dim for d in dims):
+                return f"{label} acts along the batch dimension ({dim}), mixing samples"
+            if not all(isinstance(d, int) for d in dims):
+                return f"{label} acts along dimensions that are not constants ({dims})"
+        return ""
+    return (
+        f"{label} is not known to act per sample, so splitting the batch could change its "
+        "result; kareus splits only blocks whose every op it knows"
+    )
+
+
+def _is_tensor(arg: Any) -> bool:
+    return isinstance(arg, fx.Node) and isinstance(arg.meta.get("example_value"), torch.Tensor)
+
+
+def _flat(args: Any, kwargs: dict[str, Any]) -> list[Any]:
+    out: list[Any] = []
+    stack = [*args, *kwargs.values()]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (list, tuple)):
+            stack.extend(item)
+        else:
+            out.append(item)
+    return out
+
+
+def _broadcast_reason(
+    carrying: Sequence[tuple[fx.Node, Any]], value: Any, out_dim: Any, label: str
+) -> str:
+    if not isinstance(value, torch.Tensor):
+        return ""
+    for inp, dim in carrying:
+        ndim = inp.meta["example_value"].dim()
+        if ndim - dim != value.dim() - out_dim:
+            return f"{label} broadcasts the batch dimension onto another dimension"
+    return ""
+
+
+def _index_reason(node: fx.Node, carrying: Sequence[tuple[fx.Node, Any]], label: str) -> str:
+    source, dim = carrying[0]
+    if node.args[0] is not source:
+        return f"{label} indexes with a batch-carrying tensor"
+    index = node.args[1]
+    index = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(i, fx.Node) for i in index) or any(
+        isinstance(i, (list, torch.Tensor)) for i in index
+    ):
+        return f"{label} indexes with a tensor, which can pick or reorder samples"
+    # The index entry that applies to the batch dimension (None adds a dimension and
+    # applies to none; an Ellipsis stands for as many full slices as needed).
+    ndim = source.meta["example_value"].dim()
+    real = [i for i in index if i is not None]
+    if Ellipsis in real:
+        at = real.index(Ellipsis)
+        fill = [slice(None)] * (ndim - len(real) + 1)
+        real = real[:at] + fill + real[at + 1 :]
+    entry = real[dim] if dim < len(real) else slice(None)
+    if entry != slice(None, None, None):
+        return f"{label} indexes the batch dimension ({entry}), selecting samples"
+    return ""
+
+
+def _hint(size: Any) -> int:
+    if isinstance(size, torch.SymInt):
+        return int(size.node.hint)
+    return int(size)
+
+
+def _keeps_samples(source: torch.Tensor, dim: int, value: Any, out_dim: Any) -> bool:
+    """Whether a view from ``source`` (batch at ``dim``) to ``value`` keeps samples apart.
+
+    With P and Q the products of the sizes before and after the batch dimension, every
+    output dimension without the batch holds one sample's data when P_out divides P_in and
+    Q_out divides Q_in (the batch dimension absorbs the rest).
+    """
+    if not isinstance(value, torch.Tensor) or not isinstance(out_dim, int):
+        return False
+    p_in = math.prod(_hint(s) for s in source.shape[:dim])
+    q_in = math.prod(_hint(s) for s in source.shape[dim + 1 :])
+    p_out = math.prod(_hint(s) for s in value.shape[:out_dim])
+    q_out = math.prod(_hint(s) for s in value.shape[out_dim + 1 :])
+    return p_out > 0 and q_out > 0 and p_in % p_out == 0 and q_in % q_out == 0
+
+
+def _body_reason(node: fx.Node, name: str, sym: Any) -> str:
+    owner = node.graph.owning_module
+    bodies = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+    if owner is None or not bodies:
+        return f"{node.name} ({name}) has no body kareus can read"
+    for body in bodies:
+        sub = getattr(owner, str(body.target), None)
+        if not isinstance(sub, fx.GraphModule):
+            return f"{node.name} ({name}) has a body that is not a graph"
+        for inner in sub.graph.nodes:
+            reason = why_not_per_sample(inner, sym)
+            if reason:
+                return f"{reason} (inside {name} {body.target})"
+    return ""

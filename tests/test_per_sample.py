@@ -1,0 +1,117 @@
+"""The split is sound by construction: a block is split only when every op acts per sample.
+
+Random blocks mix per-sample ops with ops that mix samples but keep the batch size (flip,
+roll, sort, cumsum and indexing along the batch, a view that regroups samples, the batch
+size used as a value, a tensor built along the batch): each block is either split and equal
+to eager, or left whole with the offending op named.
+"""
+
+import copy
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import kareus
+
+# (name, function, op the skip reason names, or None when the op acts per sample)
+OPS = [
+    ("relu", lambda h: torch.relu(h), None),
+    ("softmax_rows", lambda h: h.softmax(-1), None),
+    ("flip_features", lambda h: h.flip(-1), None),
+    ("cumsum_features", lambda h: h.cumsum(1), None),
+    ("sort_features", lambda h: h.sort(dim=1).values, None),
+    ("center_rows", lambda h: h - h.mean(1, keepdim=True), None),
+    ("regroup", lambda h: h.view(h.shape[0], 2, 4).transpose(1, 2).reshape(h.shape[0], 8), None),
+    ("slice_features", lambda h: torch.cat([h[:, 4:], h[:, :4]], dim=1), None),
+    ("flip_batch", lambda h: h.flip(0), "flip"),
+    ("roll_batch", lambda h: h.roll(1, 0), "roll"),
+    ("cumsum_batch", lambda h: h.cumsum(0), "cumsum"),
+    ("sort_batch", lambda h: h.sort(dim=0).values, "sort"),
+    ("reverse_index", lambda h: h[torch.arange(h.shape[0]).flip(0)], "arange"),
+    (
+        "index_select",
+        lambda h: h.index_select(0, torch.zeros(h.shape[0], dtype=torch.long)),
+        "index_select",
+    ),
+    ("rotate_batch", lambda h: torch.cat([h[1:], h[:1]]), "getitem"),
+    ("batch_mean", lambda h: h - h.mean(0), "mean"),
+    ("transpose_view", lambda h: h.t().reshape(h.shape[0], 8), "reshape"),
+    ("batch_size_value", lambda h: h * h.shape[0], "mul"),
+    ("position_along_batch", lambda h: h + torch.arange(h.shape[0])[:, None], "arange"),
+]
+
+
+class Block(nn.Module):
+    def __init__(self, ops):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.ops = ops
+
+    def forward(self, x):
+        h = self.lin(x)
+        for i in self.ops:
+            h = OPS[i][1](h)
+        return x + h
+
+
+class Stack(nn.Module):
+    def __init__(self, ops, n=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(ops) for _ in range(n))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def _compile_and_compare(ops, batch):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Stack(ops)
+    ref = copy.deepcopy(model)
+    compiled = kareus.compile(model)
+    x = torch.randn(batch, 8)
+    got, want = compiled(x), ref(x)
+    blocks = kareus.explain(compiled).regions[0].findings["find_blocks"]
+    return got, want, blocks
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    ops=st.lists(st.integers(0, len(OPS) - 1), min_size=1, max_size=3),
+    batch=st.sampled_from([4, 6, 7]),
+)
+def test_random_blocks_are_split_only_when_every_op_acts_per_sample(ops, batch):
+    got, want, blocks = _compile_and_compare(ops, batch)
+    mixing = {OPS[i][2] for i in ops if OPS[i][2] is not None}
+    torch.testing.assert_close(got, want)
+    if not mixing:
+        assert blocks.split == ["blocks.0", "blocks.1", "blocks.2"], blocks.skipped
+        return
+    assert blocks.split == [], [OPS[i][0] for i in ops]
+    for reason in blocks.skipped.values():
+        assert any(f"({name})" in reason for name in mixing), (reason, mixing)
+
+
+def test_each_batch_mixing_op_is_named():
+    for i, (label, _fn, name) in enumerate(OPS):
+        if name is None:
+            continue
+        got, want, blocks = _compile_and_compare([i], 6)
+        torch.testing.assert_close(got, want)
+        assert blocks.split == [], label
+        assert all(f"({name})" in r for r in blocks.skipped.values()), (label, blocks.skipped)
+
+
+def test_per_sample_ops_are_split_and_exact():
+    got, want, blocks = _compile_and_compare([i for i, op in enumerate(OPS) if op[2] is None], 6)
+    assert blocks.split == ["blocks.0", "blocks.1", "blocks.2"], blocks.skipped
+    torch.testing.assert_close(got, want)
