@@ -374,3 +374,87 @@ def test_random_transformers_split_correctly(grab, layers, heads, head_dim, mlp,
                 counts[tag.nanobatch] += 1
         assert counts[0] == counts[1] == len(b.nodes)
         assert {0, 1} <= set(bs.spans["forward"][b.name]) <= {0, 1, None}
+
+
+# ---- activation checkpointing ----
+
+
+class CkptLayer(nn.Module):
+    def __init__(self, inside=False):
+        super().__init__()
+        self.inside = inside
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def body(self, x):
+        return x + self.b(torch.relu(self.a(x)))
+
+    def forward(self, x):
+        if self.inside:
+            return torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False)
+        return self.body(x)
+
+
+class CkptStack(nn.Module):
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+        layers = [CkptLayer(inside=mode == "inside") for _ in range(4)]
+        if mode == "wrapper":  # torchtitan's way
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                checkpoint_wrapper,
+            )
+
+            layers = [checkpoint_wrapper(layer) for layer in layers]
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x):
+        ckpt = torch.utils.checkpoint.checkpoint
+        if self.mode == "group":  # two layers per checkpoint: cannot be told apart
+            for i in range(0, 4, 2):
+                x = ckpt(
+                    lambda y, i=i: self.layers[i + 1](self.layers[i](y)), x, use_reentrant=False
+                )
+        else:
+            for layer in self.layers:  # "parent": Hugging Face's way
+                x = ckpt(layer, x, use_reentrant=False) if self.mode == "parent" else layer(x)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("mode", ["inside", "parent", "wrapper", "group"])
+def test_checkpointed_blocks_are_split_or_skipped_with_the_reason(mode):
+    holder = {}
+
+    def comp(m):
+        holder["c"] = kareus.compile(m, strict=True)
+        return holder["c"]
+
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(6, 8, generator=gen),) for _ in range(2)]
+    ref, got = compare_training(lambda: CkptStack(mode), comp, batches, resync=True)
+    assert_same_history(ref, got)
+    bs = blocks_of(holder["c"])
+    if mode == "group":
+        assert bs.blocks == [] and "several layers in one body" in bs.to_text()
+        assert "checkpoint each layer" in kareus.explain(holder["c"]).summary()
+    else:
+        assert bs.split == [f"layers.{i}" for i in range(4)], bs.skipped
+
+
+def test_hf_gradient_checkpointing_is_split_and_exact():
+    holder = {}
+
+    def make():
+        torch.manual_seed(1)
+        model = hf_tiny("llama")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    def comp(m):
+        holder["c"] = kareus.compile(m, strict=True)
+        return holder["c"]
+
+    batches = [{"input_ids": ids, "labels": lab} for ids, lab in MIXED[:2]]
+    ref, got = compare_training(make, comp, batches, loss_fn=lambda o, b: o.loss, resync=True)
+    assert_same_history(ref, got)
+    assert blocks_of(holder["c"]).split == ["layers.0", "layers.1"]

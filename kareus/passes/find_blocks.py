@@ -69,6 +69,7 @@ class BlockSet:
     )
 
     blocks: list[Block] = dataclasses.field(default_factory=list)
+    why_none: str = ""
     mismatched: dict[str, str] = dataclasses.field(default_factory=dict)
     split: list[str] = dataclasses.field(default_factory=list)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -94,7 +95,7 @@ class BlockSet:
     def to_text(self) -> str:
         """Render the blocks as a table (used by ``kareus.explain``)."""
         if not self.blocks:
-            return self.NO_BLOCKS
+            return self.why_none or self.NO_BLOCKS
         kinds = [k for k in ("forward", "backward", "inference") if k in self.spans]
         rows = []
         for b in self.blocks:
@@ -147,8 +148,13 @@ def _family_name(prefix: str) -> str:
 
 
 def _indexed_paths(node: fx.Node) -> list[tuple[str, str, int, str]]:
-    """Return (path, prefix, index, module type) of each indexed module on the stack."""
-    stack = node.meta.get("nn_module_stack") or {}
+    """Return (path, prefix, index, module type) of each indexed module on the stack.
+
+    A higher-order op called from outside the layers (``checkpoint(layer, x)`` in the
+    model's loop, as Hugging Face and torchtitan do) has the modules its body runs in: the
+    stack its body's ops share.
+    """
+    stack = node.meta.get("nn_module_stack") or _body_stack(node)
     out = []
     for path, typ in stack.values():
         m = _INDEXED.match(path)
@@ -156,6 +162,48 @@ def _indexed_paths(node: fx.Node) -> list[tuple[str, str, int, str]]:
             idx = int(m.group("dot") or m.group("br"))
             out.append((path, m.group("prefix"), idx, getattr(typ, "__name__", str(typ))))
     return out
+
+
+def _why_none(compute: list[fx.Node]) -> str:
+    """Name a higher-order op whose body holds several layers (they cannot be told apart)."""
+    for node in compute:
+        owner = node.graph.owning_module
+        for arg in node.args:
+            sub = getattr(owner, str(arg.target), None) if isinstance(arg, fx.Node) else None
+            if not isinstance(sub, fx.GraphModule) or arg.op != "get_attr":
+                continue
+            paths = {p for n in sub.graph.nodes for p, *_rest in _indexed_paths(n)}
+            if len(paths) >= 2:
+                return (
+                    f"no layer blocks to split: {node.name} ({_signature(node)[1]}) runs several "
+                    f"layers in one body ({', '.join(sorted(paths)[:3])}...), as when "
+                    "activation checkpointing wraps a group of layers; checkpoint each layer on "
+                    "its own (torch.utils.checkpoint per layer, or checkpoint_wrapper per layer) "
+                    "so that kareus can split them"
+                )
+    return ""
+
+
+def _body_stack(node: fx.Node) -> dict[str, tuple[str, type]]:
+    """Return the module-stack entries shared by every op of ``node``'s bodies, if any."""
+    owner = node.graph.owning_module
+    bodies = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+    if owner is None or not bodies:
+        return {}
+    shared: dict[str, tuple[str, type]] | None = None
+    for body in bodies:
+        sub = getattr(owner, str(body.target), None)
+        if not isinstance(sub, fx.GraphModule):
+            return {}
+        for inner in sub.graph.nodes:
+            if inner.op not in _COMPUTE:
+                continue
+            stack = inner.meta.get("nn_module_stack") or _body_stack(inner)
+            if shared is None:
+                shared = dict(stack)
+            else:
+                shared = {k: v for k, v in shared.items() if k in stack}
+    return shared or {}
 
 
 def _signature(node: fx.Node) -> tuple[str, str]:
@@ -177,20 +225,30 @@ def find_blocks(graph: fx.Graph) -> BlockSet:
         for _path, prefix, idx, typ in _indexed_paths(node):
             children[(prefix, typ)].add(idx)
     families = {prefix for (prefix, _t), idxs in children.items() if len(idxs) >= 2}
-    # 2. Each node joins the outermost block of a family on its stack.
+    # 2. Each node joins the outermost block of a family on its stack; an element of a
+    # block node's tuple output (a higher-order op's result) joins that node's block.
     members: dict[str, list[fx.Node]] = collections.defaultdict(list)
     info: dict[str, tuple[str, int, str]] = {}
+    owner: dict[fx.Node, str] = {}
     for node in compute:
         for path, prefix, idx, typ in _indexed_paths(node):
             if prefix in families:
                 members[path].append(node)
                 info[path] = (_family_name(prefix), idx, typ)
+                owner[node] = path
                 break
+        else:
+            source = node.args[0] if node.args else None
+            if _signature(node)[1] == "getitem" and source in owner:
+                members[owner[source]].append(node)
+                owner[node] = owner[source]
     blocks = [
         Block(info[p][0], info[p][1], p, info[p][2], tuple(n.name for n in nodes))
         for p, nodes in members.items()
     ]
     blockset = BlockSet(blocks=blocks)
+    if not blocks:
+        blockset.why_none = _why_none(compute)
     # 3. Structural equality within a family (autograd plumbing aside: Dynamo inlines an
     # autograd.Function whose inputs need no gradient, as in the first layer, and wraps it
     # in autograd_function_apply elsewhere; both compute the same).
