@@ -80,6 +80,19 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("plan", type=pathlib.Path)
 
     sub.add_parser("list", help="list the model presets and GPU types")
+
+    r = sub.add_parser(
+        "restore-clocks",
+        help="restore GPU clocks that a crashed run left locked",
+        description="Read a clock journal (the journal= of kareus.compile) and restore every "
+        "GPU clock whose locking process no longer runs; report locks held on other hosts.",
+    )
+    r.add_argument(
+        "--journal",
+        type=pathlib.Path,
+        default=pathlib.Path("kareus-clocks.jsonl"),
+        help="the clock journal (default: %(default)s)",
+    )
     return parser
 
 
@@ -94,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _plan(args)
         if args.command == "explain":
             return _explain(args.plan)
+        if args.command == "restore-clocks":
+            return _restore_clocks(args.journal)
         return _list()
     except InfeasiblePlanError as err:
         print(f"kareus: no plan meets --select {args.select}: {err}", file=sys.stderr)
@@ -108,6 +123,20 @@ def _bad_input(err: Exception) -> bool:
     from kareus.trace import TraceError
 
     return not isinstance(err, TraceError)
+
+
+def _restore_clocks(journal: pathlib.Path) -> int:
+    from kareus.runtime.journal import recover
+
+    if not journal.is_file():
+        print(f"kareus: error: no clock journal at {journal}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    messages = recover(journal)
+    for message in messages:
+        print(message)
+    if not messages:
+        print(f"no clock left locked by a finished process in {journal}")
+    return EXIT_FAILED if any("failed" in m for m in messages) else EXIT_OK
 
 
 def _list() -> int:

@@ -1,3 +1,5 @@
+import json
+import signal
 import subprocess
 import sys
 from unittest import mock
@@ -38,8 +40,12 @@ def make_plan(schedule, stages=1):
     )
 
 
+def journal_events(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def journal_sets(path):
-    return [line.split()[1] for line in path.read_text().splitlines() if line.startswith("set")]
+    return [f"{e['freq_mhz']:g}" for e in journal_events(path) if e["event"] == "set"]
 
 
 def test_switch_order_with_gradient_accumulation(tmp_path):
@@ -75,7 +81,7 @@ def test_switch_order_with_gradient_accumulation(tmp_path):
     assert "modelled" in report.summary() and "switches applied: 8" in report.summary()
     assert "kareus plan for A100-SXM4-40GB" in report.summary()  # the applied plan is shown
     kareus.api.find_backend(model).runtime.close()
-    assert journal.read_text().splitlines()[-1] == "restore"
+    assert journal_events(journal)[-1]["event"] == "restore"
     assert clocks.current is None
 
 
@@ -152,8 +158,9 @@ def test_clocks_are_restored_however_the_program_ends(tmp_path, how):
         assert proc.stdout.readline().strip() == "ready"
         proc.terminate()
     proc.wait(timeout=120)
-    lines = journal.read_text().splitlines()
-    assert lines[0] == "set 1410" and lines[-1] == "restore", lines
+    events = journal_events(journal)
+    assert events[0]["event"] == "set" and events[0]["freq_mhz"] == 1410, events
+    assert events[-1]["event"] == "restore" and events[-1]["pid"] == proc.pid, events
     assert (proc.returncode == 0) == (how == "normal")
 
 
@@ -213,3 +220,169 @@ def test_nvml_errors_are_translated():
         # Without a GPU, NVML itself is not usable: a clear ClockError, not an NVML error.
         with pytest.raises(ClockError, match="NVML is not usable"):
             NvmlClocks(0)
+
+
+# ---- fault matrix: clocks end at their default, or the user is told which GPU is locked ----
+
+FAULT_SCRIPT = """
+import os, signal, sys, time, torch, kareus
+from kareus.models import PRESETS, Llama
+from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
+from kareus.runtime.clocks import FileClocks
+how = {how!r}
+if how == "sigint-ignored":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+if how == "sigint-caught":
+    signal.signal(signal.SIGINT, lambda s, f: print("caught", flush=True))
+sched = (ScheduledInstruction(0, "forward", 0, 1410), ScheduledInstruction(0, "backward", 0, 1200))
+plan = Plan(gpu="x", source="modelled", policy="iso_time", parallel={{}}, frontier=(),
+            chosen=FrontierPoint(1.0, 1.0), schedule=sched, decisions={{}}, baselines={{}})
+model = kareus.compile(
+    Llama(PRESETS["tiny"]), plan=plan, clocks=FileClocks({state!r}), journal={journal!r},
+    nanobatches=1,
+)
+ids = torch.randint(0, 128, (4, 16))
+model(ids, ids).backward()
+print("ready", flush=True)
+if how == "sigkill":
+    time.sleep(60)
+if how.startswith("sigint"):
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        sys.exit(130)
+    model(ids, ids).backward()
+    print("trained on", open({state!r}).read().strip(), flush=True)
+"""
+
+
+def _run_fault(tmp_path, how):
+    state, journal = tmp_path / "gpu-state", tmp_path / "journal"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            FAULT_SCRIPT.format(how=how, state=str(state), journal=str(journal)),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    if how == "sigkill":
+        assert proc.stdout.readline().strip() == "ready"
+        proc.kill()
+    out, err = proc.communicate(timeout=180)
+    return proc, out, err, state, journal
+
+
+@pytest.mark.parametrize(
+    ("how", "trains_on", "final"),
+    [
+        ("sigint-default", False, "default"),  # KeyboardInterrupt: restored, then ends
+        ("sigint-ignored", True, "default"),  # ignored: clocks stay applied, restored at exit
+        ("sigint-caught", True, "default"),  # the program's handler goes on: so do the clocks
+    ],
+)
+def test_sigint_respects_the_programs_handler(tmp_path, how, trains_on, final):
+    proc, out, err, state, journal = _run_fault(tmp_path, how)
+    assert ("trained on 1200" in out) == trains_on, (out, err)
+    assert proc.returncode == (0 if trains_on else 130)
+    assert ("interrupted" in out) == (not trains_on)
+    assert state.read_text().strip() == final
+    assert "default clock" not in err  # the runtime was not closed under the training loop
+    assert journal_events(journal)[-1]["event"] == "restore"
+
+
+def test_sigkill_then_restore_clocks_command(tmp_path):
+    proc, _out, _err, state, journal = _run_fault(tmp_path, "sigkill")
+    assert proc.returncode == -signal.SIGKILL
+    assert state.read_text().strip() == "1200"  # a killed process cannot restore: still locked
+    done = subprocess.run(
+        [sys.executable, "-m", "kareus.cli", "restore-clocks", "--journal", str(journal)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"locked at 1200 MHz by process {proc.pid}" in done.stdout
+    assert "restored to the default clock" in done.stdout
+    assert state.read_text().strip() == "default"
+    assert journal_events(journal)[-1]["event"] == "recovered"
+    again = subprocess.run(
+        [sys.executable, "-m", "kareus.cli", "restore-clocks", "--journal", str(journal)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "no clock left locked" in again.stdout
+
+
+def test_sigkill_then_next_run_restores(tmp_path):
+    from kareus.runtime.clocks import FileClocks
+    from kareus.runtime.switcher import ClockRuntime, Step
+
+    proc, _out, _err, state, journal = _run_fault(tmp_path, "sigkill")
+    assert state.read_text().strip() == "1200"
+    with pytest.warns(RuntimeWarning, match=f"by process {proc.pid}, which no longer runs"):
+        runtime = ClockRuntime([Step("forward", 1005)], FileClocks(str(state)), journal=journal)
+    assert state.read_text().strip() == "default"
+    assert any("restored to the default clock" in n for n in runtime.notes)
+    runtime.close()
+
+
+def test_failed_restore_is_journalled_and_names_the_gpu(tmp_path):
+    from kareus.runtime.clocks import FileClocks
+    from kareus.runtime.switcher import ClockRuntime, Step
+
+    state, journal = tmp_path / "state", tmp_path / "journal"
+    runtime = ClockRuntime(
+        [Step("forward", 1005)], FileClocks(str(state), fail_reset=True), journal=journal
+    )
+    runtime.switch("forward")
+    with pytest.warns(RuntimeWarning, match="restoring GPU 0's clock failed.*1005 MHz") as rec:
+        runtime.close()
+    assert "kareus restore-clocks --journal" in str(rec[0].message)
+    assert journal_events(journal)[-1]["event"] == "restore_failed"
+    assert state.read_text().strip() == "1005"
+
+
+def test_a_journal_that_cannot_be_written_warns_once_and_training_goes_on(tmp_path):
+    plan = make_plan([(0, "forward", 0, 1410), (0, "backward", 0, 1200)])
+    clocks = EmulatedClocks()
+    ids, lab = token_batches(1, 4, 16, 128)[0]
+    with pytest.warns(RuntimeWarning, match="cannot be written") as record:
+        model = kareus.compile(Llama(PRESETS["tiny"]), plan=plan, clocks=clocks, journal=tmp_path)
+        for _ in range(2):
+            model(ids, lab).backward()
+    assert len([w for w in record if "cannot be written" in str(w.message)]) == 1
+    assert clocks.current == 1200  # the clocks were applied all the same
+    assert "cannot be written" in kareus.explain(model).summary()
+    kareus.api.find_backend(model).runtime.close()
+    assert clocks.current is None
+
+
+def test_close_lets_queued_switches_finish_before_restoring(tmp_path):
+    import time
+
+    from kareus.runtime.switcher import ClockRuntime, Step
+
+    calls = []
+
+    class Recording(EmulatedClocks):
+        def set(self, freq_mhz):
+            calls.append(("set", freq_mhz))
+
+        def reset(self):
+            calls.append(("reset", None))
+
+    class SlowEvent:  # the GPU reaches the switch point only later
+        def synchronize(self):
+            time.sleep(0.3)
+
+    runtime = ClockRuntime([Step("forward", 1005)], Recording())
+    runtime._current = 1005
+    runtime._enqueue(SlowEvent(), 1005)
+    runtime.close()
+    assert calls == [("set", 1005), ("reset", None)]

@@ -236,7 +236,13 @@ def _dtensor_run(rank):
     report = kareus.explain(holder["c"])
     region = report.regions[0]
     pset = region.findings["cut_partitions"]
-    return ref, got, region.findings["find_blocks"].split, pset.counts("forward")
+    return (
+        ref,
+        got,
+        region.findings["find_blocks"].split,
+        pset.counts("forward"),
+        region.findings["find_blocks"].skipped,
+    )
 
 
 def test_dtensor_parallel_model_compiles_and_is_correct():

@@ -169,8 +169,10 @@ def _why_none(compute: list[fx.Node]) -> str:
     for node in compute:
         owner = node.graph.owning_module
         for arg in node.args:
-            sub = getattr(owner, str(arg.target), None) if isinstance(arg, fx.Node) else None
-            if not isinstance(sub, fx.GraphModule) or arg.op != "get_attr":
+            if not isinstance(arg, fx.Node) or arg.op != "get_attr":
+                continue
+            sub = getattr(owner, str(arg.target), None)
+            if not isinstance(sub, fx.GraphModule):
                 continue
             paths = {p for n in sub.graph.nodes for p, *_rest in _indexed_paths(n)}
             if len(paths) >= 2:

@@ -173,6 +173,10 @@ _ALONG: dict[str, Callable[[fx.Node, int], Any]] = {
 """Ops that act along some dimensions of their (first) tensor input: safe when the batch
 dimension is none of them."""
 
+_DTENSOR = _names("from_local to_local redistribute full_tensor wait")
+"""DTensor plumbing: moves between local shards and the global tensor, and redistributes
+(collectives across ranks): per sample unless a placement shards the batch dimension."""
+
 _HIGHER_ORDER = frozenset(
     {"autograd_function_apply", "tag_activation_checkpoint", "checkpoint", "wrap"}
 )
@@ -225,7 +229,7 @@ def batch_dim_of(value: Any, sym: Any) -> int | str | None:
         return None
     if len(dims) > 1:
         return "mixed"
-    expr = value.shape[dims[0]].node.expr
+    expr = value.shape[dims[0]].node.expr  # type: ignore[attr-defined]
     if not (expr / sym).free_symbols.isdisjoint({sym}):
         return "mixed"  # e.g. s*s or s + 1: not whole samples per row
     return dims[0]
@@ -287,6 +291,12 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
         return _index_reason(node, carrying, label)
     if name == "embedding":
         return ""  # each id looks up its own row
+    if name in _DTENSOR:
+        dims = {getattr(p, "dim", None) for p in _flat(node.args, node.kwargs)}
+        batch_dims = {d for _i, d in carrying} | {out_dim}
+        if any(isinstance(d, int) and d in batch_dims for d in dims):
+            return f"{label} shards the batch dimension across ranks"
+        return ""
     if name in _ELEMENTWISE:
         return _broadcast_reason(carrying, value, out_dim, label)
     if name in _PERMUTE:

@@ -30,9 +30,16 @@ class ClockPermissionError(ClockError, PermissionError):
 
 
 class ClockController(Protocol):
-    """Sets and resets the locked SM clock of one GPU."""
+    """Sets and resets the locked SM clock of one GPU.
+
+    ``name`` says which kind of controller it is; ``index`` is the GPU's index for it;
+    ``journal_name`` is how the clock journal names it, so that a later process can build
+    the same controller (:func:`controller_for`) and restore a clock left locked.
+    """
 
     name: str
+    index: int
+    journal_name: str
 
     def supported_clocks(self) -> list[int]:
         """Return the supported SM clocks in MHz."""
@@ -51,6 +58,7 @@ class ZeusClocks:
     """A real GPU through Zeus (``zeus.device``), which can also go through ``zeusd``."""
 
     name = "zeus"
+    journal_name = "zeus"
 
     def __init__(self, gpu_index: int = 0) -> None:
         from zeus.device import get_gpus
@@ -89,6 +97,7 @@ class NvmlClocks:
     """A real NVIDIA GPU through NVML directly, for when Zeus cannot be used."""
 
     name = "nvml"
+    journal_name = "nvml"
 
     def __init__(self, gpu_index: int = 0) -> None:
         import pynvml
@@ -130,6 +139,8 @@ class EmulatedClocks:
     """An emulated GPU: accepts every switch (or refuses all, to test that path)."""
 
     name = "emulated"
+    journal_name = "emulated"
+    index = 0
 
     def __init__(self, clocks_mhz: list[int] | None = None, *, refuse: bool = False) -> None:
         self._clocks = clocks_mhz or list(range(1410, 209, -15))
@@ -156,9 +167,11 @@ class DryRunClocks:
     """Wrap a controller and never change anything (for checks on shared GPUs)."""
 
     name = "dry-run"
+    journal_name = "dry-run"
 
     def __init__(self, inner: ClockController | None = None) -> None:
         self.inner = inner
+        self.index = inner.index if inner is not None else 0
 
     def supported_clocks(self) -> list[int]:
         """Return the wrapped controller's clocks (reading is allowed)."""
@@ -169,6 +182,62 @@ class DryRunClocks:
 
     def reset(self) -> None:
         """Do nothing."""
+
+
+class FileClocks:
+    """An emulated GPU whose clock lives in a file, so that it outlives the process.
+
+    What a real GPU does: a clock locked by a process that is killed stays locked. Tests use
+    it to check that a later run restores it; ``fail_reset`` makes resets fail.
+    """
+
+    name = "file"
+    index = 0
+
+    def __init__(self, path: str, *, fail_reset: bool = False) -> None:
+        import pathlib
+
+        self.path = pathlib.Path(path)
+        self.fail_reset = fail_reset
+        self.journal_name = f"file:{self.path}"
+
+    @property
+    def current(self) -> float | None:
+        """The locked clock, or None at the default."""
+        try:
+            text = self.path.read_text().strip()
+        except FileNotFoundError:
+            return None
+        return float(text) if text and text != "default" else None
+
+    def supported_clocks(self) -> list[int]:
+        """Return the clocks of an A100."""
+        return list(range(1410, 209, -15))
+
+    def set(self, freq_mhz: float) -> None:
+        """Lock the clock (write it to the file)."""
+        self.path.write_text(f"{freq_mhz:g}\n")
+
+    def reset(self) -> None:
+        """Return to the default (or fail, with ``fail_reset``)."""
+        if self.fail_reset:
+            raise ClockError(f"the file-backed GPU {self.path} refuses resets (fail_reset=True)")
+        self.path.write_text("default\n")
+
+
+def controller_for(journal_name: str, gpu: int) -> ClockController | None:
+    """Build the controller a journal record names, or None when nothing outlives a process.
+
+    Raises:
+        ClockError: the controller cannot be built here (no GPU, no Zeus).
+    """
+    if journal_name.startswith("file:"):
+        return FileClocks(journal_name[len("file:") :])
+    if journal_name == "zeus":
+        return ZeusClocks(gpu)
+    if journal_name == "nvml":
+        return NvmlClocks(gpu)
+    return None  # emulated, dry run: the state died with the process
 
 
 def default_controller() -> ClockController:

@@ -6,9 +6,14 @@ schedule (wrapping at its end, one iteration per lap), skips a switch to the clo
 set, and applies it. On CUDA the switch takes effect when the GPU reaches that point: an
 event is recorded on the current stream and a worker thread waits for it before setting
 the clock. Clocks are restored on normal exit, on exceptions (``with runtime:``), on
-SIGTERM and SIGINT, and by :meth:`ClockRuntime.close`; a journal file records every switch
-and restore. Without permission to change clocks it warns once, keeps training, and says
-so in :attr:`ClockRuntime.notes`. A failing controller never stops training.
+SIGTERM and SIGINT (after the handler that was there before: one that ignores the signal
+or lets training go on keeps the clocks), and by :meth:`ClockRuntime.close`, which first
+lets the worker finish its queued switches. A journal (:mod:`kareus.runtime.journal`)
+records which process locked which GPU at which clock, so that a run killed outright
+(SIGKILL) has its clock restored by the next run with that journal or by
+``kareus restore-clocks``. Without permission to change clocks it warns once, keeps
+training, and says so in :attr:`ClockRuntime.notes`. A failing controller or journal never
+stops training: it is reported once and left alone.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kareus.runtime import journal as _journal
 from kareus.runtime.clocks import ClockController, ClockError, ClockPermissionError
 
 _RUNTIMES: dict[int, ClockRuntime] = {}
@@ -56,7 +62,7 @@ class ClockRuntime:
     Args:
         schedule: the stage's instructions in per-iteration order.
         controller: sets the clock (Zeus, NVML, emulated, dry run).
-        journal: file to append ``set <MHz>`` / ``restore`` lines to, or None.
+        journal: the clock journal's path (:mod:`kareus.runtime.journal`), or None.
         static_power_w: for modelled energy (emulated GPU).
         iteration_time_s: modelled iteration time (pipeline bubbles included).
         on_iteration: called with each finished iteration's :class:`IterationEnergy`.
@@ -91,17 +97,44 @@ class ClockRuntime:
         self._current: float | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._restored = False
         self._queue: queue.Queue[Any] | None = None
+        self._worker_thread: threading.Thread | None = None
+        self._warned_closed = False
         self._monitor = _ZeusWindow() if measure else None
         self.id = next(_IDS)
         _RUNTIMES[self.id] = self
         atexit.register(self.close)
         self._install_signal_handlers()
+        if self.journal is not None:
+            self._recover()
+
+    def _recover(self) -> None:
+        """Restore clocks that crashed runs of this journal left locked, and say so."""
+        assert self.journal is not None
+        try:
+            messages = _journal.recover(self.journal)
+        except OSError as err:
+            self._journal_failed(err)
+            return
+        for message in messages:
+            self.notes.append(message)
+            warnings.warn(f"kareus: {message}", RuntimeWarning, stacklevel=3)
 
     # ---- the hot path ----------------------------------------------------------------------
 
     def switch(self, kind: str) -> None:
         """Advance to the next ``kind`` instruction of the schedule and set its clock."""
+        if self._closed:
+            if not self._warned_closed:
+                self._warned_closed = True
+                note = (
+                    "the clock runtime was closed (a signal or close()) while training went on: "
+                    "the remaining steps run at the default clock"
+                )
+                self.notes.append(note)
+                warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=2)
+            return
         with self._lock:
             n = len(self.schedule)
             found = [
@@ -129,24 +162,36 @@ class ClockRuntime:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             event = torch.cuda.Event()
             event.record()
-            if self._queue is None:
-                self._queue = queue.Queue()
-                threading.Thread(target=self._worker, daemon=True, name="kareus-clocks").start()
-            self._queue.put((event, freq))
+            self._enqueue(event, freq)
         else:
             self._set(freq)
+
+    def _enqueue(self, event: Any, freq: float) -> None:
+        """Set ``freq`` once ``event`` (anything with ``synchronize()``) has happened."""
+        if self._queue is None:
+            self._queue = queue.Queue()
+            self._worker_thread = threading.Thread(
+                target=self._worker, daemon=True, name="kareus-clocks"
+            )
+            self._worker_thread.start()
+        self._queue.put((event, freq))
 
     def _worker(self) -> None:
         assert self._queue is not None
         while True:
-            event, freq = self._queue.get()
+            item = self._queue.get()
+            if item is None:  # close(): every queued switch before it has been applied
+                return
+            event, freq = item
             event.synchronize()  # the GPU reached the switch point
             self._set(freq)
 
     def _set(self, freq: float) -> None:
+        if self._restored:
+            return
         try:
             self.controller.set(freq)
-            self._log(f"set {freq:g}")
+            self._log("set", freq_mhz=freq)
         except ClockPermissionError as err:
             self.enabled = False
             note = f"clocks were not applied: {err}"
@@ -198,18 +243,35 @@ class ClockRuntime:
     # ---- safety --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Restore the default clock (idempotent)."""
+        """Let queued switches finish, then restore the default clock (idempotent).
+
+        A failed restore is journalled and warned about with the GPU and how to restore it.
+        """
         if self._closed:
             return
         self._closed = True
         _RUNTIMES.pop(self.id, None)
+        if self._queue is not None and self._worker_thread is not None:
+            self._queue.put(None)
+            self._worker_thread.join(timeout=30)
+        self._restored = True
+        if self._current is None or not self.enabled:
+            return
         try:
-            if self._current is not None and self.enabled:
-                self.controller.reset()
+            self.controller.reset()
         except ClockError as err:
-            self.notes.append(f"restoring the clock failed: {err}")
-        finally:
-            self._log("restore")
+            gpu = getattr(self.controller, "index", 0)
+            note = (
+                f"restoring GPU {gpu}'s clock failed, it may still be locked at "
+                f"{self._current:g} MHz: {err}. Restore it with `kareus restore-clocks"
+                + (f" --journal {self.journal}`" if self.journal else "`")
+                + f" or, as root, `nvidia-smi -rgc -i {gpu}`"
+            )
+            self.notes.append(note)
+            warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=2)
+            self._log("restore_failed", freq_mhz=self._current, error=str(err))
+            return
+        self._log("restore")
 
     def __enter__(self) -> ClockRuntime:
         return self
@@ -217,26 +279,48 @@ class ClockRuntime:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _log(self, line: str) -> None:
+    def _log(self, event: str, **extra: Any) -> None:
         if self.journal is None:
             return
-        with self.journal.open("a") as fh:
-            fh.write(line + "\n")
-            fh.flush()
+        try:
+            _journal.record(
+                self.journal,
+                event,
+                gpu=getattr(self.controller, "index", 0),
+                controller=getattr(self.controller, "journal_name", self.controller.name),
+                **extra,
+            )
+        except OSError as err:
+            self._journal_failed(err)
+
+    def _journal_failed(self, err: OSError) -> None:
+        note = (
+            f"the clock journal {self.journal} cannot be written ({err}); training goes on "
+            "without it, so a crash would leave no record of a locked clock"
+        )
+        self.journal = None
+        self.notes.append(note)
+        warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=3)
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous = signal.getsignal(sig)
+            if previous == signal.SIG_IGN or previous is None:
+                continue  # the program ignores it (or it was set outside Python): keep going
 
             def handler(signum: int, frame: Any, previous: Any = previous) -> None:
-                self.close()
                 if callable(previous):
-                    previous(signum, frame)
-                elif previous == signal.SIG_DFL:
-                    signal.signal(signum, signal.SIG_DFL)
-                    signal.raise_signal(signum)
+                    try:
+                        previous(signum, frame)
+                    except BaseException:  # the handler ends the program (KeyboardInterrupt)
+                        self.close()
+                        raise
+                    return  # the program's handler chose to go on: so do the clocks
+                self.close()
+                signal.signal(signum, signal.SIG_DFL)
+                signal.raise_signal(signum)
 
             signal.signal(sig, handler)
 
