@@ -292,9 +292,9 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
     if name == "embedding":
         return ""  # each id looks up its own row
     if name in _DTENSOR:
-        dims = {getattr(p, "dim", None) for p in _flat(node.args, node.kwargs)}
+        sharded = {getattr(p, "dim", None) for p in _flat(node.args, node.kwargs)}
         batch_dims = {d for _i, d in carrying} | {out_dim}
-        if any(isinstance(d, int) and d in batch_dims for d in dims):
+        if any(isinstance(d, int) and d in batch_dims for d in sharded):
             return f"{label} shards the batch dimension across ranks"
         return ""
     if name in _ELEMENTWISE:
