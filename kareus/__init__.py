@@ -8,6 +8,7 @@ from kareus.api import KareusBackend, compile
 from kareus.config import Config
 from kareus.errors import (
     ConfigError,
+    FileFormatError,
     KareusError,
     NotCompiledError,
     NotYetCapturedError,
@@ -23,6 +24,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "Decision",
+    "FileFormatError",
     "KareusBackend",
     "KareusError",
     "NotCompiledError",

@@ -23,7 +23,7 @@ from torch import nn
 
 from kareus import passes
 from kareus.config import Config
-from kareus.errors import PassError
+from kareus.errors import PassError, PlanMismatchError
 from kareus.partitions import Decision
 from kareus.passes.base import PassContext, run_passes
 from kareus.passes.census import Key, as_side, census, describe, lost
@@ -73,6 +73,13 @@ class KareusBackend:
             "journal": journal,
             "on_iteration": on_iteration,
         }
+        if self.plan is not None and stage not in self.plan.stages():
+            raise PlanMismatchError(
+                f"stage={stage} is not in the plan: it schedules stages "
+                f"{self.plan.stages()} ({self.plan.parallel}); pass the pipeline stage this "
+                "process runs"
+            )
+        self.stage = stage
         if decisions is None and self.plan is not None:
             decisions = self.plan.decisions_for(stage)
         self.decisions: dict[str, Decision] = dict(decisions or {})
@@ -108,6 +115,7 @@ class KareusBackend:
         region.findings["decisions"] = _Decisions(self.decisions)
         if self.plan is not None:
             region.findings["plan"] = self.plan
+            region.findings["plan_stage"] = self.stage
         if self.runtime is not None:
             region.findings["clock_runtime"] = self.runtime
         if self.decisions and dist.is_available() and dist.is_initialized():
@@ -201,6 +209,7 @@ class KareusBackend:
             return
         plan = result.plan
         region.findings["plan"] = plan
+        region.findings["planned"] = True  # made for this very graph: nothing to check
         region.findings["decisions"] = _Decisions(plan.decisions_for(0))
         if dist.is_available() and dist.is_initialized():
             self._pool = self._pool or CommunicatorPool()
@@ -275,6 +284,8 @@ class KareusBackend:
             out, records = run_passes(work, passes.PIPELINE, ctx)
         except PassError as err:
             region.history.extend(getattr(err, "records", []))
+            if isinstance(err.__cause__, PlanMismatchError):
+                raise err.__cause__ from None  # the message says all; no pass went wrong
             if self.config.strict:
                 raise
             note = f"{kind} graph runs as captured, unchanged: {err}"

@@ -230,7 +230,18 @@ def _plan(args: argparse.Namespace) -> int:
         exhaustive=args.exhaustive,
         **({"sm_shares": args.sm_shares} if args.sm_shares else {}),
     )
+    from kareus._files import check_output_dir
+    from kareus.planning import save_stages
+
+    out = check_output_dir(args.out)  # before minutes of tracing, not after
     print(f"kareus plan: {work.describe()} on {spec.name} ({args.evaluator})", flush=True)
+
+    def traced(stages: Any) -> None:
+        # Saved at once: an infeasible policy or a later failure still leaves it to re-plan
+        # from (--partitions).
+        save_stages(work, stages, out / "partitions.json")
+        progress.start("planning", planning_steps(stages))
+
     with _Progress(enabled=not args.quiet) as progress:
         progress.start("tracing", len(stage_kinds(work.pp)))
         planned = plan_workload(
@@ -243,7 +254,7 @@ def _plan(args: argparse.Namespace) -> int:
             deadline_s=args.deadline,
             layers=args.layers_traced,
             partitions=args.partitions,
-            on_traced=lambda stages: progress.start("planning", planning_steps(stages)),
+            on_traced=traced,
             progress=progress.step,
         )
     print(

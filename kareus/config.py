@@ -104,12 +104,14 @@ class Config:
         lambda v: v in ("iso_time", "max_throughput", "min_energy"),
         "How compile picks its own plan from the frontier (see kareus.planner.select).",
     )
-    strict: bool = _field(
-        False,
-        "True or False",
-        lambda v: isinstance(v, bool),
-        "Raise when a pass fails. When False, the graph runs as captured (unchanged) and "
-        "the failure is recorded and shown by kareus.explain.",
+    strict: bool | None = _field(
+        None,
+        "None, True or False",
+        lambda v: v is None or isinstance(v, bool),
+        "True: raise when a pass fails. None (default) and False: the graph runs as "
+        "captured (unchanged) and the failure is recorded and shown by kareus.explain. A "
+        "plan made for another workload than the model is an error unless strict=False, "
+        "which warns and applies only the decisions of matching partition types.",
     )
 
     def __post_init__(self) -> None:

@@ -24,6 +24,14 @@ class ConfigError(KareusError, ValueError):
         super().__init__(f"Config.{field}={value!r} is not allowed: expected {allowed}.")
 
 
+class FileFormatError(KareusError, ValueError):
+    """A kareus file (plan, partitions) cannot be read, is not JSON, or breaks its schema."""
+
+
+class PlanMismatchError(KareusError, ValueError):
+    """A plan was made for another workload (or stage) than the model it is applied to."""
+
+
 class NotCompiledError(KareusError, TypeError):
     """An object that kareus did not compile was handed to a kareus inspection function."""
 

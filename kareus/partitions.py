@@ -133,6 +133,19 @@ class PartitionSet:
             collections.Counter(p.type_key for p in self.partitions if p.instruction == instruction)
         )
 
+    def fingerprint(self, instruction: str) -> dict[str, str]:
+        """Return each type of ``instruction`` as "op mix ‖ collective xCOUNT".
+
+        Two workloads with equal fingerprints have the same partitions: the same layers,
+        shapes, collectives and parallel sizes. Plans carry it (:attr:`kareus.Plan.fingerprint`).
+        """
+        counts = self.counts(instruction)
+        return {
+            key: f"{t.describe()} x{counts.get(key, 0)}"
+            for key, t in self.types.items()
+            if t.instruction == instruction
+        }
+
     def outside(self, instruction: str) -> tuple[OpCost, ...]:
         """All compute of one instruction outside partitions (``other`` and ``block_other``)."""
         blocks = self.block_other.get(instruction, {})
@@ -148,49 +161,20 @@ class PartitionSet:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PartitionSet:
-        """Rebuild a set from :meth:`to_dict` output."""
-
-        def op(d: Mapping[str, Any]) -> OpCost:
-            return OpCost(**d)
-
-        def coll(d: Mapping[str, Any] | None) -> CollectiveCost | None:
-            return CollectiveCost(**d) if d else None
-
-        parts = [
-            Partition(
-                p["instruction"],
-                p["block"],
-                p["nanobatch"],
-                p["segment"],
-                p["type_key"],
-                tuple(p["compute"]),
-                tuple(Slot(s["first"], tuple(op(o) for o in s["ops"])) for s in p["slots"]),
-                tuple(p["collective"]) if p["collective"] else None,  # type: ignore[arg-type]
-            )
-            for p in data["partitions"]
-        ]
-        types = {
-            k: PartitionType(
-                t["key"],
-                t["instruction"],
-                tuple(op(o) for o in t["compute"]),
-                tuple(t["slot_labels"]),
-                coll(t["collective"]),
-            )
-            for k, t in data["types"].items()
-        }
-        other = {k: tuple(op(o) for o in v) for k, v in data["other"].items()}
-        exposed = {k: tuple(CollectiveCost(**c) for c in v) for k, v in data["exposed"].items()}
-        block_other = {
-            k: {b: tuple(op(o) for o in ops) for b, ops in blocks.items()}
-            for k, blocks in data.get("block_other", {}).items()
-        }
-        return cls(parts, types, other, block_other, exposed, dict(data.get("notes", {})))
+        """Rebuild a set from :meth:`to_dict` output (validated as :meth:`from_json`)."""
+        return cls.from_json(json.dumps(data), "partition set data")
 
     @classmethod
-    def from_json(cls, text: str) -> PartitionSet:
-        """Rebuild a set from :meth:`to_json` output."""
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str, source: str = "partition set JSON") -> PartitionSet:
+        """Validate a set's JSON against the schema and build it.
+
+        Raises:
+            FileFormatError: malformed JSON or a field of the wrong type (named).
+        """
+        from kareus.schema import parse
+
+        pset: PartitionSet = parse(cls, text, source, "kareus partition set")
+        return pset
 
     def to_text(self) -> str:
         """Render the types and their counts as a table (used by ``kareus.explain``)."""

@@ -1,6 +1,8 @@
 """The plan: what kareus decided, as versioned data that round-trips through JSON.
 
-A plan holds the iteration frontier of (time, energy) points, the chosen point and the
+A plan holds the workload's fingerprint (per stage and direction, every partition type
+with its op mix, collective and count: what ``kareus.compile(model, plan=...)`` checks the
+model against), the iteration frontier of (time, energy) points, the chosen point and the
 policy that chose it, the clock of every instruction of every pipeline stage, the launch
 slot and SM share of every partition type, the baselines' frontiers computed the same way,
 and where the numbers come from (``modelled`` by the hardware model or ``measured``).
@@ -16,7 +18,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from kareus._table import render_table
-from kareus.errors import KareusError
 from kareus.partitions import Decision
 
 PLAN_VERSION = 1
@@ -59,7 +60,12 @@ class Plan:
     skip_reasons: tuple[str, ...] = ()
     static_power_w: float = 0.0
     workload: dict[str, Any] = dataclasses.field(default_factory=dict)
+    fingerprint: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     version: int = PLAN_VERSION
+
+    def stages(self) -> list[int]:
+        """Return the pipeline stages the plan schedules."""
+        return sorted({s.stage for s in self.schedule})
 
     def clocks(self, stage: int = 0) -> list[float]:
         """Return the clock of each instruction of ``stage``, in execution order."""
@@ -82,52 +88,82 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2)
 
     def save(self, path: str | pathlib.Path) -> None:
-        """Write the plan as JSON."""
-        pathlib.Path(path).write_text(self.to_json() + "\n")
+        """Write the plan as JSON (atomically: a reader never sees half a plan)."""
+        from kareus._files import write_text
+
+        write_text(path, self.to_json() + "\n")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
-        """Rebuild a plan from :meth:`to_dict` output.
+        """Rebuild a plan from :meth:`to_dict` output (validated as :meth:`from_json`)."""
+        return cls.from_json(json.dumps(data, default=str), "plan data")
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "plan JSON") -> Plan:
+        """Validate a plan's JSON against the schema and build it.
 
         Raises:
-            KareusError: the data is of another plan version.
+            FileFormatError: the JSON is malformed, of another plan version, has a field of
+                the wrong type, or a value no GPU could run (named, with ``source``).
         """
-        version = data.get("version")
-        if version != PLAN_VERSION:
-            raise KareusError(
-                f"plan version {version!r} is not supported (this kareus reads version "
-                f"{PLAN_VERSION}); re-plan with this version of kareus"
+        from kareus.schema import FileFormatError, parse
+
+        try:
+            head = json.loads(text)
+        except ValueError:
+            head = None  # parse() reports where the JSON breaks
+        if isinstance(head, dict) and head.get("version") != PLAN_VERSION:
+            raise FileFormatError(
+                f"{source}: plan version {head.get('version')!r} is not supported (this kareus "
+                f"reads version {PLAN_VERSION}); re-plan with this version of kareus"
             )
+        plan: Plan = parse(cls, text, source, "kareus plan")
+        problems = plan.problems()
+        if problems:
+            raise FileFormatError(f"{source} is not a valid kareus plan: " + "; ".join(problems))
+        return plan
 
-        def points(items: Any) -> tuple[FrontierPoint, ...]:
-            return tuple(FrontierPoint(**p) for p in items)
+    def problems(self) -> list[str]:
+        """Return what in this plan no run could apply (empty when it is sound)."""
+        out = []
+        clocks: tuple[float, float] | None = None
+        try:
+            from kareus.hardware import gpu
 
-        return cls(
-            gpu=data["gpu"],
-            source=data["source"],
-            policy=data["policy"],
-            parallel=dict(data["parallel"]),
-            frontier=points(data["frontier"]),
-            chosen=FrontierPoint(**data["chosen"]),
-            schedule=tuple(ScheduledInstruction(**s) for s in data["schedule"]),
-            decisions={
-                g: {k: Decision(**d) for k, d in decs.items()}
-                for g, decs in data["decisions"].items()
-            },
-            baselines={k: points(v) for k, v in data["baselines"].items()},
-            evaluations=dict(data.get("evaluations", {})),
-            skip_reasons=tuple(data.get("skip_reasons", ())),
-            static_power_w=float(data.get("static_power_w", 0.0)),
-            workload=dict(data.get("workload", {})),
-        )
+            spec_clocks = gpu(self.gpu).clocks_mhz()
+            clocks = (min(spec_clocks), max(spec_clocks))
+        except Exception:  # a GPU kareus has no spec for: only positivity is checked
+            clocks = None
+        for i, s in enumerate(self.schedule):
+            if s.kind not in ("forward", "backward"):
+                out.append(f"schedule[{i}].kind: {s.kind!r} is neither forward nor backward")
+            if s.freq_mhz <= 0 or (clocks and not clocks[0] <= s.freq_mhz <= clocks[1]):
+                allowed = f"{clocks[0]:g}-{clocks[1]:g} MHz" if clocks else "a positive clock"
+                out.append(f"schedule[{i}].freq_mhz: {s.freq_mhz:g} is outside {allowed}")
+            if s.stage < 0 or s.microbatch < 0:
+                out.append(f"schedule[{i}]: stage and microbatch must be >= 0")
+        for group, decs in self.decisions.items():
+            stage, _, kind = group.partition("/")
+            if not stage.isdigit() or kind not in ("forward", "backward", "inference"):
+                out.append(f"decisions[{group!r}]: keys are 'STAGE/forward' or 'STAGE/backward'")
+            for key, d in decs.items():
+                if d.launch_slot is not None and d.launch_slot < 0:
+                    out.append(f"decisions[{group!r}][{key!r}].launch_slot must be >= 0")
+                if d.sm_share is not None and d.sm_share <= 0:
+                    out.append(f"decisions[{group!r}][{key!r}].sm_share must be > 0")
+        return out[:5]
 
     @classmethod
     def load(cls, path: str | pathlib.Path) -> Plan:
-        """Read a plan written by :meth:`save`."""
-        try:
-            return cls.from_dict(json.loads(pathlib.Path(path).read_text()))
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
-            raise KareusError(f"cannot read a kareus plan from {path}: {err}") from err
+        """Read and validate a plan written by :meth:`save`.
+
+        Raises:
+            FileFormatError: the file cannot be read or is not a valid plan (see
+                :meth:`from_json`).
+        """
+        from kareus.schema import read_text
+
+        return cls.from_json(read_text(path, "kareus plan"), str(path))
 
     def to_text(self) -> str:
         """Render the plan as tables; every figure says it is modelled or measured."""

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kareus._files import check_output_dir, write_text
 from kareus.costs import Evaluator
 from kareus.errors import KareusError
 from kareus.hardware import GPUSpec, gpu
@@ -70,7 +71,16 @@ def save_stages(work: Workload, stages: Sequence[PartitionSet], path: str | path
         "stages": [next(i for i, d in enumerate(distinct) if d is p) for p in stages],
         "sets": [d.to_dict() for d in distinct],
     }
-    pathlib.Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    write_text(path, json.dumps(data, indent=1) + "\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class _PartitionsFile:
+    """What ``partitions.json`` holds (its schema)."""
+
+    workload: dict[str, Any]
+    stages: list[int]
+    sets: list[PartitionSet]
 
 
 class PartitionsFileError(KareusError, ValueError):
@@ -83,12 +93,21 @@ def load_stages(work: Workload, path: str | pathlib.Path) -> list[PartitionSet]:
     Raises:
         PartitionsFileError: the file cannot be read or was traced for another workload.
     """
+    from kareus.schema import FileFormatError, parse, read_text
+
     try:
-        data = json.loads(pathlib.Path(path).read_text())
-        saved, order = data["workload"], data["stages"]
-        sets = [PartitionSet.from_dict(d) for d in data["sets"]]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise PartitionsFileError(f"cannot read partition sets from {path}: {err}") from err
+        data: _PartitionsFile = parse(
+            _PartitionsFile, read_text(path, "partitions file"), str(path), "partitions file"
+        )
+    except FileFormatError as err:
+        raise PartitionsFileError(str(err)) from None
+    saved, order, sets = data.workload, data.stages, data.sets
+    bad = [i for i in order if not 0 <= i < len(sets)]
+    if bad:
+        raise PartitionsFileError(
+            f"{path} is not a valid partitions file: stages refers to set {bad[0]}, but it "
+            f"holds {len(sets)} set(s)"
+        )
     want = workload_record(work)
     diff = [
         f"{k} {saved.get(k)!r} != {want[k]!r}" for k in _TRACED_FIELDS if saved.get(k) != want[k]
@@ -238,8 +257,7 @@ def write_outputs(planned: WorkloadPlan, out: str | pathlib.Path) -> dict[str, p
     """Write plan.json, report.md, frontier.png and partitions.json to ``out``."""
     from kareus.planner.plot import plot_frontiers
 
-    out = pathlib.Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_output_dir(out)
     paths = {
         "plan": out / "plan.json",
         "report": out / "report.md",
@@ -249,7 +267,7 @@ def write_outputs(planned: WorkloadPlan, out: str | pathlib.Path) -> dict[str, p
     planned.plan.save(paths["plan"])
     plot_frontiers(planned.plan, paths["plot"])
     save_stages(planned.work, planned.stages, paths["partitions"])
-    paths["report"].write_text(report_markdown(planned, plot_name=paths["plot"].name))
+    write_text(paths["report"], report_markdown(planned, plot_name=paths["plot"].name))
     return paths
 
 

@@ -82,7 +82,7 @@ def test_explain_prints_a_saved_plan_through_the_entry_point(planned):
         (["plan", "--model", "tiny", "--select", "deadline_s"], EXIT_BAD_INPUT, "--deadline"),
         (["plan", "--model", "tiny", "--clocks", "99999"], EXIT_BAD_INPUT, "outside"),
         (["plan", "--model", "tiny", "--evaluator", "replay"], EXIT_BAD_INPUT, "--replay FILE"),
-        (["explain", "/no/such/plan.json"], EXIT_BAD_INPUT, "cannot read a kareus plan"),
+        (["explain", "/no/such/plan.json"], EXIT_BAD_INPUT, "cannot read the kareus plan"),
     ],
 )
 def test_bad_input_gets_its_error_and_exit_status(args, rc, message, capsys):
@@ -115,6 +115,8 @@ def test_a_deadline_nothing_meets_says_what_is_achievable(planned, tmp_path, cap
     args += ["--partitions", str(out / "partitions.json")]
     assert main([*args, "--select", "deadline_s", "--deadline", "1e-9"]) == EXIT_INFEASIBLE
     assert "the fastest achievable is" in capsys.readouterr().err
+    # Written before planning: the user can re-plan from it with another policy.
+    assert (tmp_path / "partitions.json").is_file() and not (tmp_path / "plan.json").exists()
 
 
 def test_explain_rejects_a_file_that_is_not_a_plan(tmp_path, capsys):

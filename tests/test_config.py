@@ -17,7 +17,7 @@ def test_defaults_round_trip_through_json():
         ("nanobatches", True, "1 (no split) or 2"),
         ("batch_dim", -1, "non-negative"),
         ("codegen", "tvm", "one of ('python', 'inductor')"),
-        ("strict", "yes", "True or False"),
+        ("strict", "yes", "None, True or False"),
         ("disable_passes", ("no_such_pass",), "known passes"),
         ("disable_passes", "find_blocks", "a tuple of pass names"),
     ],

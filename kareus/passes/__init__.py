@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kareus.passes.annotate_costs import AnnotateCosts
 from kareus.passes.base import GRAPH_KINDS, GraphPass, PassContext, PassRecord, PassResult
+from kareus.passes.check_plan import CheckPlan
 from kareus.passes.cut_partitions import CutPartitions
 from kareus.passes.find_blocks import FindBlocks
 from kareus.passes.insert_clock_switches import InsertClockSwitches
@@ -20,6 +21,7 @@ PIPELINE: tuple[GraphPass, ...] = (
     SplitNanobatches(),
     AnnotateCosts(),
     CutPartitions(),
+    CheckPlan(),
     ScheduleOverlap(),
     InsertClockSwitches(),
 )

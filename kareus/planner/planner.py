@@ -246,7 +246,13 @@ def plan_iteration(
             key: Decision(slot, share) for key, (slot, share) in pairs.items()
         }
     source = getattr(evaluator, "source", "modelled")
+    fingerprint = {
+        f"{i}/{kind}": pset.fingerprint(kind)
+        for i, pset in enumerate(stages)
+        for kind in ("forward", "backward")
+    }
     plan = Plan(
+        fingerprint=fingerprint,
         gpu=gpu,
         source=source,
         policy=policy,

@@ -48,6 +48,9 @@ def plot_frontiers(plan: Plan, path: str | pathlib.Path) -> pathlib.Path:
     out = pathlib.Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(out)
+    from kareus._files import atomic_path
+
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png")
     plt.close(fig)
     return out

@@ -1,0 +1,75 @@
+"""Check that the plan being applied was made for this model: compare fingerprints.
+
+A plan's decisions are keyed by partition type and its clocks by instruction; applied to a
+model it was not made for (another model, shape, parallel layout or stage), both would be
+applied to the wrong work without a word. The plan carries the fingerprint of the workload
+it was made for (per stage and direction, each partition type's op mix, collective and
+count, :meth:`kareus.PartitionSet.fingerprint`); this pass compares it with the partitions
+just cut from the graph. A difference is a :class:`~kareus.errors.PlanMismatchError` naming
+every differing type; with ``Config(strict=False)`` it is a warning instead, and only the
+decisions of matching types are kept.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch.fx as fx
+
+from kareus.errors import PlanMismatchError
+from kareus.partitions import PartitionSet
+from kareus.passes.base import GraphPass, PassContext, PassResult
+from kareus.plan import Plan
+
+
+class CheckPlan(GraphPass):
+    """Compare the applied plan's fingerprint with this graph's partitions."""
+
+    name = "check_plan"
+    graphs = frozenset({"forward", "backward"})
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        """Raise (or warn and drop decisions) when the plan does not fit; never rewrites."""
+        plan: Plan | None = ctx.findings.get("plan")
+        pset: PartitionSet | None = ctx.findings.get("cut_partitions")
+        stage = ctx.findings.get("plan_stage", 0)
+        if plan is None or pset is None or not plan.fingerprint or ctx.findings.get("planned"):
+            return PassResult(gm, modified=False)
+        differences = compare(plan, stage, ctx.graph, pset)
+        if not differences:
+            return PassResult(gm, modified=False)
+        message = (
+            f"the plan was made for another workload than this model's stage {stage} "
+            f"{ctx.graph} ({plan.workload.get('describe', 'workload not recorded')}): "
+            + "; ".join(differences[:6])
+            + (f"; and {len(differences) - 6} more" if len(differences) > 6 else "")
+            + ". Plan this model (kareus plan with its shape and parallel sizes), or pass "
+            "strict=False to apply only the decisions of matching types"
+        )
+        if ctx.config.strict is not False:
+            raise PlanMismatchError(message)
+        warnings.warn(f"kareus: {message}", RuntimeWarning, stacklevel=2)
+        decisions = ctx.findings.get("decisions")
+        if decisions is not None:
+            want = plan.fingerprint.get(f"{stage}/{ctx.graph}", {})
+            have = pset.fingerprint(ctx.graph)
+            for key in [k for k in decisions if k != "*" and want.get(k) != have.get(k)]:
+                del decisions[key]
+        return PassResult(gm, modified=False)
+
+
+def compare(plan: Plan, stage: int, kind: str, pset: PartitionSet) -> list[str]:
+    """Return how this graph's partition types differ from the plan's (empty if they agree)."""
+    want = plan.fingerprint.get(f"{stage}/{kind}")
+    if want is None:
+        return [f"the plan has no stage {stage} {kind} (stages {plan.stages()})"]
+    have = pset.fingerprint(kind)
+    out = []
+    for key in sorted(set(want) | set(have)):
+        if key not in have:
+            out.append(f"type {key}: plan {want[key]}, model has none")
+        elif key not in want:
+            out.append(f"type {key}: model {have[key]}, plan has none")
+        elif want[key] != have[key]:
+            out.append(f"type {key}: plan {want[key]}, model {have[key]}")
+    return out

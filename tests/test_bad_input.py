@@ -1,0 +1,202 @@
+"""Bad files and paths: every case a clear error (exit 2 / KareusError) naming what to fix,
+no traceback, nothing half-written; plans applied to the wrong model or stage refused."""
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import kareus
+from kareus.cli import EXIT_BAD_INPUT, main
+from kareus.errors import FileFormatError, PlanMismatchError
+from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
+
+
+def good_plan(fingerprint=None):
+    return Plan(
+        gpu="A100-SXM4-40GB",
+        source="modelled",
+        policy="iso_time",
+        parallel={"tp": 1, "pp": 1, "microbatches": 1},
+        frontier=(FrontierPoint(1.0, 100.0),),
+        chosen=FrontierPoint(1.0, 100.0),
+        schedule=(
+            ScheduledInstruction(0, "forward", 0, 1410, 0.1, 10.0),
+            ScheduledInstruction(0, "backward", 0, 1200, 0.2, 20.0),
+        ),
+        decisions={"0/forward": {}, "0/backward": {}},
+        baselines={},
+        static_power_w=80.0,
+        fingerprint=fingerprint or {},
+    )
+
+
+def _edit(change):
+    data = good_plan().to_dict()
+    change(data)
+    return json.dumps(data)
+
+
+def _set(path, value):
+    def change(data):
+        target = data
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+
+    return change
+
+
+PLAN_CASES = [
+    ("decisions a list", _edit(_set(["decisions"], [])), "decisions: input should be"),
+    ("top level a list", "[1, 2]", "the top level: input should be"),
+    ("clock a string", _edit(_set(["schedule", 0, "freq_mhz"], "fast")), "schedule[0].freq_mhz"),
+    ("clock out of range", _edit(_set(["schedule", 1, "freq_mhz"], 99999)), "outside 210-1410"),
+    ("chosen missing", _edit(lambda d: d.pop("chosen")), "chosen: field required"),
+    ("not JSON", '{"version": 1,', "not valid JSON"),
+    ("other version", _edit(_set(["version"], 99)), "plan version 99 is not supported"),
+    ("bad decision", _edit(_set(["decisions", "0/forward"], {"t": {"sm_share": -2}})), "sm_share"),
+    ("bad group key", _edit(_set(["decisions"], {"forward": {}})), "'STAGE/forward'"),
+    ("negative stage", _edit(_set(["schedule", 0, "stage"], -1)), "must be >= 0"),
+]
+
+
+@pytest.mark.parametrize(("case", "text", "message"), PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
+def test_malformed_plan_files_are_clear_errors(tmp_path, capsys, case, text, message):
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    assert main(["explain", str(path)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert message in err and str(path) in err and "Traceback" not in err, err
+    # kareus.compile refuses it at once, not at the first forward.
+    with pytest.raises(FileFormatError, match="plan"):
+        kareus.compile(nn.Linear(2, 2), plan=path)
+
+
+def test_unreadable_plan_paths_are_clear_errors(tmp_path, capsys):
+    for path in (tmp_path / "missing.json", tmp_path):
+        assert main(["explain", str(path)]) == EXIT_BAD_INPUT
+        assert f"cannot read the kareus plan {path}" in capsys.readouterr().err
+
+
+def test_the_plan_entry_point_prints_no_traceback(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(PLAN_CASES[0][1])
+    done = subprocess.run(
+        [sys.executable, "-m", "kareus.cli", "explain", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == EXIT_BAD_INPUT and "Traceback" not in done.stderr
+    assert "decisions" in done.stderr
+
+
+PARTITION_CASES = [
+    ("top level a list", "[]", "the top level"),
+    ("sets not a list", '{"workload": {}, "stages": [0], "sets": 3}', "sets: input should be"),
+    ("stage index out of range", '{"workload": {}, "stages": [2], "sets": []}', "refers to set 2"),
+    (
+        "type of a wrong type",
+        json.dumps(
+            {
+                "workload": {},
+                "stages": [0],
+                "sets": [
+                    {
+                        "partitions": [],
+                        "types": {"t": 1},
+                        "other": {},
+                        "block_other": {},
+                        "exposed": {},
+                        "notes": {},
+                    }
+                ],
+            }
+        ),
+        "sets[0].types.t",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "text", "message"), PARTITION_CASES, ids=[c[0] for c in PARTITION_CASES]
+)
+def test_malformed_partitions_files_are_clear_errors(tmp_path, capsys, case, text, message):
+    path = tmp_path / "partitions.json"
+    path.write_text(text)
+    out = tmp_path / "out"
+    args = ["plan", "--model", "tiny", "--partitions", str(path), "--out", str(out), "--quiet"]
+    assert main(args) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert message in err and "partitions file" in err and "Traceback" not in err, err
+    assert not out.exists() or not any(out.iterdir())  # nothing half-written
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_plan_checks_out_before_tracing(tmp_path, capsys, where):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    out = blocker if where == "a file" else blocker / "sub"
+    assert main(["plan", "--model", "tiny", "--out", str(out), "--quiet"]) == EXIT_BAD_INPUT
+    captured = capsys.readouterr()
+    assert f"--out {out}" in captured.err
+    assert "traced in" not in captured.out  # failed before tracing, not after
+
+
+# ---- plans applied to the wrong model or stage ----
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x.pow(2).mean()
+
+
+SEVENTY_B = {
+    "0/forward": {"forward.0": "2 gemm, 3 memory ‖ all_reduce 65536.0 KiB x8 x20"},
+    "0/backward": {"backward.0": "4 gemm, 3 memory ‖ all_reduce 65536.0 KiB x8 x20"},
+}
+
+
+def test_a_plan_for_another_workload_is_refused_naming_the_types():
+    compiled = kareus.compile(MLP(), plan=good_plan(SEVENTY_B))
+    with pytest.raises(Exception, match="type forward.0: plan 2 gemm") as info:
+        compiled(torch.randn(6, 8))
+    assert "model has none" in str(info.value) and "strict=False" in str(info.value)
+
+
+def test_strict_false_warns_and_applies_what_matches():
+    model = MLP()
+    ref = copy.deepcopy(model)
+    compiled = kareus.compile(model, plan=good_plan(SEVENTY_B), strict=False)
+    x = torch.randn(6, 8)
+    with pytest.warns(RuntimeWarning, match="another workload"):
+        loss = compiled(x)
+        loss.backward()
+    torch.testing.assert_close(loss, ref(x))
+
+
+def test_a_plan_that_fits_is_applied_without_a_word(recwarn):
+    fingerprint = {"0/forward": {}, "0/backward": {}}  # a model with no collectives
+    compiled = kareus.compile(MLP(), plan=good_plan(fingerprint))
+    compiled(torch.randn(6, 8)).backward()
+    assert not [w for w in recwarn if "another workload" in str(w.message)]
+    assert kareus.api.find_backend(compiled).runtime.switches == [1410, 1200]
+    kareus.api.find_backend(compiled).runtime.close()
+
+
+def test_a_stage_outside_the_plan_is_refused_at_compile():
+    with pytest.raises(
+        PlanMismatchError, match=r"stage=3 is not in the plan: it schedules stages \[0\]"
+    ):
+        kareus.compile(MLP(), plan=good_plan(), stage=3)
