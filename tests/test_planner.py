@@ -154,7 +154,7 @@ def test_plan_round_trips_through_json(small_plan, tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(KareusError, match="version 99 is not supported"):
         Plan.load(path)
-    with pytest.raises(KareusError, match="cannot read a kareus plan"):
+    with pytest.raises(KareusError, match="cannot read the kareus plan"):
         Plan.load(tmp_path / "missing.json")
 
 
