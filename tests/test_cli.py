@@ -28,6 +28,9 @@ def test_plan_writes_plan_report_plot_and_partitions(planned, capsys):
     plan = Plan.load(out / "plan.json")
     assert plan.parallel == {"tp": 2, "cp": 2, "pp": 2, "microbatches": 4}
     assert plan.workload["model"] == "tiny-4l" and plan.source == "modelled"
+    # The workload's fingerprint, which kareus.compile(plan=...) checks the model against.
+    assert set(plan.fingerprint) == {f"{s}/{k}" for s in (0, 1) for k in ("forward", "backward")}
+    assert all("all_reduce" in " ".join(fp.values()) for fp in plan.fingerprint.values())
     assert set(plan.baselines) == {"megatron", "perseus", "nanobatch+perseus"}
     assert len(plan.schedule) == 2 * 2 * 4  # stages x (F, B) x micro-batches
     report = (out / "report.md").read_text()
