@@ -236,7 +236,7 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2) -> list[Any]:
         return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
 
 
-@torch.library.custom_op("kareus_testing::sleepy", mutates_args=())
+@torch.library.custom_op("kareus_testing::sleepy", mutates_args=(), tags=(torch.Tag.pointwise,))
 def sleepy(x: torch.Tensor, ms: float) -> torch.Tensor:
     """Return ``x * 2`` after sleeping ``ms``: a stand-in for GPU compute on CPU.
 

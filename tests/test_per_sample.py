@@ -115,3 +115,34 @@ def test_per_sample_ops_are_split_and_exact():
     got, want, blocks = _compile_and_compare([i for i, op in enumerate(OPS) if op[2] is None], 6)
     assert blocks.split == ["blocks.0", "blocks.1", "blocks.2"], blocks.skipped
     torch.testing.assert_close(got, want)
+
+
+@torch.library.custom_op("kareus_test_ps::twice", mutates_args=())
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+twice.register_autograd(lambda ctx, g: g * 2)
+
+
+def test_unknown_custom_ops_keep_blocks_whole_until_declared():
+    from kareus.passes import per_sample
+
+    OPS.append(("twice", lambda h: twice(h), None))
+    try:
+        _got, _want, blocks = _compile_and_compare([len(OPS) - 1], 6)
+        assert blocks.split == []
+        assert all("(twice) is not known" in r for r in blocks.skipped.values())
+        assert all("declare_elementwise" in r for r in blocks.skipped.values())
+        per_sample.declare_elementwise(torch.ops.kareus_test_ps.twice)
+        got, want, blocks = _compile_and_compare([len(OPS) - 1], 6)
+        assert blocks.split == ["blocks.0", "blocks.1", "blocks.2"]
+        torch.testing.assert_close(got, want)
+    finally:
+        OPS.pop()
+        per_sample._DECLARED.discard("twice")

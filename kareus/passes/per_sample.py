@@ -15,6 +15,8 @@ the batch symbol, read from Dynamo's ``example_value``):
 - higher-order ops (``autograd_function_apply``, activation checkpointing, ``wrap``), when
   every op of their bodies acts per sample.
 
+Ops registered with ``torch.Tag.pointwise`` (``torch.library.custom_op(..., tags=...)``)
+are elementwise too; other custom ops can be declared with :func:`declare_elementwise`.
 Anything else is unknown, and an unknown op means "do not split": the caller records the
 op's name as the reason. :func:`why_not_per_sample` returns that reason, or "".
 """
@@ -196,6 +198,36 @@ _MODULES = {
 }
 
 
+_DECLARED: set[str] = set()
+
+
+def declare_elementwise(*ops: Any) -> None:
+    """Declare custom ops elementwise (each output element from the same input elements).
+
+    Args:
+        ops: ops (``torch.ops.ns.name`` or its overload) or their names (``"name"``), for
+            ops kareus does not know and that carry no ``torch.Tag.pointwise``.
+    """
+    for op in ops:
+        name = op if isinstance(op, str) else getattr(op, "__name__", str(op))
+        _DECLARED.add(name.split(".")[0] if isinstance(op, str) else _short(op, name))
+
+
+def _short(op: Any, fallback: str) -> str:
+    schema = getattr(op, "_schema", None)
+    if schema is not None:
+        return str(schema.name).split("::")[-1]
+    qualified = getattr(op, "_qualified_op_name", None)
+    return str(qualified).split("::")[-1] if qualified else fallback
+
+
+def _pointwise(node: fx.Node) -> bool:
+    target = node.target
+    overload = getattr(target, "default", target)  # a packet: its default overload
+    tags = getattr(overload, "tags", ())
+    return torch.Tag.pointwise in tags
+
+
 def op_name(node: fx.Node) -> str:
     """Return the short name of ``node``'s op (``linear``, ``flip``, ``add``...)."""
     target = node.target
@@ -297,7 +329,7 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
         if any(isinstance(d, int) and d in batch_dims for d in sharded):
             return f"{label} shards the batch dimension across ranks"
         return ""
-    if name in _ELEMENTWISE:
+    if name in _ELEMENTWISE or name in _DECLARED or _pointwise(node):
         return _broadcast_reason(carrying, value, out_dim, label)
     if name in _PERMUTE:
         return ""
@@ -320,7 +352,8 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
         return ""
     return (
         f"{label} is not known to act per sample, so splitting the batch could change its "
-        "result; kareus splits only blocks whose every op it knows"
+        "result; kareus splits only blocks whose every op it knows (an elementwise custom "
+        "op: tag it torch.Tag.pointwise or kareus.passes.per_sample.declare_elementwise it)"
     )
 
 
