@@ -386,3 +386,19 @@ def test_close_lets_queued_switches_finish_before_restoring(tmp_path):
     runtime._enqueue(SlowEvent(), 1005)
     runtime.close()
     assert calls == [("set", 1005), ("reset", None)]
+
+
+def test_a_failing_controller_warns_once_and_training_goes_on():
+    class Broken(EmulatedClocks):
+        def set(self, freq_mhz):
+            raise OSError("the driver went away")
+
+    plan = make_plan([(0, "forward", 0, 1410), (0, "backward", 0, 1200)])
+    model = kareus.compile(Llama(PRESETS["tiny"]), plan=plan, clocks=Broken())
+    ids, lab = token_batches(1, 4, 16, 128)[0]
+    with pytest.warns(RuntimeWarning, match="driver went away") as record:
+        for _ in range(3):
+            model(ids, lab).backward()
+    assert len([w for w in record if "driver went away" in str(w.message)]) == 1
+    summary = kareus.explain(model).summary()
+    assert "switch(es) failed" in summary and "driver went away" in summary

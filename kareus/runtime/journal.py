@@ -102,7 +102,7 @@ def recover(path: pathlib.Path) -> list[str]:
             controller = controller_for(name, gpu)
             if controller is not None:
                 controller.reset()
-        except ClockError as err:
+        except (ClockError, OSError) as err:
             record(
                 path,
                 "restore_failed",

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kareus.runtime import journal as _journal
-from kareus.runtime.clocks import ClockController, ClockError, ClockPermissionError
+from kareus.runtime.clocks import ClockController, ClockPermissionError
 
 _RUNTIMES: dict[int, ClockRuntime] = {}
 _IDS = itertools.count()
@@ -91,6 +91,7 @@ class ClockRuntime:
         self.notes: list[str] = []
         self.iterations: list[IterationEnergy] = []
         self.switches: list[float] = []
+        self.failed_switches = 0
         self.enabled = True
         self._pos = 0
         self._started = False
@@ -201,11 +202,12 @@ class ClockRuntime:
                 RuntimeWarning,
                 stacklevel=3,
             )
-        except ClockError as err:
-            self.notes.append(f"a clock switch failed and was skipped: {err}")
-            warnings.warn(
-                f"kareus: clock switch to {freq:g} MHz failed: {err}", RuntimeWarning, stacklevel=3
-            )
+        except Exception as err:  # a controller's failure (I/O, driver) never stops training
+            self.failed_switches += 1
+            if self.failed_switches == 1:
+                note = f"a clock switch to {freq:g} MHz failed and was skipped: {err!r}"
+                self.notes.append(note + " (later failures are counted, not repeated)")
+                warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=3)
 
     # ---- iterations and energy ---------------------------------------------------------------
 
@@ -232,7 +234,8 @@ class ClockRuntime:
         lines = [
             f"clock controller: {self.controller.name}; schedule per iteration (MHz): {sched}",
             f"switches applied: {len(self.switches)}; clocks "
-            + ("applied" if self.enabled else "NOT applied"),
+            + ("applied" if self.enabled else "NOT applied")
+            + (f"; {self.failed_switches} switch(es) failed" if self.failed_switches else ""),
         ]
         lines += [
             f"iteration {r.iteration}: {r.time_s:.6f} s, {r.energy_j:.3f} J ({r.source})"
@@ -259,7 +262,7 @@ class ClockRuntime:
             return
         try:
             self.controller.reset()
-        except ClockError as err:
+        except Exception as err:  # any failure: say which GPU may still be locked
             gpu = getattr(self.controller, "index", 0)
             note = (
                 f"restoring GPU {gpu}'s clock failed, it may still be locked at "
