@@ -277,3 +277,47 @@ def test_frontier_plot_is_written(small_plan, tmp_path):
 
     out = plot_frontiers(small_plan.plan, tmp_path / "f.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def _busy(seconds):
+    import time
+
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_plans_are_the_same_on_a_quiet_and_a_busy_machine():
+    # Solves that end at their work limit (not proven optimal): with a wall-clock limit the
+    # result would depend on how much CPU each solve got.
+    import multiprocessing as mp
+
+    pset = megatron_partition_set(
+        hidden=1024, ffn=4096, heads=16, seq=1024, microbatch=4, layers=2, tp=2
+    )
+
+    def plan():
+        return plan_iteration(
+            pset,
+            Emulator(SPEC),
+            gpu=SPEC.name,
+            clocks_mhz=SPEC.clocks_mhz(),
+            static_power_w=SPEC.calibration.static_power_w,
+            parallel=Parallelism(tp=2, pp=4, microbatches=8),
+            settings=PlannerSettings(
+                sweep_points=4, clocks_mhz=(1410, 1200, 1005, 810), solver_time_limit_s=0.02
+            ),
+        ).plan
+
+    quiet = plan()
+    ctx = mp.get_context("spawn")
+    hogs = [ctx.Process(target=_busy, args=(120,)) for _ in range(3)]
+    for hog in hogs:
+        hog.start()
+    try:
+        busy = plan()
+    finally:
+        for hog in hogs:
+            hog.terminate()
+            hog.join()
+    assert busy.to_dict() == quiet.to_dict()

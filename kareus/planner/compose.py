@@ -21,6 +21,10 @@ from collections.abc import Mapping, Sequence
 
 from kareus.errors import KareusError
 
+WALL_CLOCK_GUARD_S = 600.0
+"""A wall-clock stop for one solve, far beyond its deterministic limit: it only guards
+against a hung machine (a solve it stops reports it in its status)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Option:
@@ -131,8 +135,9 @@ class Composer:
         static_power_w: static power of one GPU.
         gpus: GPUs the iteration runs on (all stages, all tensor-parallel ranks).
         gpus_per_stage: GPUs that run each instruction (tensor-parallel ranks).
-        time_limit_s: CP-SAT time limit per solve, per 64 instructions of the iteration.
-        workers: CP-SAT search workers (1-2 on small machines).
+        time_limit_s: CP-SAT deterministic work limit per solve, per 64 instructions of the
+            iteration (deterministic time units: the result never depends on machine load).
+        workers: CP-SAT search workers, interleaved in one thread when more than one.
     """
 
     def __init__(
@@ -144,7 +149,7 @@ class Composer:
         gpus: int,
         gpus_per_stage: int = 1,
         time_limit_s: float = 10.0,
-        workers: int = 2,
+        workers: int = 1,
         seed: int = 0,
     ) -> None:
         self.it = iteration
@@ -222,11 +227,16 @@ class Composer:
                 for k, o in enumerate(self.options[instr.group]):
                     m.add_hint(x[i][k], o == hint.choices[i])
         solver = cp_model.CpSolver()
+        # Deterministic: the search is interleaved in one thread and stopped by CP-SAT's
+        # deterministic work count, not by the wall clock, so the same inputs give the same
+        # plan on any machine under any load. Larger iterations get proportionally more
+        # work: the limit is per 64 instructions.
         solver.parameters.num_workers = self.workers
+        solver.parameters.interleave_search = self.workers > 1
         solver.parameters.random_seed = self.seed
-        # Larger iterations get proportionally longer: the limit is per 64 instructions.
         limit = self.time_limit_s * max(1.0, len(self.it.instructions) / 64)
-        solver.parameters.max_time_in_seconds = limit
+        solver.parameters.max_deterministic_time = limit
+        solver.parameters.max_time_in_seconds = WALL_CLOCK_GUARD_S
         status = solver.solve(m)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             if hint is not None and (bound_s is None or hint.time_s <= bound_s + 1e-9):
@@ -234,7 +244,8 @@ class Composer:
                 return dataclasses.replace(hint, status="HINT")
             within = f"within {bound_s:.6f} s " if bound_s is not None else ""
             raise KareusError(
-                f"CP-SAT found no plan {within}in {limit:.1f} s "
+                f"CP-SAT found no plan {within}within its work limit ({limit:.1f} "
+                "deterministic units; raise PlannerSettings.solver_time_limit_s) "
                 f"(status {solver.status_name(status)})"
             )
         choices = tuple(

@@ -38,8 +38,11 @@ class PlannerSettings:
         exhaustive: evaluate every setting instead of searching.
         budget_fraction: search budget as a fraction of each type's grid.
         sweep_points: bounds swept to trace each frontier.
-        solver_time_limit_s: CP-SAT time limit per solve.
-        solver_workers: CP-SAT workers.
+        solver_time_limit_s: CP-SAT's deterministic work limit per solve and 64
+            instructions (in its deterministic time units, roughly seconds of one core): a
+            limit of work, not of wall-clock time, so plans never depend on machine load.
+        solver_workers: CP-SAT workers; more than one are interleaved in one thread (that
+            keeps the search deterministic).
     """
 
     clocks_mhz: tuple[float, ...] | None = None
@@ -50,7 +53,7 @@ class PlannerSettings:
     budget_fraction: float = 0.2
     sweep_points: int = 8
     solver_time_limit_s: float = 1.0
-    solver_workers: int = 2
+    solver_workers: int = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
