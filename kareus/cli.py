@@ -207,6 +207,12 @@ def _plan(args: argparse.Namespace) -> int:
     )
     if args.layers_traced < 1:
         raise ValueError(f"--layers-traced must be at least 1, got {args.layers_traced}")
+    for option, value, unit in (
+        ("--energy-budget", args.energy_budget, "joules per iteration"),
+        ("--deadline", args.deadline, "seconds per iteration"),
+    ):
+        if value is not None and not value > 0:
+            raise ValueError(f"{option} must be a positive number of {unit}, got {value:g}")
     if args.select == "energy_budget_j" and args.energy_budget is None:
         raise ValueError("--select energy_budget_j needs --energy-budget J")
     if args.select == "deadline_s" and args.deadline is None:

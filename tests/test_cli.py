@@ -84,6 +84,16 @@ def test_explain_prints_a_saved_plan_through_the_entry_point(planned):
         (["plan", "--model", "tiny", "--microbatch-size", "2"], EXIT_BAD_INPUT, "at least 4"),
         (["plan", "--model", "tiny", "--select", "deadline_s"], EXIT_BAD_INPUT, "--deadline"),
         (["plan", "--model", "tiny", "--clocks", "99999"], EXIT_BAD_INPUT, "outside"),
+        (
+            ["plan", "--model", "tiny", "--select", "deadline_s", "--deadline", "0"],
+            EXIT_BAD_INPUT,
+            "--deadline must be a positive number of seconds",
+        ),
+        (
+            ["plan", "--model", "tiny", "--select", "energy_budget_j", "--energy-budget", "-5"],
+            EXIT_BAD_INPUT,
+            "--energy-budget must be a positive number of joules",
+        ),
         (["plan", "--model", "tiny", "--evaluator", "replay"], EXIT_BAD_INPUT, "--replay FILE"),
         (["explain", "/no/such/plan.json"], EXIT_BAD_INPUT, "cannot read the kareus plan"),
     ],

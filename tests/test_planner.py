@@ -172,6 +172,10 @@ def test_selection_policies_and_infeasible_requests(small_plan):
         select(front, "energy_budget_j", energy_budget_j=frugal.energy_j * 0.5)
     with pytest.raises(ValueError, match="unknown policy"):
         select(front, "cheapest")
+    with pytest.raises(ValueError, match="deadline_s must be positive, got 0"):
+        select(front, "deadline_s", deadline_s=0)
+    with pytest.raises(ValueError, match="energy_budget_j must be positive, got -1"):
+        select(front, "energy_budget_j", energy_budget_j=-1)
 
 
 def test_replay_reproduces_a_recorded_plan(tmp_path):

@@ -51,6 +51,9 @@ def select(
         if baseline_time_s is None:
             raise ValueError("iso_time needs the baseline's iteration time")
         return _least_energy_within(frontier, baseline_time_s, fastest, "the baseline's time")
+    for name, value in (("deadline_s", deadline_s), ("energy_budget_j", energy_budget_j)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be positive, got {value!r}")
     if policy == "deadline_s":
         if deadline_s is None:
             raise ValueError("policy deadline_s needs deadline_s=...")
