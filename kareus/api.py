@@ -8,7 +8,6 @@ handed to TorchInductor when ``Config.codegen == "inductor"``).
 
 from __future__ import annotations
 
-import collections
 import functools
 import pathlib
 import warnings
@@ -131,8 +130,7 @@ class KareusBackend:
             # The rewritten graph lost collectives on its way through AOTAutograd: run the
             # region as captured, and say so loudly.
             note = f"region runs as captured, unchanged: {err}"
-            region.notes.append(note)
-            warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=2)
+            _warn(region, note)
             _undo_split(region, err.detail)
             region.graphs["dynamo"].final_code = region.graphs["dynamo"].captured_code
             return self._lower(region, captured, example_inputs)
@@ -204,8 +202,7 @@ class KareusBackend:
             )
         except Exception as err:  # planning must never stop training
             note = f"planning for {spec.name} failed, nanobatching defaults kept: {err}"
-            region.notes.append(note)
-            warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=2)
+            _warn(region, note)
             return
         plan = result.plan
         region.findings["plan"] = plan
@@ -239,7 +236,7 @@ class KareusBackend:
         region: Region,
         gm: fx.GraphModule,
         example_inputs: Sequence[Any],
-        expected: collections.Counter[Key],
+        expected: Counter[Key],
     ) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -289,8 +286,7 @@ class KareusBackend:
             if self.config.strict:
                 raise
             note = f"{kind} graph runs as captured, unchanged: {err}"
-            region.notes.append(note)
-            warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=2)
+            _warn(region, note)
             record.final_code = record.captured_code
             if kind == "dynamo":
                 _undo_split(region, err.detail)
@@ -309,6 +305,12 @@ class _Decisions(dict):  # type: ignore[type-arg]
         return "\n".join(f"{k}: {v}" for k, v in self.items())
 
 
+def _warn(region: Region, note: str) -> None:
+    """Record ``note`` in the region (``explain`` shows it) and warn with it."""
+    region.notes.append(note)
+    warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=3)
+
+
 def _undo_split(region: Region, reason: str) -> None:
     """Record that the region's blocks run whole after all (the split was not kept)."""
     blockset = region.findings.get("find_blocks")
@@ -323,7 +325,7 @@ class LostCollectivesError(PassError):
 
 
 def _check_lowered(
-    g: fx.GraphModule, expected: collections.Counter[Key], graph: str, *, joint: bool = False
+    g: fx.GraphModule, expected: Counter[Key], graph: str, *, joint: bool = False
 ) -> None:
     """Raise :class:`LostCollectivesError` when ``g`` lacks a collective of ``expected``.
 
@@ -344,7 +346,7 @@ def _check_lowered(
 
 
 def _checked_partition(
-    expected: collections.Counter[Key], joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any
+    expected: Counter[Key], joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """AOTAutograd's default partition, after checking the joint graph's collectives."""
     from torch._functorch.partitioners import default_partition

@@ -22,6 +22,8 @@ from collections.abc import Iterable
 
 import torch.fx as fx
 
+from kareus.passes.subgraphs import bodies
+
 Key = tuple[str, str, str]
 """(side, kind, group): side is "forward" or "backward"; kind the op's name; group its
 ranks ("ranks 0,1"), or its name where it cannot be resolved."""
@@ -29,13 +31,18 @@ ranks ("ranks 0,1"), or its name where it cannot be resolved."""
 _NAMESPACES = ("_c10d_functional::", "_c10d_functional_autograd::")
 
 
+def _qualified(node: fx.Node) -> str:
+    schema = getattr(node.target, "_schema", None)
+    return str(
+        schema.name if schema is not None else getattr(node.target, "_qualified_op_name", "")
+    )
+
+
 def collective_kind(node: fx.Node) -> str | None:
     """Return the functional collective ``node`` issues (e.g. ``all_reduce``), or None."""
     if node.op != "call_function":
         return None
-    target = node.target
-    schema = getattr(target, "_schema", None)
-    name = schema.name if schema is not None else getattr(target, "_qualified_op_name", "")
+    name = _qualified(node)
     for ns in _NAMESPACES:
         if name.startswith(ns):
             kind = name[len(ns) :]
@@ -64,10 +71,7 @@ def _ranks(name: str) -> str:
 
 
 def _is_wait(node: fx.Node) -> bool:
-    target = node.target
-    schema = getattr(target, "_schema", None)
-    name = schema.name if schema is not None else getattr(target, "_qualified_op_name", "")
-    return name.endswith("::wait_tensor")
+    return _qualified(node).endswith("::wait_tensor")
 
 
 def _live(node: fx.Node) -> bool:
@@ -105,27 +109,11 @@ def _count(
             if _live(node):
                 out[(side, kind, _group(node))] += 1
             continue
-        if node.op != "call_function":
-            continue
-        bodies = [
-            a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"
-        ]  # higher-order op bodies are passed as get_attr nodes
-        backward_body = (
-            bodies[1] if getattr(node.target, "__name__", "") == "autograd_function_apply" else None
-        )
-        for body in bodies:
-            sub = _submodule(gm, str(body.target))
-            if sub is not None:
-                body_side = "backward" if body is backward_body else side
-                _count(sub, sub.graph.nodes, body_side, out)
-
-
-def _submodule(gm: fx.GraphModule, target: str) -> fx.GraphModule | None:
-    try:
-        sub = gm.get_submodule(target)
-    except AttributeError:
-        return None
-    return sub if isinstance(sub, fx.GraphModule) else None
+        is_function = getattr(node.target, "__name__", "") == "autograd_function_apply"
+        for i, (_arg, sub) in enumerate(bodies(node)):
+            # An autograd.Function's second body is its backward.
+            body_side = "backward" if is_function and i == 1 else side
+            _count(sub, sub.graph.nodes, body_side, out)
 
 
 def as_side(counts: collections.Counter[Key], side: str) -> collections.Counter[Key]:

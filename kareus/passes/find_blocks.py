@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from kareus._table import render_table
 from kareus.passes.base import GraphPass, PassContext, PassResult
+from kareus.passes.subgraphs import bodies
 from kareus.passes.tags import NodeTag, get_tag, set_tag
 
 _INDEXED = re.compile(r"^(?P<prefix>.+?)(?:\.(?P<dot>\d+)|\[(?P<br>\d+)\])$")
@@ -167,13 +168,7 @@ def _indexed_paths(node: fx.Node) -> list[tuple[str, str, int, str]]:
 def _why_none(compute: list[fx.Node]) -> str:
     """Name a higher-order op whose body holds several layers (they cannot be told apart)."""
     for node in compute:
-        owner = node.graph.owning_module
-        for arg in node.args:
-            if not isinstance(arg, fx.Node) or arg.op != "get_attr":
-                continue
-            sub = getattr(owner, str(arg.target), None)
-            if not isinstance(sub, fx.GraphModule):
-                continue
+        for _arg, sub in bodies(node):
             paths = {p for n in sub.graph.nodes for p, *_rest in _indexed_paths(n)}
             if len(paths) >= 2:
                 return (
@@ -188,15 +183,8 @@ def _why_none(compute: list[fx.Node]) -> str:
 
 def _body_stack(node: fx.Node) -> dict[str, tuple[str, type]]:
     """Return the module-stack entries shared by every op of ``node``'s bodies, if any."""
-    owner = node.graph.owning_module
-    bodies = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
-    if owner is None or not bodies:
-        return {}
     shared: dict[str, tuple[str, type]] | None = None
-    for body in bodies:
-        sub = getattr(owner, str(body.target), None)
-        if not isinstance(sub, fx.GraphModule):
-            return {}
+    for _arg, sub in bodies(node):
         for inner in sub.graph.nodes:
             if inner.op not in _COMPUTE:
                 continue

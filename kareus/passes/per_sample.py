@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from kareus.passes.subgraphs import bodies
+
 
 def _names(text: str) -> frozenset[str]:
     return frozenset(text.split())
@@ -280,11 +282,8 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
     name = _MODULES.get(name, name)
     value = node.meta.get("example_value")
     inputs = [i for i in node.all_input_nodes if i.op != "get_attr"]
-    carrying = [
-        (i, batch_dim_of(i.meta.get("example_value"), sym))
-        for i in inputs
-        if batch_dim_of(i.meta.get("example_value"), sym) is not None
-    ]
+    dims = [(i, batch_dim_of(i.meta.get("example_value"), sym)) for i in inputs]
+    carrying = [(i, d) for i, d in dims if d is not None]
     if name in _HIGHER_ORDER:
         return _body_reason(node, name, sym)
     label = f"{node.name} ({name})"
@@ -432,16 +431,12 @@ def _keeps_samples(source: torch.Tensor, dim: int, value: Any, out_dim: Any) -> 
 
 
 def _body_reason(node: fx.Node, name: str, sym: Any) -> str:
-    owner = node.graph.owning_module
-    bodies = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
-    if owner is None or not bodies:
+    found = bodies(node)
+    if not found:
         return f"{node.name} ({name}) has no body kareus can read"
-    for body in bodies:
-        sub = getattr(owner, str(body.target), None)
-        if not isinstance(sub, fx.GraphModule):
-            return f"{node.name} ({name}) has a body that is not a graph"
+    for arg, sub in found:
         for inner in sub.graph.nodes:
             reason = why_not_per_sample(inner, sym)
             if reason:
-                return f"{reason} (inside {name} {body.target})"
+                return f"{reason} (inside {name} {arg.target})"
     return ""
