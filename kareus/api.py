@@ -29,7 +29,7 @@ from kareus.passes.census import Key, as_side, census, describe, lost
 from kareus.plan import Plan
 from kareus.region import GraphRecord, Region
 from kareus.runtime.clocks import ClockController, default_controller
-from kareus.runtime.comm_pool import CommunicatorPool
+from kareus.runtime.comm_pool import CommunicatorPool, job_pool
 from kareus.runtime.switcher import ClockRuntime, IterationEnergy, Step
 
 T = TypeVar("T")
@@ -118,7 +118,7 @@ class KareusBackend:
         if self.runtime is not None:
             region.findings["clock_runtime"] = self.runtime
         if self.decisions and dist.is_available() and dist.is_initialized():
-            self._pool = self._pool or CommunicatorPool()
+            self._pool = job_pool()
             region.findings["communicator_pool"] = self._pool
         captured = gm
         gm = self._run_graph_passes(region, "dynamo", gm, example_inputs)
@@ -209,7 +209,7 @@ class KareusBackend:
         region.findings["planned"] = True  # made for this very graph: nothing to check
         region.findings["decisions"] = _Decisions(plan.decisions_for(0))
         if dist.is_available() and dist.is_initialized():
-            self._pool = self._pool or CommunicatorPool()
+            self._pool = job_pool()
             region.findings["communicator_pool"] = self._pool
         opts = self._runtime_options
         region.findings["clock_runtime"] = ClockRuntime(

@@ -199,27 +199,57 @@ def free_port() -> int:
 
 
 def _rank_main(
-    rank: int, fn: Callable[..., Any], world: int, port: int, out: str, args: Any
+    rank: int,
+    fn: Callable[..., Any],
+    world: int,
+    port: int,
+    out: str,
+    args: Any,
+    timeout_s: float,
 ) -> None:
+    import datetime
+    import faulthandler
     import os
+    import sys
 
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A rank stuck past the timeout prints where every thread waits, then exits: a hang
+    # becomes a failure that names the rank and the line.
+    print(f"[rank {rank}] stack dump follows if it hangs past {timeout_s:g} s", file=sys.stderr)
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     try:
         result = fn(rank, *args)
         torch.save(result, f"{out}.{rank}")
     finally:
+        faulthandler.cancel_dump_traceback_later()
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], *args: Any, world: int = 2, timeout_s: float = 180.0
+) -> list[Any]:
     """Run ``fn(rank, *args)`` in ``world`` processes joined by a gloo group.
 
     ``fn`` must be importable (defined at module level). Returns each rank's return value
-    (anything ``torch.save`` can store). Raises if any rank fails.
+    (anything ``torch.save`` can store). Raises if any rank fails. A rank that is still
+    running after ``timeout_s`` prints every thread's stack (where it waits) and exits, and
+    a collective that waits that long raises in its rank: a hang fails with the place.
     """
     import tempfile
 
@@ -229,7 +259,7 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2) -> list[Any]:
         out = f"{tmp}/result"
         mp.start_processes(
             _rank_main,
-            args=(fn, world, free_port(), out, args),
+            args=(fn, world, free_port(), out, args, timeout_s),
             nprocs=world,
             start_method="spawn",
         )

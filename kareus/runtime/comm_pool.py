@@ -2,17 +2,30 @@
 
 The SM share of a collective is set per communicator: NCCL limits a communicator's CTAs
 through ``ProcessGroupNCCL.Options().config.max_ctas`` where the torch build offers it.
-Groups are created once, collectively (every rank compiles the same graphs in the same
-order), and chosen per collective by rewriting its group-name argument. With gloo, or a
-torch build without the option, the groups exist but the share has no effect; the reason is
-recorded in :attr:`CommunicatorPool.notes`.
+A collective is pointed at its share's communicator by rewriting its group-name argument.
+
+One pool serves the whole process (:func:`job_pool`), so each (ranks, share) communicator is
+created once per job however many regions, stages or backends ask for it. Creation involves
+the members of the collective's group only, never the other ranks of the job: in a TP × DP
+or TP × PP job each TP group creates its own when it compiles, while other groups run,
+wait in a pipeline receive, or compile other graphs. With NCCL on a device-bound default
+group the communicator is split from the group's own (``split_group``: only its members
+take part); otherwise it is a ``new_group`` with group-local synchronisation, whose name
+torch derives from the ranks and the number of groups the process knows. The members
+first check that they agree on that number (one small collective over their group); if
+they do not, the share is not used and the reason is recorded rather than risking a hang.
+With gloo, or a torch build without the option, the groups exist but the share has no
+effect; :meth:`CommunicatorPool.to_text` says so, with what creating them cost.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch.distributed as dist
+
+_REDUCE_OPS = ("sum", "avg", "max", "min", "product", "band", "bor", "bxor")
 
 
 class CommunicatorPool:
@@ -20,21 +33,29 @@ class CommunicatorPool:
 
     def __init__(self) -> None:
         self._groups: dict[tuple[tuple[int, ...], int], str] = {}
+        self._cost_s: dict[tuple[tuple[int, ...], int], float] = {}
         self.notes: list[str] = []
 
     def group_name(self, base_name: str, sm_share: int) -> str:
         """Return the name of a group for ``sm_share`` SMs over ``base_name``'s ranks.
 
-        The group is created (collectively) on first use.
+        The group is created on first use by the members of ``base_name`` (all of them must
+        ask, in the same order: they compile the same graphs). Returns ``base_name`` when no
+        share group can be made safely (the reason is in :attr:`notes`).
         """
         base = dist.distributed_c10d._resolve_process_group(base_name)  # type: ignore[arg-type]
         ranks = tuple(dist.get_process_group_ranks(base))
         key = (ranks, sm_share)
         if key not in self._groups:
-            self._groups[key] = self._create(list(ranks), sm_share, base)
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            start = time.perf_counter()
+            with unset_fake_temporarily():  # passes run under AOTAutograd's fake mode
+                self._groups[key] = self._create(list(ranks), sm_share, base, base_name)
+            self._cost_s[key] = time.perf_counter() - start
         return self._groups[key]
 
-    def _create(self, ranks: list[int], sm_share: int, base: Any) -> str:
+    def _create(self, ranks: list[int], sm_share: int, base: Any, base_name: str) -> str:
         backend = dist.get_backend(base)
         options = None
         if backend == "nccl":
@@ -44,18 +65,47 @@ class CommunicatorPool:
                 options.config.min_ctas = min(sm_share, options.config.min_ctas or sm_share)
             except (AttributeError, RuntimeError) as err:
                 options = None
-                self.notes.append(
-                    f"NCCL CTA limits are not available in this torch build ({err}); one "
-                    "communicator serves every SM share"
+                self._note_once(
+                    f"NCCL CTA limits are not available in this torch build ({err}); the "
+                    "share groups carry no SM limit"
                 )
         else:
-            self._note_once(f"backend {backend!r} has no SM share; groups are plain")
-        group = dist.new_group(ranks, backend=backend, pg_options=options)
+            self._note_once(
+                f"backend {backend!r} has no SM share: the share groups are plain groups "
+                "(the overlap order is still applied)"
+            )
+        default = dist.distributed_c10d._get_default_group()
+        if backend == "nccl" and default.bound_device_id is not None:
+            # Split the group's own communicator: a collective of its members only.
+            group = dist.split_group(
+                parent_pg=base, split_ranks=[list(range(len(ranks)))], pg_options=options
+            )
+            assert group is not None  # every member is in the one split
+            return group.group_name
+        known = len(dist.distributed_c10d._world.pg_names)
+        counts: list[int | None] = [None] * len(ranks)
+        dist.all_gather_object(counts, known, group=base)
+        if len(set(counts)) > 1:
+            # torch names the new group from this count: members that disagree would build
+            # different groups and wait for each other forever.
+            self._note_once(
+                f"ranks {ranks}: the members know different numbers of process groups "
+                f"({counts}), so a share group cannot be created without risking a hang; "
+                "their collectives keep their own group (no SM share)"
+            )
+            return base_name
+        group = dist.new_group(
+            ranks, backend=backend, pg_options=options, use_local_synchronization=True
+        )
         return group.group_name  # type: ignore[union-attr]
 
     def to_text(self) -> str:
-        """Describe the groups and notes (used by ``kareus.explain``)."""
-        lines = [f"ranks {r}: SM share {s} -> group {g!r}" for (r, s), g in self._groups.items()]
+        """Describe the groups, what creating them cost, and notes (``kareus.explain``)."""
+        lines = [
+            f"ranks {list(r)}: SM share {s} -> group {g!r} "
+            f"(created in {self._cost_s[(r, s)] * 1e3:.1f} ms, measured)"
+            for (r, s), g in self._groups.items()
+        ]
         return "\n".join(lines + self.notes) or "no extra communicators"
 
     def _note_once(self, note: str) -> None:
@@ -70,7 +120,7 @@ class CommunicatorPool:
         """
         args = list(issue.args)
         for i in range(len(args) - 1, -1, -1):
-            if isinstance(args[i], str) and args[i] not in ("sum", "avg", "max", "min"):
+            if isinstance(args[i], str) and args[i] not in _REDUCE_OPS:
                 new = self.group_name(args[i], sm_share)
                 if new == args[i]:
                     return False
@@ -78,3 +128,15 @@ class CommunicatorPool:
                 issue.args = tuple(args)
                 return True
         return False
+
+
+_JOB_POOL: tuple[Any, CommunicatorPool] | None = None
+
+
+def job_pool() -> CommunicatorPool:
+    """The process's pool: one per job (default group), shared by every backend and region."""
+    global _JOB_POOL
+    default = dist.distributed_c10d._get_default_group()
+    if _JOB_POOL is None or _JOB_POOL[0] is not default:
+        _JOB_POOL = (default, CommunicatorPool())
+    return _JOB_POOL[1]
