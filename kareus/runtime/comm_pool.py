@@ -134,7 +134,7 @@ _JOB_POOL: tuple[Any, CommunicatorPool] | None = None
 
 
 def job_pool() -> CommunicatorPool:
-    """The process's pool: one per job (default group), shared by every backend and region."""
+    """Return the process's pool: one per job, shared by every backend and region."""
     global _JOB_POOL
     default = dist.distributed_c10d._get_default_group()
     if _JOB_POOL is None or _JOB_POOL[0] is not default:
