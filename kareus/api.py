@@ -56,6 +56,8 @@ class KareusBackend:
         clocks: ClockController | None = None,
         journal: str | pathlib.Path | None = None,
         on_iteration: Callable[[IterationEnergy], None] | None = None,
+        measure: bool | None = None,
+        schedule: str | None = None,
         **overrides: Any,
     ) -> None:
         base = config if config is not None else Config()
@@ -67,11 +69,18 @@ class KareusBackend:
         self._plan_for = (
             (self.config.gpu or _this_gpu()) if plan is None and decisions is None else None
         )
+        if measure is None:
+            import importlib.util
+
+            measure = torch.cuda.is_available() and importlib.util.find_spec("zeus") is not None
         self._runtime_options: dict[str, Any] = {
-            "clocks": clocks,
             "journal": journal,
             "on_iteration": on_iteration,
+            "measure": measure,
         }
+        self._clocks = clocks
+        if self.plan is not None:
+            _check_schedule(self.plan, schedule)
         if self.plan is not None and stage not in self.plan.stages():
             raise PlanMismatchError(
                 f"stage={stage} is not in the plan: it schedules stages "
@@ -84,18 +93,13 @@ class KareusBackend:
         self.decisions: dict[str, Decision] = dict(decisions or {})
         self.runtime: ClockRuntime | None = None
         if self.plan is not None:
-            steps = [
-                Step(s.kind, s.freq_mhz, s.time_s, s.dynamic_energy_j)
-                for s in self.plan.schedule
-                if s.stage == stage
-            ]
-            self.runtime = ClockRuntime(
-                steps,
-                clocks if clocks is not None else default_controller(),
-                journal=journal,
-                static_power_w=self.plan.static_power_w,
-                iteration_time_s=self.plan.chosen.time_s,
-                on_iteration=on_iteration,
+            self.runtime = self._runtime_with(
+                [
+                    Step(s.kind, s.freq_mhz, s.time_s, s.dynamic_energy_j, s.stage, s.microbatch)
+                    for s in self.plan.schedule
+                    if s.stage == stage
+                ],
+                self.plan,
             )
         for key, dec in self.decisions.items():
             if not isinstance(dec, Decision):
@@ -106,6 +110,18 @@ class KareusBackend:
     def __repr__(self) -> str:
         return f"KareusBackend({self.config!r}, regions={len(self.regions)})"
 
+    def _runtime_with(self, steps: list[Step], plan: Plan) -> ClockRuntime:
+        """Return the runtime of this process's GPU with ``steps`` added (one per GPU)."""
+        if self._clocks is None:
+            self._clocks = default_controller()
+        return ClockRuntime.for_device(
+            steps,
+            self._clocks,
+            static_power_w=plan.static_power_w,
+            iteration_time_s=plan.chosen.time_s,
+            **self._runtime_options,
+        )
+
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         """Compile one Dynamo graph (called by Dynamo, once per graph and recompile)."""
         compile_id = torch._guards.CompileContext.current_compile_id()
@@ -115,8 +131,10 @@ class KareusBackend:
         if self.plan is not None:
             region.findings["plan"] = self.plan
             region.findings["plan_stage"] = self.stage
+        region.findings["region_index"] = region.index
         if self.runtime is not None:
             region.findings["clock_runtime"] = self.runtime
+            region.findings["clock_stage"] = self.stage
         if self.decisions and dist.is_available() and dist.is_initialized():
             self._pool = job_pool()
             region.findings["communicator_pool"] = self._pool
@@ -211,15 +229,17 @@ class KareusBackend:
         if dist.is_available() and dist.is_initialized():
             self._pool = job_pool()
             region.findings["communicator_pool"] = self._pool
-        opts = self._runtime_options
-        region.findings["clock_runtime"] = ClockRuntime(
-            [Step(s.kind, s.freq_mhz, s.time_s, s.dynamic_energy_j) for s in plan.schedule],
-            opts["clocks"] if opts["clocks"] is not None else default_controller(),
-            journal=opts["journal"],
-            static_power_w=plan.static_power_w,
-            iteration_time_s=plan.chosen.time_s,
-            on_iteration=opts["on_iteration"],
+        # One runtime for the GPU: each planned region's instructions are a "stage" of it,
+        # numbered by region, so that its switches apply its own clocks.
+        self.runtime = self._runtime_with(
+            [
+                Step(s.kind, s.freq_mhz, s.time_s, s.dynamic_energy_j, region.index, s.microbatch)
+                for s in plan.schedule
+            ],
+            plan,
         )
+        region.findings["clock_runtime"] = self.runtime
+        region.findings["clock_stage"] = region.index
         region.notes.append(
             f"planned at compile time for {spec.name} with the hardware model "
             f"(policy {self.config.select}; modelled {plan.chosen.time_s:.6f} s, "
@@ -303,6 +323,34 @@ class _Decisions(dict):  # type: ignore[type-arg]
         if not self:
             return "none given: every partition type launches at its start (nanobatching)"
         return "\n".join(f"{k}: {v}" for k, v in self.items())
+
+
+SCHEDULES = {
+    "1f1b": "1F1B",
+    "schedule1f1b": "1F1B",
+    "gpipe": "GPipe",
+    "schedulegpipe": "GPipe",
+    "interleaved1f1b": "Interleaved1F1B",
+    "scheduleinterleaved1f1b": "Interleaved1F1B",
+}
+"""Pipeline schedules by the names users give them (torch.distributed.pipelining's too)."""
+
+
+def _check_schedule(plan: Plan, schedule: str | None) -> None:
+    """Raise when the pipeline schedule the job runs is not the one the plan was made for."""
+    if schedule is None:
+        return
+    name = SCHEDULES.get(schedule.replace("_", "").replace("-", "").lower())
+    if name is None:
+        raise PlanMismatchError(
+            f"unknown pipeline schedule {schedule!r}: use one of {sorted(set(SCHEDULES.values()))}"
+        )
+    planned = plan.pipeline_schedule
+    if name != planned:
+        raise PlanMismatchError(
+            f"the plan was made for the {planned} pipeline schedule, but this job runs "
+            f"{name}: re-plan with `kareus plan --schedule {name}` (or run {planned})"
+        )
 
 
 def _warn(region: Region, note: str) -> None:

@@ -22,6 +22,8 @@ from kareus.partitions import Decision
 
 PLAN_VERSION = 1
 
+PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
+
 
 @dataclasses.dataclass(frozen=True)
 class FrontierPoint:
@@ -61,6 +63,7 @@ class Plan:
     static_power_w: float = 0.0
     workload: dict[str, Any] = dataclasses.field(default_factory=dict)
     fingerprint: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    pipeline_schedule: str = "1F1B"  # "1F1B", "GPipe" or "Interleaved1F1B"
     version: int = PLAN_VERSION
 
     def stages(self) -> list[int]:
@@ -126,6 +129,10 @@ class Plan:
     def problems(self) -> list[str]:
         """Return what in this plan no run could apply (empty when it is sound)."""
         out = []
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            out.append(
+                f"pipeline_schedule {self.pipeline_schedule!r} is not one of {PIPELINE_SCHEDULES}"
+            )
         clocks: tuple[float, float] | None = None
         try:
             from kareus.hardware import gpu

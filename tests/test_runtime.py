@@ -340,7 +340,7 @@ def test_failed_restore_is_journalled_and_names_the_gpu(tmp_path):
     runtime = ClockRuntime(
         [Step("forward", 1005)], FileClocks(str(state), fail_reset=True), journal=journal
     )
-    runtime.switch("forward")
+    runtime.switch(0, "forward")
     with pytest.warns(RuntimeWarning, match="restoring GPU 0's clock failed.*1005 MHz") as rec:
         runtime.close()
     assert "kareus restore-clocks --journal" in str(rec[0].message)
@@ -402,3 +402,136 @@ def test_a_failing_controller_warns_once_and_training_goes_on():
     assert len([w for w in record if "driver went away" in str(w.message)]) == 1
     summary = kareus.explain(model).summary()
     assert "switch(es) failed" in summary and "driver went away" in summary
+
+
+class BrokenMLP(torch.nn.Module):
+    """Two layers with a graph break between them: two compiled regions per pass."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        torch._dynamo.graph_break()
+        return torch.tanh(self.b(h)).pow(2).mean()
+
+
+ACCUMULATE = [
+    (0, "forward", 0, 1410),
+    (0, "backward", 0, 1200),
+    (0, "forward", 1, 1100),
+    (0, "backward", 1, 1005),
+]
+
+
+@pytest.mark.parametrize("how", ["graph_break", "checkpoint"])
+def test_graph_breaks_and_recompute_do_not_shift_the_schedule(how):
+    clocks = EmulatedClocks()
+    model = kareus.compile(BrokenMLP(), plan=make_plan(ACCUMULATE), clocks=clocks, nanobatches=1)
+    xs = torch.randn(4, 4, 8, generator=torch.Generator().manual_seed(1))
+    seen = []
+    for step in range(2):
+        for m in range(2):
+            x = xs[2 * step + m]
+            if how == "checkpoint":  # the whole model is recomputed in its backward
+                loss = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+            else:
+                loss = model(x)
+            seen.append(clocks.current)
+            loss.backward()
+            seen.append(clocks.current)
+    assert seen == [f for *_k, f in ACCUMULATE] * 2
+    runtime = kareus.api.find_backend(model).runtime
+    assert [a[2:] for a in runtime.applied] == [(k, m, f) for _s, k, m, f in ACCUMULATE] * 2
+    assert len(kareus.explain(model).regions) == 2  # the graph break
+    assert not [n for n in runtime.notes if "order" in n]
+    runtime.close()
+
+
+def test_switch_is_a_side_effecting_op_inductor_keeps_in_place(tmp_path):
+    from torch._inductor.utils import run_and_get_code
+
+    clocks = EmulatedClocks()
+    plan = make_plan(ACCUMULATE)
+    model = kareus.compile(BrokenMLP(), plan=plan, clocks=clocks, codegen="inductor", nanobatches=1)
+    eager = BrokenMLP()
+    xs = torch.randn(4, 4, 8, generator=torch.Generator().manual_seed(1))
+    seen, codes = [], []
+    for x in xs:
+        loss, code = run_and_get_code(model, x) if not codes else (model(x), [])
+        codes += code
+        seen.append(clocks.current)
+        loss.backward()
+        seen.append(clocks.current)
+        eager(x).backward()
+    assert seen == [f for *_k, f in ACCUMULATE] * 2
+    for (n, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+    # Inductor's own code calls the switch first, before the region's first kernel.
+    assert len(codes) == 2  # two regions (the graph break)
+    for code in codes:
+        body = code[code.index("def call(") :]
+        assert body.index("torch.ops.kareus.switch_clock.default(") < body.index("addmm")
+    kareus.api.find_backend(model).runtime.close()
+
+
+def test_two_processes_controlling_one_gpu_are_refused(tmp_path, monkeypatch):
+    from kareus.runtime.clocks import FileClocks
+    from kareus.runtime.switcher import ClockRuntime, DeviceBusyError, Step
+
+    monkeypatch.setenv("KAREUS_LOCK_DIR", str(tmp_path / "locks"))
+    gpu = tmp_path / "gpu0"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from kareus.runtime.clocks import FileClocks\n"
+            "from kareus.runtime.switcher import ClockRuntime, Step\n"
+            f"rt = ClockRuntime([Step('forward', 1200)], FileClocks({str(gpu)!r}))\n"
+            "print('holding', flush=True)\n"
+            "time.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**__import__("os").environ, "KAREUS_LOCK_DIR": str(tmp_path / "locks")},
+    )
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        with pytest.raises(DeviceBusyError, match=f"process {holder.pid}.*LOCAL_RANK"):
+            ClockRuntime([Step("forward", 1005)], FileClocks(str(gpu)))
+    finally:
+        holder.kill()
+        holder.wait()
+    # Once the holder is gone (even killed), the GPU can be claimed.
+    runtime = ClockRuntime([Step("forward", 1005)], FileClocks(str(gpu)))
+    runtime.close()
+
+
+def test_device_identity_follows_local_rank_and_visible_devices(monkeypatch):
+    from kareus.runtime.clocks import local_cuda_index, physical_gpu
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    if not torch.cuda.is_available():
+        assert local_cuda_index() == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert physical_gpu(3) == "7"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaaa,GPU-bbbb")
+    assert physical_gpu(1) == "GPU-bbbb"
+    with pytest.raises(ClockError, match="not among CUDA_VISIBLE_DEVICES"):
+        physical_gpu(2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert physical_gpu(2) == "2"
+
+
+def test_a_plan_for_another_pipeline_schedule_is_refused_at_compile_time():
+    plan = make_plan(ACCUMULATE)
+    with pytest.raises(kareus.errors.PlanMismatchError, match="made for the 1F1B.*runs GPipe"):
+        kareus.compile(BrokenMLP(), plan=plan, clocks=EmulatedClocks(), schedule="gpipe")
+    with pytest.raises(kareus.errors.PlanMismatchError, match="unknown pipeline schedule"):
+        kareus.compile(BrokenMLP(), plan=plan, clocks=EmulatedClocks(), schedule="zigzag")
+    with pytest.raises(kareus.errors.PlanMismatchError, match="stage=3 is not in the plan"):
+        kareus.compile(BrokenMLP(), plan=plan, clocks=EmulatedClocks(), stage=3)

@@ -33,7 +33,10 @@ class CheckPlan(GraphPass):
         plan: Plan | None = ctx.findings.get("plan")
         pset: PartitionSet | None = ctx.findings.get("cut_partitions")
         stage = ctx.findings.get("plan_stage", 0)
-        if plan is None or pset is None or not plan.fingerprint or ctx.findings.get("planned"):
+        if plan is None or pset is None or ctx.findings.get("planned"):
+            return PassResult(gm, modified=False)
+        check_group_sizes(plan, gm)
+        if not plan.fingerprint:
             return PassResult(gm, modified=False)
         differences = compare(plan, stage, ctx.graph, pset)
         if not differences:
@@ -56,6 +59,28 @@ class CheckPlan(GraphPass):
             for key in [k for k in decisions if k != "*" and want.get(k) != have.get(k)]:
                 del decisions[key]
         return PassResult(gm, modified=False)
+
+
+def check_group_sizes(plan: Plan, gm: fx.GraphModule) -> None:
+    """Raise when the plan's TP (or CP) size is not the size of this graph's groups.
+
+    Raises:
+        PlanMismatchError: naming the plan's sizes and the graph's groups.
+    """
+    from kareus.passes.census import census
+
+    tp, cp = int(plan.parallel.get("tp", 1)), int(plan.parallel.get("cp", 1))
+    groups = sorted({g for _side, _kind, g in census(gm) if g.startswith("ranks ")})
+    sizes = {len(g.removeprefix("ranks ").split(",")) for g in groups}
+    wanted = {n for n in (tp, cp) if n > 1}
+    if wanted <= sizes and (sizes <= wanted or not wanted):
+        return
+    have = ", ".join(f"{len(g.split(','))} ({g})" for g in groups) or "none"
+    raise PlanMismatchError(
+        f"the plan was made for TP {tp} x CP {cp}, but this model's collectives run over "
+        f"groups of sizes {have}: build the model on the mesh the plan was made for, or "
+        f"plan for this one (kareus plan --tp {max(sizes, default=1)} ...)"
+    )
 
 
 def compare(plan: Plan, stage: int, kind: str, pset: PartitionSet) -> list[str]:

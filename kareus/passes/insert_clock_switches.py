@@ -1,20 +1,18 @@
 """Insert a clock switch at the start of each forward and backward graph.
 
-The switch node (``kareus_set_clock_fwd`` / ``kareus_set_clock_bwd``) calls the clock
-runtime, which takes the next clock of the stage's per-iteration schedule. It is marked as
-side-effecting so that dead-code elimination keeps it. Without a plan (no runtime) the pass
-changes nothing.
+The switch node (``kareus_set_clock_fwd`` / ``kareus_set_clock_bwd``) calls the registered
+operator ``kareus::switch_clock`` with the runtime, the pipeline stage, the direction and the
+region; the runtime works out which instruction starts and sets its clock. The operator has
+side effects, so dead-code elimination and Inductor keep it. Without a plan (no runtime) the
+pass changes nothing.
 """
 
 from __future__ import annotations
 
 import torch.fx as fx
-from torch.fx.node import has_side_effect
 
 from kareus.passes.base import GraphPass, PassContext, PassResult
-from kareus.runtime.switcher import ClockRuntime, switch_clock
-
-has_side_effect(switch_clock)
+from kareus.runtime.switcher import SWITCH_OP, ClockRuntime
 
 _SHORT = {"forward": "fwd", "backward": "bwd"}
 
@@ -30,14 +28,20 @@ class InsertClockSwitches(GraphPass):
         runtime: ClockRuntime | None = ctx.findings.get("clock_runtime")
         if runtime is None:
             return PassResult(gm, modified=False)
+        args = (
+            runtime.id,
+            int(ctx.findings.get("clock_stage", 0)),
+            ctx.graph,
+            int(ctx.findings.get("region_index", 0)),
+        )
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         anchor = placeholders[-1] if placeholders else None
         if anchor is None:
             with gm.graph.inserting_before(next(iter(gm.graph.nodes))):
-                node = gm.graph.call_function(switch_clock, (runtime.id, ctx.graph))
+                node = gm.graph.call_function(SWITCH_OP, args)
         else:
             with gm.graph.inserting_after(anchor):
-                node = gm.graph.call_function(switch_clock, (runtime.id, ctx.graph))
+                node = gm.graph.call_function(SWITCH_OP, args)
         node._rename(f"kareus_set_clock_{_SHORT[ctx.graph]}")
         return PassResult(gm, modified=True)
 
@@ -46,5 +50,5 @@ class InsertClockSwitches(GraphPass):
         if ctx.findings.get("clock_runtime") is None:
             return
         first = next(n for n in gm.graph.nodes if n.op != "placeholder")
-        if first.target is not switch_clock:
+        if first.target is not SWITCH_OP:
             raise ValueError("the clock switch is not the first node after the inputs")

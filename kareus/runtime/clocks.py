@@ -7,6 +7,7 @@ vendor's error chained. Nothing here is imported by ``import kareus``.
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 from kareus.errors import KareusError
@@ -34,12 +35,15 @@ class ClockController(Protocol):
 
     ``name`` says which kind of controller it is; ``index`` is the GPU's index for it;
     ``journal_name`` is how the clock journal names it, so that a later process can build
-    the same controller (:func:`controller_for`) and restore a clock left locked.
+    the same controller (:func:`controller_for`) and restore a clock left locked;
+    ``device_key`` names the physical device it controls on this host (None when nothing
+    outlives the process), so that two processes controlling one GPU are caught.
     """
 
     name: str
     index: int
     journal_name: str
+    device_key: str | None
 
     def supported_clocks(self) -> list[int]:
         """Return the supported SM clocks in MHz."""
@@ -59,11 +63,18 @@ class ZeusClocks:
 
     name = "zeus"
     journal_name = "zeus"
+    device_key: str | None
 
-    def __init__(self, gpu_index: int = 0) -> None:
+    def __init__(self, gpu_index: int | None = None) -> None:
+        """``gpu_index`` is a CUDA index (Zeus honours CUDA_VISIBLE_DEVICES like CUDA does).
+
+        Without it, the GPU this process computes on (:func:`local_cuda_index`).
+        """
         from zeus.device import get_gpus
 
+        gpu_index = local_cuda_index() if gpu_index is None else gpu_index
         self.index = gpu_index
+        self.device_key = f"gpu:{physical_gpu(gpu_index)}"
         try:
             self._gpus = get_gpus()
         except Exception as err:  # Zeus raises its own init errors without a GPU
@@ -98,17 +109,33 @@ class NvmlClocks:
 
     name = "nvml"
     journal_name = "nvml"
+    device_key: str | None
 
-    def __init__(self, gpu_index: int = 0) -> None:
+    def __init__(self, gpu_index: int | None = None) -> None:
+        """``gpu_index`` is NVML's index (all GPUs of the host, CUDA_VISIBLE_DEVICES aside).
+
+        Without it, the GPU this process computes on, its CUDA index mapped through
+        CUDA_VISIBLE_DEVICES (indices or UUIDs).
+        """
         import pynvml
 
         self._nvml = pynvml
         try:
             pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(gpu_index)
+            if gpu_index is None:
+                ident = physical_gpu(local_cuda_index())
+                if ident.isdigit():
+                    gpu_index = int(ident)
+                    self._handle = pynvml.nvmlDeviceGetHandleByIndex(gpu_index)
+                else:
+                    self._handle = pynvml.nvmlDeviceGetHandleByUUID(ident)
+                    gpu_index = int(pynvml.nvmlDeviceGetIndex(self._handle))
+            else:
+                self._handle = pynvml.nvmlDeviceGetHandleByIndex(gpu_index)
         except pynvml.NVMLError as err:
             raise ClockError(f"NVML is not usable here: {err}") from err
         self.index = gpu_index
+        self.device_key = f"gpu:{gpu_index}"
 
     def _call(self, what: str, fn: object, *args: object) -> object:
         nv = self._nvml
@@ -141,6 +168,7 @@ class EmulatedClocks:
     name = "emulated"
     journal_name = "emulated"
     index = 0
+    device_key: str | None = None
 
     def __init__(self, clocks_mhz: list[int] | None = None, *, refuse: bool = False) -> None:
         self._clocks = clocks_mhz or list(range(1410, 209, -15))
@@ -168,6 +196,7 @@ class DryRunClocks:
 
     name = "dry-run"
     journal_name = "dry-run"
+    device_key: str | None = None  # changes nothing: may watch a GPU another process controls
 
     def __init__(self, inner: ClockController | None = None) -> None:
         self.inner = inner
@@ -193,6 +222,7 @@ class FileClocks:
 
     name = "file"
     index = 0
+    device_key: str | None
 
     def __init__(self, path: str, *, fail_reset: bool = False) -> None:
         import pathlib
@@ -200,6 +230,7 @@ class FileClocks:
         self.path = pathlib.Path(path)
         self.fail_reset = fail_reset
         self.journal_name = f"file:{self.path}"
+        self.device_key = f"file:{self.path.resolve()}"
 
     @property
     def current(self) -> float | None:
@@ -240,8 +271,41 @@ def controller_for(journal_name: str, gpu: int) -> ClockController | None:
     return None  # emulated, dry run: the state died with the process
 
 
+def local_cuda_index() -> int:
+    """Return the CUDA index of the GPU this process computes on.
+
+    The current CUDA device (set it with ``torch.cuda.set_device(LOCAL_RANK)``, as
+    distributed jobs do); without CUDA, ``LOCAL_RANK`` (0 when unset).
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.current_device())
+    return int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+
+def physical_gpu(cuda_index: int) -> str:
+    """Return the host-wide identity of CUDA device ``cuda_index``: NVML index or UUID.
+
+    CUDA numbers only the devices in CUDA_VISIBLE_DEVICES, in its order; NVML numbers all.
+
+    Raises:
+        ClockError: CUDA_VISIBLE_DEVICES has no entry ``cuda_index``.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return str(cuda_index)
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if not 0 <= cuda_index < len(entries):
+        raise ClockError(
+            f"CUDA device {cuda_index} is not among CUDA_VISIBLE_DEVICES={visible!r}; set "
+            "the current device to one of them (torch.cuda.set_device)"
+        )
+    return entries[cuda_index]
+
+
 def default_controller() -> ClockController:
-    """Zeus on a machine with a GPU, else NVML, else the emulated GPU."""
+    """Return this process's GPU through Zeus, else NVML, else the emulated GPU."""
     for cls in (ZeusClocks, NvmlClocks):
         try:
             return cls()

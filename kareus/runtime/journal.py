@@ -125,3 +125,55 @@ def recover(path: pathlib.Path) -> list[str]:
             f"restore-clocks --journal {path}` on that host"
         )
     return messages
+
+
+_CLAIMS: dict[str, Any] = {}
+
+
+def lock_dir() -> pathlib.Path:
+    """Where device claims live: ``$KAREUS_LOCK_DIR``, else the temp dir's ``kareus-locks``."""
+    import tempfile
+
+    return pathlib.Path(
+        os.environ.get("KAREUS_LOCK_DIR") or pathlib.Path(tempfile.gettempdir()) / "kareus-locks"
+    )
+
+
+def claim(device_key: str) -> int | None:
+    """Claim ``device_key`` for this process until it exits; return the holder if another.
+
+    The claim is an exclusive ``flock`` on a file named after the device, so it ends with
+    the process however it ends. Claiming again from the same process succeeds.
+
+    Returns:
+        None when this process holds the claim, else the pid of the process that does.
+    """
+    import fcntl
+    import hashlib
+
+    if device_key in _CLAIMS:
+        return None
+    directory = lock_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    name = hashlib.sha1(device_key.encode()).hexdigest()[:16]
+    fh = (directory / f"{name}.lock").open("a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        text = fh.read().split()
+        fh.close()
+        return int(text[0]) if text and text[0].isdigit() else -1
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"{os.getpid()} {HOST} {device_key}\n")
+    fh.flush()
+    _CLAIMS[device_key] = fh
+    return None
+
+
+def release(device_key: str) -> None:
+    """End this process's claim of ``device_key`` (no-op when it holds none)."""
+    fh = _CLAIMS.pop(device_key, None)
+    if fh is not None:
+        fh.close()  # closing the file drops the flock

@@ -1,25 +1,36 @@
-"""The clock runtime: apply a stage's per-instruction clocks as training runs, and restore.
+"""The clock runtime: apply each instruction's planned clock as training runs, and restore.
 
-A switch node at the start of each compiled forward and backward graph calls
-:func:`switch_clock`. The runtime takes the next instruction of the stage's per-iteration
-schedule (wrapping at its end, one iteration per lap), skips a switch to the clock already
-set, and applies it. On CUDA the switch takes effect when the GPU reaches that point: an
-event is recorded on the current stream and a worker thread waits for it before setting
-the clock. Clocks are restored on normal exit, on exceptions (``with runtime:``), on
-SIGTERM and SIGINT (after the handler that was there before: one that ignores the signal
-or lets training go on keeps the clocks), and by :meth:`ClockRuntime.close`, which first
-lets the worker finish its queued switches. A journal (:mod:`kareus.runtime.journal`)
-records which process locked which GPU at which clock, so that a run killed outright
-(SIGKILL) has its clock restored by the next run with that journal or by
-``kareus restore-clocks``. Without permission to change clocks it warns once, keeps
-training, and says so in :attr:`ClockRuntime.notes`. A failing controller or journal never
-stops training: it is reported once and left alone.
+A switch node at the start of each compiled forward and backward graph calls the custom op
+``kareus::switch_clock`` with the graph's pipeline stage, its direction and its compiled
+region. The runtime names the instruction that is starting by counting: the n-th forward
+(backward) pass of a stage is micro-batch ``n mod M`` of iteration ``n div M``, where M is
+the stage's micro-batch count in the plan. Every pipeline schedule runs a stage's forwards,
+and its backwards, in micro-batch order (GPipe, 1F1B and interleaved 1F1B alike), so this
+identifies each instruction whatever the interleaving of forwards and backwards, and the
+instruction gets exactly the clock the plan gives it. Each compiled region counts its own
+calls, so a graph break (two regions per pass) does not advance the schedule twice; a
+forward run while autograd executes a backward is an activation recompute and keeps the
+backward's clock. A stage whose observed order differs from the plan's (a plan made for
+another schedule) is reported once. One runtime serves one GPU, whatever the number of
+stages (interleaved schedules) and regions on it.
+
+On CUDA the switch takes effect when the GPU reaches that point: an event is recorded on
+the current stream and a worker thread waits for it before setting the clock. Clocks are
+restored on normal exit, on exceptions (``with runtime:``), on SIGTERM and SIGINT (after
+the handler that was there before: one that ignores the signal or lets training go on keeps
+the clocks), and by :meth:`ClockRuntime.close`, which first lets the worker finish its
+queued switches. A journal (:mod:`kareus.runtime.journal`) records which process locked
+which GPU at which clock, so that a run killed outright (SIGKILL) has its clock restored by
+the next run with that journal or by ``kareus restore-clocks``. Without permission to change
+clocks it warns once, keeps training, and says so in :attr:`ClockRuntime.notes`. A failing
+controller or journal never stops training: it is reported once and left alone.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import itertools
 import pathlib
 import queue
@@ -29,21 +40,74 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+from torch.fx.node import has_side_effect
+
 from kareus.runtime import journal as _journal
-from kareus.runtime.clocks import ClockController, ClockPermissionError
+from kareus.runtime.clocks import ClockController, ClockError, ClockPermissionError
 
 _RUNTIMES: dict[int, ClockRuntime] = {}
+_BY_DEVICE: dict[object, ClockRuntime] = {}
 _IDS = itertools.count()
+
+
+_SHAPE_RUNS = 0
+"""Greater than zero while a framework runs the model only to learn shapes (no instruction)."""
+
+
+class DeviceBusyError(ClockError):
+    """Another process already controls this GPU's clock."""
+
+
+def _not_an_instruction(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``fn`` so that the model runs inside it are not counted as instructions."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        global _SHAPE_RUNS
+        _SHAPE_RUNS += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _SHAPE_RUNS -= 1
+
+    wrapped._kareus_shape_run = True  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _watch_shape_runs() -> None:
+    """Mark torch.distributed.pipelining's metadata inference as not an instruction.
+
+    Before its first step, a ``PipelineStage`` runs a forward and a backward of its module
+    on placeholder tensors to learn shapes; they are no micro-batch of the iteration. A
+    process-wide mark (not thread-local: the autograd engine runs CUDA backwards on its own
+    threads) makes the runtime ignore the switches they reach.
+    """
+    try:
+        from torch.distributed.pipelining import stage
+    except ImportError:  # a torch build without distributed
+        return
+    for name in ("_forward_metadata_inference", "_backward_metadata_inference"):
+        fn = getattr(stage.PipelineStage, name, None)
+        if fn is not None and not getattr(fn, "_kareus_shape_run", False):
+            setattr(stage.PipelineStage, name, _not_an_instruction(fn))
 
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One instruction of a stage's schedule: kind, clock, and its modelled cost."""
+    """One instruction of the plan: kind, clock, modelled cost, stage and micro-batch."""
 
     kind: str
     freq_mhz: float
     time_s: float = 0.0
     dynamic_energy_j: float = 0.0
+    stage: int = 0
+    microbatch: int = 0
+
+    @property
+    def key(self) -> tuple[int, str, int]:
+        """The instruction's identity: (stage, kind, micro-batch)."""
+        return self.stage, self.kind, self.microbatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,19 +146,26 @@ class ClockRuntime:
     ) -> None:
         if not schedule:
             raise ValueError("the clock schedule is empty")
-        self.schedule = list(schedule)
+        self.schedule: list[Step] = []
+        self._steps: dict[tuple[int, str, int], Step] = {}
+        self._counts: dict[tuple[int, str], int] = {}  # micro-batches per (stage, kind)
+        self.add(schedule)
         self.controller = controller
         self.journal = pathlib.Path(journal) if journal else None
         self.static_power_w = static_power_w
-        self.iteration_time_s = iteration_time_s or sum(s.time_s for s in schedule)
+        self.iteration_time_s = iteration_time_s or sum(s.time_s for s in self.schedule)
         self.on_iteration = on_iteration
         self.notes: list[str] = []
         self.iterations: list[IterationEnergy] = []
         self.switches: list[float] = []
         self.failed_switches = 0
         self.enabled = True
-        self._pos = 0
-        self._started = False
+        self.applied: list[tuple[int, int, str, int, float]] = []
+        """(iteration, stage, kind, micro-batch, MHz) of every instruction started."""
+        self._calls: dict[tuple[int, str, int], int] = {}  # passes per (stage, kind, region)
+        self._iteration = -1
+        self._order: dict[int, list[tuple[str, int]]] = {}  # iteration 0's order, per stage
+        self._seen: set[tuple[int, tuple[int, str, int]]] = set()
         self._current: float | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -102,7 +173,20 @@ class ClockRuntime:
         self._queue: queue.Queue[Any] | None = None
         self._worker_thread: threading.Thread | None = None
         self._warned_closed = False
-        self._monitor = _ZeusWindow() if measure else None
+        key = getattr(controller, "device_key", None)
+        if key is not None:
+            holder = _journal.claim(key)
+            if holder is not None:
+                raise DeviceBusyError(
+                    f"{key} is already controlled by process {holder}: two processes must "
+                    "not set one GPU's clock. Give each rank its own GPU: call "
+                    "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before "
+                    "kareus.compile (torchrun sets LOCAL_RANK), or check "
+                    "CUDA_VISIBLE_DEVICES; processes that must share a GPU pass "
+                    "clocks=kareus.runtime.clocks.DryRunClocks() in all but one"
+                )
+        self._monitor = _ZeusWindow(controller.index) if measure else None
+        _watch_shape_runs()
         self.id = next(_IDS)
         _RUNTIMES[self.id] = self
         atexit.register(self.close)
@@ -124,8 +208,50 @@ class ClockRuntime:
 
     # ---- the hot path ----------------------------------------------------------------------
 
-    def switch(self, kind: str) -> None:
-        """Advance to the next ``kind`` instruction of the schedule and set its clock."""
+    @classmethod
+    def for_device(
+        cls, schedule: Sequence[Step], controller: ClockController, **options: Any
+    ) -> ClockRuntime:
+        """Return the runtime of ``controller``'s GPU with ``schedule`` added to it.
+
+        One runtime per GPU in a process: the stages of an interleaved schedule, each
+        compiled on its own, and regions planned at compile time share it (and its clock).
+        A new one (``options`` as for the constructor) when none is open.
+        """
+        key = getattr(controller, "device_key", None) or controller
+        runtime = _BY_DEVICE.get(key)
+        if runtime is None or runtime._closed:
+            runtime = cls(schedule, controller, **options)
+            _BY_DEVICE[key] = runtime
+        else:
+            runtime.add(schedule)
+        return runtime
+
+    def add(self, steps: Sequence[Step]) -> None:
+        """Add instructions (another stage on this GPU, or a region planned at compile time).
+
+        Raises:
+            ValueError: an instruction is already scheduled at another clock.
+        """
+        for step in steps:
+            old = self._steps.get(step.key)
+            if old is not None:
+                if old.freq_mhz != step.freq_mhz:
+                    raise ValueError(
+                        f"instruction {step.key} is scheduled twice on this GPU, at "
+                        f"{old.freq_mhz:g} and {step.freq_mhz:g} MHz: two plans claim it"
+                    )
+                continue
+            self._steps[step.key] = step
+            self.schedule.append(step)
+            self._counts[step.stage, step.kind] = self._counts.get((step.stage, step.kind), 0) + 1
+
+    def stages(self) -> list[int]:
+        """Return the stages this GPU runs in the plan."""
+        return sorted({s.stage for s in self.schedule})
+
+    def switch(self, stage: int, kind: str, region: int = 0) -> None:
+        """Start the next ``kind`` pass of ``stage`` (seen from ``region``): set its clock."""
         if self._closed:
             if not self._warned_closed:
                 self._warned_closed = True
@@ -136,30 +262,54 @@ class ClockRuntime:
                 self.notes.append(note)
                 warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=2)
             return
+        if _SHAPE_RUNS:
+            return  # a run for shapes only, not an instruction
+        if kind == "forward" and torch._C._current_graph_task_id() != -1:
+            return  # a recompute inside a backward pass: the backward's clock stays
+        per_iteration = self._counts.get((stage, kind), 0)
+        if per_iteration == 0:
+            return  # the plan has no such instruction on this GPU
         with self._lock:
-            n = len(self.schedule)
-            found = [
-                (self._pos + k) % n
-                for k in range(n)
-                if self.schedule[(self._pos + k) % n].kind == kind
-            ]
-            if not found:
-                return
-            idx = found[0]
-            if self._started and (idx < self._pos or self._pos == 0):
-                self._finish_iteration()  # wrapped: the previous iteration is complete
-            self._started = True
-            self._pos = (idx + 1) % n
-            freq = self.schedule[idx].freq_mhz
+            calls = self._calls.get((stage, kind, region), 0)
+            self._calls[stage, kind, region] = calls + 1
+            iteration, microbatch = divmod(calls, per_iteration)
+            step = self._steps[stage, kind, microbatch]
+            if (iteration, step.key) in self._seen:
+                return  # another region of the same pass already started it
+            self._seen.add((iteration, step.key))
+            if iteration > self._iteration:
+                if self._iteration >= 0:
+                    self._finish_iteration()  # the previous iteration is complete
+                if self._iteration == 0:
+                    self._check_order()
+                self._iteration = iteration
+                self._seen = {k for k in self._seen if k[0] >= iteration}
+            if iteration == 0:
+                self._order.setdefault(stage, []).append((kind, microbatch))
+            self.applied.append((iteration, stage, kind, microbatch, step.freq_mhz))
+            freq = step.freq_mhz
             if not self.enabled or freq == self._current:
                 return
             self._current = freq
             self.switches.append(freq)
         self._apply(freq)
 
-    def _apply(self, freq: float) -> None:
-        import torch
+    def _check_order(self) -> None:
+        """Compare each stage's order in the first iteration with the plan's; report once."""
+        for stage, seen in sorted(self._order.items()):
+            planned = [(s.kind, s.microbatch) for s in self.schedule if s.stage == stage]
+            if seen != planned:
+                note = (
+                    f"stage {stage} ran its instructions in the order {_order_text(seen)}, but "
+                    f"the plan was made for {_order_text(planned)}: each instruction still "
+                    "gets its planned clock, but the plan's modelled time and energy describe "
+                    "another pipeline schedule (or micro-batch count); re-plan for the "
+                    "schedule this job runs (`kareus plan --schedule ...`)"
+                )
+                self.notes.append(note)
+                warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=4)
 
+    def _apply(self, freq: float) -> None:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             event = torch.cuda.Event()
             event.record()
@@ -230,9 +380,15 @@ class ClockRuntime:
 
     def to_text(self) -> str:
         """Describe the schedule, what was applied and the iterations (for ``explain``)."""
-        sched = " ".join(f"{s.kind[0].upper()}@{s.freq_mhz:g}" for s in self.schedule)
-        lines = [
-            f"clock controller: {self.controller.name}; schedule per iteration (MHz): {sched}",
+        lines = [f"clock controller: {self.controller.name} (GPU {self.controller.index})"]
+        for stage in self.stages():
+            sched = " ".join(
+                f"{s.kind[0].upper()}{s.microbatch}@{s.freq_mhz:g}"
+                for s in self.schedule
+                if s.stage == stage
+            )
+            lines.append(f"stage {stage} per iteration (MHz): {sched}")
+        lines += [
             f"switches applied: {len(self.switches)}; clocks "
             + ("applied" if self.enabled else "NOT applied")
             + (f"; {self.failed_switches} switch(es) failed" if self.failed_switches else ""),
@@ -254,10 +410,23 @@ class ClockRuntime:
             return
         self._closed = True
         _RUNTIMES.pop(self.id, None)
+        with self._lock:
+            done = sum(1 for it, _key in self._seen if it == self._iteration)
+            if self._iteration >= 0 and done == len(self.schedule):
+                self._finish_iteration()  # the last iteration ran every instruction
+                self._iteration += 1
         if self._queue is not None and self._worker_thread is not None:
             self._queue.put(None)
             self._worker_thread.join(timeout=30)
         self._restored = True
+        try:
+            self._restore()
+        finally:
+            key = getattr(self.controller, "device_key", None)
+            if key is not None:
+                _journal.release(key)  # only once the clock is back (or reported stuck)
+
+    def _restore(self) -> None:
         if self._current is None or not self.enabled:
             return
         try:
@@ -329,12 +498,12 @@ class ClockRuntime:
 
 
 class _ZeusWindow:
-    """Per-iteration time and energy from Zeus's monitor (NVML energy counter)."""
+    """Per-iteration time and energy of one GPU from Zeus's monitor (NVML energy counter)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gpu_index: int) -> None:
         from zeus.monitor import ZeusMonitor
 
-        self.mon = ZeusMonitor()
+        self.mon = ZeusMonitor(gpu_indices=[gpu_index])
         self.mon.begin_window("kareus", sync_execution=False)
 
     def lap(self) -> tuple[float, float]:
@@ -343,8 +512,26 @@ class _ZeusWindow:
         return m.time, m.total_energy
 
 
-def switch_clock(runtime_id: int, kind: str) -> None:
-    """Switch the clock of runtime ``runtime_id`` (what the inserted graph nodes call)."""
+def _order_text(order: Sequence[tuple[str, int]]) -> str:
+    return " ".join(f"{kind[0].upper()}{mb}" for kind, mb in order)
+
+
+@torch.library.custom_op("kareus::switch_clock", mutates_args=())
+def switch_clock(runtime_id: int, stage: int, kind: str, region: int) -> None:
+    """Start instruction ``kind`` of ``stage`` on runtime ``runtime_id`` (the graph node).
+
+    A registered operator with side effects, so that every backend (Python, Inductor)
+    keeps it, in place, at the start of its graph.
+    """
     runtime = _RUNTIMES.get(runtime_id)
     if runtime is not None:
-        runtime.switch(kind)
+        runtime.switch(stage, kind, region)
+
+
+@switch_clock.register_fake
+def _(runtime_id: int, stage: int, kind: str, region: int) -> None:
+    return None
+
+
+SWITCH_OP = torch.ops.kareus.switch_clock.default
+has_side_effect(SWITCH_OP)
