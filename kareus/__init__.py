@@ -14,7 +14,7 @@ from kareus.errors import (
     NotYetCapturedError,
     PassError,
 )
-from kareus.explain import Report, explain
+from kareus.explain import JobEnergy, Report, explain, job_energy
 from kareus.partitions import Decision, PartitionSet
 from kareus.plan import Plan
 
@@ -25,6 +25,7 @@ __all__ = [
     "ConfigError",
     "Decision",
     "FileFormatError",
+    "JobEnergy",
     "KareusBackend",
     "KareusError",
     "NotCompiledError",
@@ -35,4 +36,5 @@ __all__ = [
     "Report",
     "compile",
     "explain",
+    "job_energy",
 ]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from kareus._table import render_table
 from kareus.api import find_backend
 from kareus.config import Config
 from kareus.errors import NotCompiledError, NotYetCapturedError
 from kareus.region import Region
+from kareus.runtime.switcher import IterationEnergy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,3 +118,73 @@ def explain(compiled: object) -> Report:
             "explain it."
         )
     return Report(backend.config, tuple(backend.regions))
+
+
+@dataclasses.dataclass(frozen=True)
+class JobEnergy:
+    """Per-iteration energy of every rank's GPU, and of the whole job.
+
+    Attributes:
+        per_rank: each rank's iterations (``IterationEnergy``: time, energy, source).
+        iterations: per iteration, the job's time (the slowest rank's) and energy (the sum
+            over ranks); ``source`` is "measured" only when every rank measured it
+            ("measured+modelled" when some did).
+    """
+
+    per_rank: tuple[tuple[IterationEnergy, ...], ...]
+    iterations: tuple[IterationEnergy, ...]
+
+    def to_text(self) -> str:
+        """One line per iteration of the job, with how its numbers were obtained."""
+        ranks = len(self.per_rank)
+        return "\n".join(
+            f"iteration {it.iteration}: {it.time_s:.6f} s, {it.energy_j:.3f} J over "
+            f"{ranks} GPU(s) ({it.source})"
+            for it in self.iterations
+        )
+
+
+def job_energy(compiled: object, group: Any = None) -> JobEnergy:
+    """Return the energy of each iteration run so far, per rank and summed over the job.
+
+    With ``torch.distributed`` initialised this is a collective: call it on every rank of
+    ``group`` (the default group when None). Energies are measured (Zeus, ``measure=True``)
+    or modelled from the plan, as each record says.
+
+    Raises:
+        NotCompiledError: ``compiled`` was not compiled by kareus.
+        ValueError: it was compiled without a plan (no clock runtime, no energy).
+    """
+    import torch.distributed as dist
+
+    backend = find_backend(compiled)
+    if backend is None:
+        raise NotCompiledError(f"kareus.job_energy needs a kareus-compiled model, got {compiled!r}")
+    runtime = backend.runtime
+    if runtime is None:
+        raise ValueError(
+            "this model has no clock runtime (compiled without a plan, and not planned at "
+            "compile time): there is no per-iteration energy to report"
+        )
+    mine = tuple(runtime.iterations)
+    if dist.is_available() and dist.is_initialized():
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+        per_rank = tuple(tuple(r) for r in gathered)
+    else:
+        per_rank = (mine,)
+    common = min(len(r) for r in per_rank)
+    iterations = tuple(
+        IterationEnergy(
+            i,
+            max(r[i].time_s for r in per_rank),
+            sum(r[i].energy_j for r in per_rank),
+            _source({r[i].source for r in per_rank}),
+        )
+        for i in range(common)
+    )
+    return JobEnergy(per_rank, iterations)
+
+
+def _source(sources: set[str]) -> str:
+    return sources.pop() if len(sources) == 1 else "+".join(sorted(sources))

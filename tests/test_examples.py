@@ -61,3 +61,34 @@ def _port():
     from kareus.testing import free_port
 
     return free_port()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_pipeline_example_applies_each_instructions_planned_clock(tmp_path):
+    import json
+
+    out = _run(
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "4",
+        "--master-port",
+        str(_port()),
+        ROOT / "examples/train_pipeline.py",
+        "--steps",
+        "2",
+        tmp_path=tmp_path,
+    )
+    assert len(_losses(out)) == 4  # the last stage's two TP ranks, two steps
+    plan = json.loads((tmp_path / "kareus-pipeline/plan.json").read_text())
+    for stage in (0, 1):
+        want = ", ".join(
+            f"{stage}/{s['kind'][0].upper()}{s['microbatch']}@{s['freq_mhz']:g}"
+            for s in plan["schedule"]
+            if s["stage"] == stage
+        )
+        got = re.findall(rf"stage {stage}, TP rank \d: instructions of iteration 0 .*: (.*)", out)
+        assert got == [want, want], out[-3000:]
+    assert "SM share" in out and "(modelled)" in out

@@ -2,6 +2,8 @@ import json
 import signal
 import subprocess
 import sys
+import types
+from typing import ClassVar
 from unittest import mock
 
 import pytest
@@ -18,7 +20,7 @@ from kareus.runtime.clocks import (
     NvmlClocks,
     ZeusClocks,
 )
-from kareus.testing import token_batches
+from kareus.testing import run_ranks, token_batches
 
 
 def make_plan(schedule, stages=1):
@@ -535,3 +537,63 @@ def test_a_plan_for_another_pipeline_schedule_is_refused_at_compile_time():
         kareus.compile(BrokenMLP(), plan=plan, clocks=EmulatedClocks(), schedule="zigzag")
     with pytest.raises(kareus.errors.PlanMismatchError, match="stage=3 is not in the plan"):
         kareus.compile(BrokenMLP(), plan=plan, clocks=EmulatedClocks(), stage=3)
+
+
+class FakeZeusMonitor:
+    """Zeus's monitor as the runtime uses it: windows over an energy counter we drive."""
+
+    counter: ClassVar[dict[str, float]] = {"energy": 0.0, "time": 0.0}
+
+    def __init__(self, gpu_indices, cpu_indices):
+        assert cpu_indices == []
+        self.gpu = gpu_indices[0]
+        self.open = None
+
+    def begin_window(self, name, sync_execution):
+        self.open = dict(self.counter)
+
+    def end_window(self, name, sync_execution):
+        start, self.open = self.open, None
+        return types.SimpleNamespace(
+            time=self.counter["time"] - start["time"],
+            gpu_energy={self.gpu: self.counter["energy"] - start["energy"]},
+        )
+
+
+def _measured_job(rank):
+    fake = types.ModuleType("zeus.monitor")
+    fake.ZeusMonitor = FakeZeusMonitor
+    sys.modules["zeus.monitor"] = fake
+    model = kareus.compile(
+        BrokenMLP(), plan=make_plan(ACCUMULATE), clocks=EmulatedClocks(), measure=True
+    )
+    xs = torch.randn(6, 4, 8)
+    for i, x in enumerate(xs):  # three iterations of two micro-batches
+        model(x).backward()
+        if i % 2:  # the GPU's counter advances by (rank + 1) * 100 J per iteration
+            FakeZeusMonitor.counter["energy"] += (rank + 1) * 100.0
+            FakeZeusMonitor.counter["time"] += 0.5
+    job = kareus.job_energy(model)
+    return job, kareus.explain(model).summary()
+
+
+def test_measured_energy_per_rank_and_summed_over_the_job():
+    for rank, (job, summary) in enumerate(run_ranks(_measured_job, world=2)):
+        # Two finished iterations (the third ends when the next starts, or at close).
+        assert [[(r.energy_j, r.source) for r in it] for it in job.per_rank] == [
+            [(100.0, "measured")] * 2,
+            [(200.0, "measured")] * 2,
+        ]
+        assert [(r.time_s, r.energy_j, r.source) for r in job.iterations] == [
+            (0.5, 300.0, "measured")
+        ] * 2
+        assert "300.000 J over 2 GPU(s) (measured)" in job.to_text()
+        assert f"{100.0 * (rank + 1):.3f} J (measured)" in summary
+
+
+def test_measure_without_zeus_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "zeus.monitor", None)  # import fails
+    with pytest.raises(ClockError, match="pip install zeus"):
+        kareus.compile(
+            BrokenMLP(), plan=make_plan(ACCUMULATE), clocks=EmulatedClocks(), measure=True
+        )

@@ -186,6 +186,7 @@ class ClockRuntime:
                     "clocks=kareus.runtime.clocks.DryRunClocks() in all but one"
                 )
         self._monitor = _ZeusWindow(controller.index) if measure else None
+        self.gpu_index = controller.index
         _watch_shape_runs()
         self.id = next(_IDS)
         _RUNTIMES[self.id] = self
@@ -280,6 +281,8 @@ class ClockRuntime:
             if iteration > self._iteration:
                 if self._iteration >= 0:
                     self._finish_iteration()  # the previous iteration is complete
+                elif self._monitor is not None:
+                    self._monitor.start()  # the first instruction: the energy window opens
                 if self._iteration == 0:
                     self._check_order()
                 self._iteration = iteration
@@ -498,18 +501,35 @@ class ClockRuntime:
 
 
 class _ZeusWindow:
-    """Per-iteration time and energy of one GPU from Zeus's monitor (NVML energy counter)."""
+    """Per-iteration time and energy of one GPU from Zeus's monitor (NVML energy counter).
+
+    A window opens at the first instruction and is closed and reopened at each iteration
+    boundary, without synchronising the GPU (the boundary is a host-side event).
+    """
 
     def __init__(self, gpu_index: int) -> None:
-        from zeus.monitor import ZeusMonitor
+        try:
+            from zeus.monitor import ZeusMonitor
+        except ImportError as err:
+            raise ClockError(
+                "measure=True reads energy from Zeus, which is not installed: "
+                "`pip install zeus`, or pass measure=False for modelled energy"
+            ) from err
+        try:
+            self.mon = ZeusMonitor(gpu_indices=[gpu_index], cpu_indices=[])
+            self.gpu_index = gpu_index
+        except Exception as err:  # Zeus raises its own errors without a usable GPU
+            raise ClockError(f"Zeus cannot measure GPU {gpu_index}: {err}") from err
 
-        self.mon = ZeusMonitor(gpu_indices=[gpu_index])
+    def start(self) -> None:
+        """Open the first window."""
         self.mon.begin_window("kareus", sync_execution=False)
 
     def lap(self) -> tuple[float, float]:
+        """Close the window, open the next; return the closed one's time and energy."""
         m = self.mon.end_window("kareus", sync_execution=False)
         self.mon.begin_window("kareus", sync_execution=False)
-        return m.time, m.total_energy
+        return m.time, float(m.gpu_energy[self.gpu_index])
 
 
 def _order_text(order: Sequence[tuple[str, int]]) -> str:
