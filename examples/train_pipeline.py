@@ -99,13 +99,16 @@ try:
 
     runtime = kareus.api.find_backend(stage_model).runtime
     applied = [(s, k, m, f) for it, s, k, m, f in runtime.applied if it == 0]
-    print(
-        f"[rank {rank}] stage {stage_index}, TP rank {mesh.get_local_rank('tp')}: "
-        "instructions of iteration 0 (stage, kind, micro-batch, MHz): "
-        + ", ".join(f"{s}/{k[0].upper()}{m}@{f:g}" for s, k, m, f in applied),
-        flush=True,
-    )
-    if rank == world - 1:
-        print(kareus.explain(stage_model).summary())
+    for turn in range(world):  # one rank at a time, so that lines never interleave
+        if turn == rank:
+            print(
+                f"[rank {rank}] stage {stage_index}, TP rank {mesh.get_local_rank('tp')}: "
+                "instructions of iteration 0 (stage, kind, micro-batch, MHz): "
+                + ", ".join(f"{s}/{k[0].upper()}{m}@{f:g}" for s, k, m, f in applied),
+                flush=True,
+            )
+            if rank == world - 1:
+                print(kareus.explain(stage_model).summary(), flush=True)
+        dist.barrier()
 finally:
     dist.destroy_process_group()

@@ -73,15 +73,17 @@ def test_pipeline_example_applies_each_instructions_planned_clock(tmp_path):
         "-m",
         "torch.distributed.run",
         "--nproc-per-node",
-        "4",
+        "2",
         "--master-port",
         str(_port()),
         ROOT / "examples/train_pipeline.py",
         "--steps",
         "2",
+        "--tp",
+        "1",  # TP x PP x DP runs in tests/test_topologies.py; here the example's own path
         tmp_path=tmp_path,
     )
-    assert len(_losses(out)) == 4  # the last stage's two TP ranks, two steps
+    assert len(_losses(out)) == 2  # the last stage, two steps
     plan = json.loads((tmp_path / "kareus-pipeline/plan.json").read_text())
     for stage in (0, 1):
         want = ", ".join(
@@ -90,5 +92,5 @@ def test_pipeline_example_applies_each_instructions_planned_clock(tmp_path):
             if s["stage"] == stage
         )
         got = re.findall(rf"stage {stage}, TP rank \d: instructions of iteration 0 .*: (.*)", out)
-        assert got == [want, want], out[-3000:]
-    assert "SM share" in out and "(modelled)" in out
+        assert got == [want], out[-3000:]
+    assert "(modelled)" in out

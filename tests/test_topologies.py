@@ -61,15 +61,45 @@ def _grads(model):
     }
 
 
-def _tp_dp_cp(rank, sizes, how, decisions):
-    """Train eager and kareus-compiled copies of one TP (× CP) Llama per DP rank."""
+class TPCPNet(torch.nn.Module):
+    """Blocks that all-gather the sequence over the CP group (as attention gathers K and V)
+    and run a Megatron MLP over the TP group: every collective kind of a TP x CP layer, at
+    a fraction of a Llama's compile time."""
+
+    def __init__(self, tp_group, cp_group, width=16, layers=2):
+        super().__init__()
+        from kareus.parallel import ColumnParallelLinear, RowParallelLinear, group_name
+
+        torch.manual_seed(0)
+        self.cp = group_name(cp_group)
+        self.up = torch.nn.ModuleList(
+            ColumnParallelLinear(width, 2 * width, tp_group) for _ in range(layers)
+        )
+        self.down = torch.nn.ModuleList(
+            RowParallelLinear(2 * width, width, tp_group) for _ in range(layers)
+        )
+
+    def forward(self, x, labels):
+        from kareus.parallel import gather_from_sp
+
+        for up, down in zip(self.up, self.down, strict=True):
+            mix = gather_from_sp(x, self.cp, dim=1).mean(dim=1, keepdim=True)
+            x = x + down(torch.tanh(up(x + mix)))
+        return ((x - labels) ** 2).mean()
+
+
+def _tp_dp_cp(rank, sizes, how, decisions, net="llama"):
+    """Train eager and kareus-compiled copies of one TP (x CP) model per DP rank."""
     groups, _mesh = layout(rank, sizes, how)
     torch.manual_seed(0)
-    eager = Llama(
-        CFG,
-        tp_group=groups["tp"],
-        cp_group=groups["cp"] if sizes["cp"] > 1 else None,
-    )
+    if net == "llama":
+        eager = Llama(
+            CFG,
+            tp_group=groups["tp"],
+            cp_group=groups["cp"] if sizes["cp"] > 1 else None,
+        )
+    else:
+        eager = TPCPNet(groups["tp"], groups["cp"])
     compiled = kareus.compile(copy.deepcopy(eager), decisions=decisions, strict=True)
     dp_rank = dist.get_rank(groups["dp"])
     cp_rank = dist.get_rank(groups["cp"])
@@ -78,6 +108,9 @@ def _tp_dp_cp(rank, sizes, how, decisions):
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (eager, compiled)]
     for step in range(2):
         ids, labels = token_batches(1, 4, 16, 128, seed=10 * step + dp_rank)[0]
+        if net != "llama":
+            gen = torch.Generator().manual_seed(10 * step + dp_rank)
+            ids, labels = torch.randn(4, 16, 16, generator=gen), torch.randn(4, 16, 16)
         ids = ids[:, cp_rank * seq : (cp_rank + 1) * seq]
         labels = labels[:, cp_rank * seq : (cp_rank + 1) * seq]
         for i, (model, opt) in enumerate(zip((eager, compiled), opts, strict=True)):
@@ -107,12 +140,126 @@ def _check_same(results):
 TWO_SHARES = {"*": Decision(0, 4)}
 
 
-@pytest.mark.parametrize("how", ["mesh", "new_group"])
-def test_tp_dp_with_sm_share_trains_like_eager(how):
+@pytest.mark.parametrize(("how", "net"), [("mesh", "llama"), ("new_group", "mlp")])
+def test_tp_dp_with_sm_share_trains_like_eager(how, net):
     # Two TP groups ({0,1} and {2,3}) create their SM-share communicators independently.
     sizes = {"pp": 1, "dp": 2, "cp": 1, "tp": 2}
-    results = run_ranks(_tp_dp_cp, sizes, how, TWO_SHARES, world=4, timeout_s=150)
+    results = run_ranks(_tp_dp_cp, sizes, how, TWO_SHARES, net, world=4, timeout_s=150)
     _check_same(results)
     for rank, (_out, summary, _split) in enumerate(results):
         mine = [0, 1] if rank < 2 else [2, 3]
         assert f"ranks {mine}: SM share 4" in summary, summary
+
+
+def test_tp_cp_dp_on_eight_ranks_trains_like_eager():
+    sizes = {"pp": 1, "dp": 2, "cp": 2, "tp": 2}
+    results = run_ranks(_tp_dp_cp, sizes, "new_group", TWO_SHARES, "mlp", world=8, timeout_s=300)
+    _check_same(results)
+    for rank, (_out, summary, _split) in enumerate(results):
+        tp_ranks = [rank - rank % 2, rank - rank % 2 + 1]
+        assert f"ranks {tp_ranks}: SM share 4" in summary, summary
+
+
+class TPStage(torch.nn.Module):
+    """A pipeline stage of two Megatron MLP blocks split over a TP group (cheap to compile)."""
+
+    def __init__(self, tp_group, seed, width=16):
+        super().__init__()
+        from kareus.parallel import ColumnParallelLinear, RowParallelLinear
+
+        torch.manual_seed(seed)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.ModuleDict(
+                {
+                    "up": ColumnParallelLinear(width, 2 * width, tp_group),
+                    "down": RowParallelLinear(2 * width, width, tp_group),
+                }
+            )
+            for _ in range(2)
+        )
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block["down"](torch.tanh(block["up"](x)))
+        return x
+
+
+def _tp_pp_dp(rank, how):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
+    from kareus.runtime.clocks import EmulatedClocks
+
+    sizes = {"pp": 2, "dp": 2, "cp": 1, "tp": 2}
+    groups, _mesh = layout(rank, sizes, how)
+    pp_rank, dp_rank = dist.get_rank(groups["pp"]), dist.get_rank(groups["dp"])
+    micro = 4
+    order = {  # 1F1B on two stages
+        0: ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"],
+        1: ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"],
+    }
+    kinds = {"F": "forward", "B": "backward"}
+
+    def clock(s, k, m):
+        return 1410 - 15 * (8 * s + 4 * (k == "backward") + m)
+
+    sched = tuple(
+        ScheduledInstruction(s, kinds[a[0]], int(a[1:]), clock(s, kinds[a[0]], int(a[1:])))
+        for s in (0, 1)
+        for a in order[s]
+    )
+    plan = Plan(
+        gpu="A100-SXM4-40GB",
+        source="modelled",
+        policy="iso_time",
+        parallel={"tp": 2, "cp": 1, "pp": 2, "microbatches": micro},
+        frontier=(FrontierPoint(1.0, 1.0),),
+        chosen=FrontierPoint(1.0, 1.0),
+        schedule=sched,
+        decisions={},
+        baselines={},
+    )
+    clocks = EmulatedClocks()
+    results = {}
+    for label in ("eager", "kareus"):
+        mod = TPStage(groups["tp"], seed=pp_rank)
+        if label == "kareus":
+            mod = kareus.compile(
+                mod, plan=plan, stage=pp_rank, clocks=clocks, decisions=TWO_SHARES, strict=True
+            )
+        stage = PipelineStage(mod, pp_rank, 2, torch.device("cpu"), group=groups["pp"])
+        schedule = Schedule1F1B(
+            stage, n_microbatches=micro, loss_fn=lambda out, t: ((out - t) ** 2).mean()
+        )
+        opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+        losses, grads = [], []
+        for step in range(2):
+            gen = torch.Generator().manual_seed(10 * step + dp_rank)
+            x, target = torch.randn(micro * 4, 16, generator=gen), torch.randn(micro * 4, 16)
+            out = []
+            if pp_rank == 0:
+                schedule.step(x, target=target, losses=out)
+            else:
+                schedule.step(target=target, losses=out)
+            losses.append([v.detach() for v in out])
+            grads.append(_grads(mod))
+            _dp_step(mod, opt, groups["dp"])
+        results[label] = (losses, grads)
+    runtime = kareus.api.find_backend(mod).runtime
+    applied = [(s, k, m, f) for _it, s, k, m, f in runtime.applied]
+    runtime.close()
+    return results, applied, [clock(s, k, m) for _it, s, k, m, _f in runtime.applied]
+
+
+def test_tp_pp_dp_on_eight_ranks_with_pipelining():
+    for rank, (results, applied, planned) in enumerate(
+        run_ranks(_tp_pp_dp, "mesh", world=8, timeout_s=300)
+    ):
+        (el, eg), (kl, kg) = results["eager"], results["kareus"]
+        for a, b in zip(el, kl, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"rank {rank} losses")
+        for ga, gb in zip(eg, kg, strict=True):
+            for name in ga:
+                torch.testing.assert_close(gb[name], ga[name], rtol=1e-4, atol=1e-6)
+        assert len(applied) == 2 * 8  # two iterations of 4 forwards and 4 backwards
+        assert [f for *_x, f in applied] == planned

@@ -10,9 +10,12 @@ pass changes nothing.
 from __future__ import annotations
 
 import torch.fx as fx
+from torch.fx.node import has_side_effect
 
 from kareus.passes.base import GraphPass, PassContext, PassResult
 from kareus.runtime.switcher import SWITCH_OP, ClockRuntime
+
+has_side_effect(SWITCH_OP)  # no dead-code elimination (fx, AOTAutograd, Inductor) drops it
 
 _SHORT = {"forward": "fwd", "backward": "bwd"}
 

@@ -41,7 +41,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.fx.node import has_side_effect
 
 from kareus.runtime import journal as _journal
 from kareus.runtime.clocks import ClockController, ClockError, ClockPermissionError
@@ -554,4 +553,4 @@ def _(runtime_id: int, stage: int, kind: str, region: int) -> None:
 
 
 SWITCH_OP = torch.ops.kareus.switch_clock.default
-has_side_effect(SWITCH_OP)
+"""The switch as an operator (the graph pass marks it as having side effects)."""
