@@ -55,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatch-size", type=int, default=8, help="sequences per micro-batch")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration")
+    p.add_argument(
+        "--schedule",
+        choices=("1F1B", "GPipe"),
+        default="1F1B",
+        help="pipeline schedule, as torch.distributed.pipelining runs it (default 1F1B)",
+    )
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     from kareus.planner.select import POLICIES
 
@@ -204,6 +210,7 @@ def _plan(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         microbatches=args.microbatches,
         dtype=args.dtype,
+        schedule=args.schedule,
     )
     if args.layers_traced < 1:
         raise ValueError(f"--layers-traced must be at least 1, got {args.layers_traced}")

@@ -44,6 +44,7 @@ class Workload:
         seq_len: tokens per sequence (split across the context-parallel ranks).
         microbatches: micro-batches per iteration (per pipeline).
         dtype: ``bf16``, ``fp16`` or ``fp32``.
+        schedule: the pipeline schedule, ``1F1B`` or ``GPipe``.
     """
 
     model: str | LlamaConfig
@@ -54,9 +55,17 @@ class Workload:
     seq_len: int = 4096
     microbatches: int = 8
     dtype: str = "bf16"
+    schedule: str = "1F1B"
 
     def __post_init__(self) -> None:
+        from kareus.planner.compose import SCHEDULES
+
         cfg = self.config  # raises on an unknown preset
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)} (kareus "
+                "does not plan interleaved 1F1B yet)"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
         for name in ("microbatch_size", "seq_len", "microbatches"):
@@ -84,6 +93,7 @@ class Workload:
         return (
             f"{self.name} {self.dtype}, TP {self.tp} x CP {self.cp} x PP {self.pp}, "
             f"{self.microbatches} micro-batches x {self.microbatch_size} x {self.seq_len} tokens"
+            + (f", {self.schedule}" if self.pp > 1 else "")
         )
 
 

@@ -8,7 +8,7 @@ from kareus.hardware import Emulator, gpu
 from kareus.hardware.calibrate import attention_partition
 from kareus.partitions import PartitionSet
 from kareus.plan import Plan
-from kareus.planner.compose import Composer, Option, chain, makespan, one_f_one_b
+from kareus.planner.compose import Composer, Option, chain, gpipe, makespan, one_f_one_b, pipeline
 from kareus.planner.knobs import KnobSpace, RecordingEvaluator, ReplayEvaluator, default_clocks
 from kareus.planner.pareto import hypervolume, hypervolume_share, is_monotone, pareto_front
 from kareus.planner.planner import Parallelism, PlannerSettings, plan_iteration
@@ -82,6 +82,58 @@ def test_one_f_one_b_structure():
     assert makespan(it, [1.0] * len(it.instructions)) == 2 * (8 + 4 - 1)
     with pytest.raises(KareusError, match="1F1B needs"):
         one_f_one_b(0, 1)
+
+
+def test_gpipe_structure_and_a_gpipe_plan():
+    it = gpipe(3, 4)
+    for s in range(3):
+        order = [(i.kind, i.microbatch) for i in it.instructions if i.stage == s]
+        assert order == [("forward", m) for m in range(4)] + [("backward", m) for m in range(4)]
+    # Unit durations: 2 * (M + S - 1), as 1F1B (which only saves memory).
+    assert makespan(it, [1.0] * len(it.instructions)) == 2 * (4 + 3 - 1)
+    # The same DAG builder gives 1F1B its edges: equal to the historical construction.
+    ref = one_f_one_b(3, 4)
+    assert makespan(ref, [1.0 + 0.1 * i for i in range(24)]) == pytest.approx(
+        makespan(
+            pipeline(
+                [
+                    [(i.kind, i.microbatch) for i in ref.instructions if i.stage == s]
+                    for s in range(3)
+                ]
+            ),
+            [1.0 + 0.1 * i for i in range(24)],
+        )
+    )
+    pset = megatron_partition_set(
+        hidden=512, ffn=2048, heads=8, seq=512, microbatch=4, layers=2, tp=2
+    )
+    plan = plan_iteration(
+        pset,
+        Emulator(SPEC),
+        gpu=SPEC.name,
+        clocks_mhz=SPEC.clocks_mhz(),
+        static_power_w=SPEC.calibration.static_power_w,
+        parallel=Parallelism(tp=2, pp=2, microbatches=3, schedule="GPipe"),
+        settings=PlannerSettings(sweep_points=3, clocks_mhz=(1410, 1005)),
+    ).plan
+    assert plan.pipeline_schedule == "GPipe"
+    assert [(s.kind, s.microbatch) for s in plan.schedule if s.stage == 1] == [
+        ("forward", 0),
+        ("forward", 1),
+        ("forward", 2),
+        ("backward", 0),
+        ("backward", 1),
+        ("backward", 2),
+    ]
+    with pytest.raises(KareusError, match="unknown pipeline schedule 'zigzag'"):
+        plan_iteration(
+            pset,
+            Emulator(SPEC),
+            gpu=SPEC.name,
+            clocks_mhz=SPEC.clocks_mhz(),
+            static_power_w=0.0,
+            parallel=Parallelism(schedule="zigzag"),
+        )
 
 
 @pytest.mark.parametrize("which", ["attention", "mlp-backward"])

@@ -67,14 +67,12 @@ def chain(microbatches: int = 1) -> Iteration:
 
 
 def one_f_one_b(stages: int, microbatches: int) -> Iteration:
-    """Return synchronous 1F1B: warm-up forwards, steady 1F1B, cool-down backwards."""
-    if stages < 1 or microbatches < 1:
-        raise KareusError(
-            f"1F1B needs stages >= 1 and micro-batches >= 1, got {stages}, {microbatches}"
-        )
-    instrs: list[Instruction] = []
-    index: dict[tuple[int, str, int], int] = {}
-    orders: list[list[int]] = []
+    """Return synchronous 1F1B: warm-up forwards, steady 1F1B, cool-down backwards.
+
+    Each stage's order is that of ``torch.distributed.pipelining.Schedule1F1B``.
+    """
+    _check_sizes("1F1B", stages, microbatches)
+    orders = []
     for s in range(stages):
         warm = min(stages - s - 1, microbatches)
         seq = [("forward", m) for m in range(warm)]
@@ -85,20 +83,54 @@ def one_f_one_b(stages: int, microbatches: int) -> Iteration:
                 f += 1
             seq.append(("backward", b))
             b += 1
-        order = []
-        for kind, m in seq:
-            index[(s, kind, m)] = len(instrs)
-            order.append(len(instrs))
-            instrs.append(Instruction(s, kind, m))
-        orders.append(order)
+        orders.append(seq)
+    return pipeline(orders)
+
+
+def gpipe(stages: int, microbatches: int) -> Iteration:
+    """Return GPipe: every stage runs all forwards, then all backwards (``ScheduleGPipe``)."""
+    _check_sizes("GPipe", stages, microbatches)
+    seq = [("forward", m) for m in range(microbatches)]
+    seq += [("backward", m) for m in range(microbatches)]
+    return pipeline([list(seq) for _ in range(stages)])
+
+
+SCHEDULES = {"1F1B": one_f_one_b, "GPipe": gpipe}
+"""The pipeline schedules the composer builds, by the names plans record."""
+
+
+def pipeline(orders: Sequence[Sequence[tuple[str, int]]]) -> Iteration:
+    """Return the DAG of a pipeline whose stage ``s`` runs ``orders[s]`` in that order.
+
+    Edges: each stage's order; a micro-batch's forward from stage to stage, its backward
+    back; and, on the last stage, a micro-batch's backward after its forward.
+    """
+    instrs: list[Instruction] = []
+    index: dict[tuple[int, str, int], int] = {}
     edges: set[tuple[int, int]] = set()
-    for order in orders:
-        edges.update(itertools.pairwise(order))
-    for s in range(stages - 1):
-        for m in range(microbatches):
-            edges.add((index[(s, "forward", m)], index[(s + 1, "forward", m)]))
-            edges.add((index[(s + 1, "backward", m)], index[(s, "backward", m)]))
+    for s, order in enumerate(orders):
+        ids = []
+        for kind, m in order:
+            index[(s, kind, m)] = len(instrs)
+            ids.append(len(instrs))
+            instrs.append(Instruction(s, kind, m))
+        edges.update(itertools.pairwise(ids))
+    last = len(orders) - 1
+    for (s, kind, m), i in index.items():
+        if kind == "forward" and s < last:
+            edges.add((i, index[(s + 1, "forward", m)]))
+        if kind == "backward" and s < last:
+            edges.add((index[(s + 1, "backward", m)], i))
+        if kind == "backward" and s == last:
+            edges.add((index[(s, "forward", m)], i))
     return Iteration(tuple(instrs), tuple(sorted(edges)))
+
+
+def _check_sizes(name: str, stages: int, microbatches: int) -> None:
+    if stages < 1 or microbatches < 1:
+        raise KareusError(
+            f"{name} needs stages >= 1 and micro-batches >= 1, got {stages}, {microbatches}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

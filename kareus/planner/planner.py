@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from kareus.costs import Evaluator, Knobs, PartitionWork
+from kareus.errors import KareusError
 from kareus.hardware import Emulator, GPUSpec
 from kareus.partitions import Decision, PartitionSet
 from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
-from kareus.planner.compose import Composer, Option, Solution, chain, one_f_one_b
+from kareus.planner.compose import SCHEDULES, Composer, Option, Solution, chain
 from kareus.planner.knobs import CountingEvaluator, KnobSpace, Setting, default_clocks, knobs_of
 from kareus.planner.pareto import pareto_front
 from kareus.planner.search import SearchResult, exhaustive, search
@@ -64,6 +65,7 @@ class Parallelism:
     pp: int = 1
     microbatches: int = 1
     cp: int = 1
+    schedule: str = "1F1B"  # the pipeline schedule: a key of compose.SCHEDULES
 
     @property
     def gpus_per_stage(self) -> int:
@@ -123,7 +125,12 @@ def plan_iteration(
 
     Raises:
         InfeasiblePlanError: the policy's budget or deadline cannot be met.
+        KareusError: an unknown pipeline schedule.
     """
+    if parallel.schedule not in SCHEDULES:
+        raise KareusError(
+            f"unknown pipeline schedule {parallel.schedule!r}: kareus plans {sorted(SCHEDULES)}"
+        )
     stages = list(psets) if isinstance(psets, Sequence) else [psets] * parallel.pp
     if len(stages) != parallel.pp:
         stages = [stages[0]] * parallel.pp
@@ -184,9 +191,9 @@ def plan_iteration(
                     opts.append(Option(f, pname, t, e))
             options[(si, kind)] = opts
     iteration = (
-        one_f_one_b(parallel.pp, parallel.microbatches)
-        if parallel.pp > 1
-        else chain(parallel.microbatches)
+        chain(parallel.microbatches)  # one stage under 1F1B: forward, backward, forward...
+        if parallel.pp == 1 and parallel.schedule == "1F1B"
+        else SCHEDULES[parallel.schedule](parallel.pp, parallel.microbatches)
     )
 
     # 3. Compose every method on the same options.
@@ -256,6 +263,7 @@ def plan_iteration(
     }
     plan = Plan(
         fingerprint=fingerprint,
+        pipeline_schedule=parallel.schedule,
         gpu=gpu,
         source=source,
         policy=policy,
