@@ -263,3 +263,40 @@ def test_tp_pp_dp_on_eight_ranks_with_pipelining():
                 torch.testing.assert_close(gb[name], ga[name], rtol=1e-4, atol=1e-6)
         assert len(applied) == 2 * 8  # two iterations of 4 forwards and 4 backwards
         assert [f for *_x, f in applied] == planned
+
+
+def _wrong_tp_plan(rank):
+    from kareus.errors import PlanMismatchError
+    from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
+    from kareus.runtime.clocks import EmulatedClocks
+
+    plan = Plan(
+        gpu="A100-SXM4-40GB",
+        source="modelled",
+        policy="iso_time",
+        parallel={"tp": 4, "cp": 1, "pp": 1, "microbatches": 1},
+        frontier=(FrontierPoint(1.0, 1.0),),
+        chosen=FrontierPoint(1.0, 1.0),
+        schedule=(
+            ScheduledInstruction(0, "forward", 0, 1410),
+            ScheduledInstruction(0, "backward", 0, 1410),
+        ),
+        decisions={},
+        baselines={},
+    )
+    model = kareus.compile(TPStage(dist.group.WORLD, seed=0), plan=plan, clocks=EmulatedClocks())
+    try:
+        model(torch.randn(4, 16)).sum().backward()
+    except Exception as err:  # Dynamo wraps a backend's error; the message leads with ours
+        inner = getattr(err, "inner_exception", err)
+        assert isinstance(inner, PlanMismatchError), repr(err)
+        assert "PlanMismatchError: the plan was made for TP 4" in str(err)
+        return str(inner)
+    return None
+
+
+def test_a_plan_for_another_tp_size_is_refused_naming_both():
+    for message in run_ranks(_wrong_tp_plan, world=2):
+        assert message is not None, "the TP 4 plan was applied to a TP 2 model"
+        assert "made for TP 4 x CP 1" in message and "sizes 2 (ranks 0,1)" in message
+        assert "--tp 2" in message
