@@ -224,9 +224,15 @@ def _rank_main(
     )
     torch.set_num_threads(1)
     # A rank stuck past the timeout prints where every thread waits, then exits: a hang
-    # becomes a failure that names the rank and the line.
+    # becomes a failure that names each rank and its line. Every rank dumps before any
+    # exits (an exit makes the parent kill the others).
     print(f"[rank {rank}] stack dump follows if it hangs past {timeout_s:g} s", file=sys.stderr)
-    faulthandler.dump_traceback_later(timeout_s, exit=True)
+    faulthandler.dump_traceback_later(timeout_s, exit=False)
+    import threading
+
+    killer = threading.Timer(timeout_s + 10, os._exit, args=(1,))
+    killer.daemon = True
+    killer.start()
     dist.init_process_group(
         "gloo",
         rank=rank,
@@ -234,10 +240,18 @@ def _rank_main(
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     try:
-        result = fn(rank, *args)
+        try:
+            result = fn(rank, *args)
+        except BaseException:
+            import traceback
+
+            # Printed now: if tearing the group down hangs, the error is still seen.
+            print(f"[rank {rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            raise
         torch.save(result, f"{out}.{rank}")
     finally:
         faulthandler.cancel_dump_traceback_later()
+        killer.cancel()
         dist.destroy_process_group()
 
 

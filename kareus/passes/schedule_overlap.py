@@ -113,14 +113,14 @@ def rewrite_schedule(
         if n.users and (n not in placed or _free(n)):
             key[n] = min(key[n], min(key[u] for u in n.users))
     _reorder(graph, nodes, key)
-    regrouped = False
-    if pool is not None:
-        for part in (p for p in pset.partitions if p.instruction == kind and p.collective):
-            share = decision_for(decisions, part.type_key).sm_share
-            issue = by_name[part.collective[0]]  # type: ignore[index]
-            if share is not None:
-                regrouped |= pool.regroup(issue, share)
-    return regrouped
+    if pool is None:
+        return False
+    requests = []
+    for part in (p for p in pset.partitions if p.instruction == kind and p.collective):
+        share = decision_for(decisions, part.type_key).sm_share
+        if share is not None:
+            requests.append((by_name[part.collective[0]], share))  # type: ignore[index]
+    return pool.regroup(requests)
 
 
 def _free(node: fx.Node) -> bool:

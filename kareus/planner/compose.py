@@ -296,20 +296,49 @@ class Composer:
         time_s, energy_j = self.evaluate(choices)
         return Solution(choices, time_s, energy_j, "GREEDY")
 
+    def uniform_plans(self) -> list[Solution]:
+        """Every plan that runs all instructions at one clock with one profile name.
+
+        The simple plans a user could pick by hand (one locked clock for the job, one
+        overlap setting); the frontier is built never to lose to any of them.
+        """
+        groups = sorted({i.group for i in self.it.instructions})
+        by_key = {g: {(o.freq_mhz, o.profile): o for o in self.options[g]} for g in groups}
+        common = set.intersection(*(set(k) for k in by_key.values()))
+        out = []
+        for key in sorted(common):
+            choices = tuple(by_key[i.group][key] for i in self.it.instructions)
+            time_s, energy_j = self.evaluate(choices)
+            out.append(Solution(choices, time_s, energy_j, "UNIFORM"))
+        return out
+
     def frontier(self, points: int = 8) -> list[Solution]:
-        """Sweep the time bound from the fastest plan to the least-energy plan."""
+        """Sweep the time bound from the fastest plan to the least-energy plan.
+
+        Each solve is warm-started from the best plan known to meet its bound (the previous
+        point, or a uniform-clock plan), and the uniform-clock plans join the candidates: a
+        solve stopped by its work limit can return no worse than they are, so no point of
+        the frontier is ever above a uniform-clock plan.
+        """
         from kareus.planner.pareto import pareto_front
 
-        fastest = self.solve(minimise="time", hint=self.fastest_choice())
-        frugal = self.solve(hint=fastest)
-        sols = [fastest, frugal]
+        uniform = self.uniform_plans()
+
+        def best_within(bound: float | None, known: Sequence[Solution]) -> Solution | None:
+            fits = [s for s in known if bound is None or s.time_s <= bound + 1e-9]
+            return min(fits, key=lambda s: (s.energy_j, s.time_s), default=None)
+
+        greedy = self.fastest_choice()
+        start = min([greedy, *uniform], key=lambda s: (s.time_s, s.energy_j))
+        fastest = self.solve(minimise="time", hint=start)
+        known = [fastest, *uniform]
+        frugal = self.solve(hint=best_within(None, known))
+        known.append(frugal)
         lo, hi = fastest.time_s, frugal.time_s
-        previous = fastest
-        for k in range(1, points - 1):  # from fast to slow: each hint meets the next bound
-            bound = lo + (hi - lo) * k / (points - 1)
-            previous = self.solve(bound_s=bound + 1e-6, hint=previous)
-            sols.append(previous)
-        return pareto_front(sols, key=lambda s: (s.time_s, s.energy_j))
+        for k in range(1, points - 1):  # from fast to slow
+            bound = lo + (hi - lo) * k / (points - 1) + 1e-6
+            known.append(self.solve(bound_s=bound, hint=best_within(bound, known)))
+        return pareto_front(known, key=lambda s: (s.time_s, s.energy_j))
 
     def brute_force(self, bound_s: float | None = None) -> tuple[float, float] | None:
         """Least (energy, time) under ``bound_s`` by enumeration (small instances only)."""

@@ -57,6 +57,10 @@ class PlannerSettings:
     solver_workers: int = 1
 
 
+_SOLVED = ("OPTIMAL", "FEASIBLE", "HINT")
+"""Statuses of frontier points that came out of a CP-SAT solve (not a uniform-clock plan)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Parallelism:
     """How the job is parallelised: tensor, context, pipeline stages, micro-batches."""
@@ -286,9 +290,11 @@ def plan_iteration(
             "search": searched,
             "total": ev.evaluations,
             "grid": grid,
-            "solves": sum(len(s) for s in frontiers.values()),
+            "solves": sum(s.status in _SOLVED for sols in frontiers.values() for s in sols),
             "solves_not_proven_optimal": sum(
-                s.status != "OPTIMAL" for sols in frontiers.values() for s in sols
+                s.status in _SOLVED and s.status != "OPTIMAL"
+                for sols in frontiers.values()
+                for s in sols
             ),
         },
         skip_reasons=tuple(skip_reasons),

@@ -112,22 +112,51 @@ class CommunicatorPool:
         if note not in self.notes:
             self.notes.append(note)
 
-    def regroup(self, issue: Any, sm_share: int) -> bool:
-        """Point the collective ``issue`` node at the group for ``sm_share``.
+    def regroup(self, requests: list[tuple[Any, int]]) -> bool:
+        """Point each collective ``issue`` node of ``requests`` at its share's group.
+
+        The groups missing from the pool are created first, in one order shared by every
+        rank of the job (by ranks, then share), whatever order the graph lists them in:
+        creating a group waits for its members, so two ranks creating two groups in
+        opposite orders would wait for each other forever.
 
         Returns:
-            Whether the node's group changed.
+            Whether any node's group changed.
         """
-        args = list(issue.args)
-        for i in range(len(args) - 1, -1, -1):
-            if isinstance(args[i], str) and args[i] not in _REDUCE_OPS:
-                new = self.group_name(args[i], sm_share)
-                if new == args[i]:
-                    return False
+        wanted = []
+        for issue, share in requests:
+            i = _group_arg(issue)
+            if i is not None:
+                wanted.append((issue, i, share))
+        ranks = {
+            name: tuple(
+                dist.get_process_group_ranks(
+                    dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
+                )
+            )
+            for name in {issue.args[i] for issue, i, _s in wanted}
+        }
+        for _ranks, share, name in sorted(
+            {(ranks[issue.args[i]], s, issue.args[i]) for issue, i, s in wanted}
+        ):
+            self.group_name(name, share)
+        changed = False
+        for issue, i, share in wanted:
+            args = list(issue.args)
+            new = self.group_name(args[i], share)
+            if new != args[i]:
                 args[i] = new
                 issue.args = tuple(args)
-                return True
-        return False
+                changed = True
+        return changed
+
+
+def _group_arg(issue: Any) -> int | None:
+    """Return the position of a collective node's group-name argument (the last string)."""
+    for i in range(len(issue.args) - 1, -1, -1):
+        if isinstance(issue.args[i], str) and issue.args[i] not in _REDUCE_OPS:
+            return i
+    return None
 
 
 _JOB_POOL: tuple[Any, CommunicatorPool] | None = None
