@@ -40,21 +40,25 @@ def test_train_hf_model(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_tensor_parallel_example_under_torchrun(tmp_path):
-    out = _run(
+    out = _torchrun(2, "examples/train_tp.py", "--steps", "2", tmp_path=tmp_path)
+    assert len(_losses(out)) == 2
+    assert "all_reduce" in out and "(modelled)" in out
+
+
+def _torchrun(nproc, script, *args, tmp_path):
+    """Run ``script`` as ``torchrun --nproc-per-node nproc`` does, on a free port."""
+    return _run(
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc-per-node",
-        "2",
+        str(nproc),
         "--master-port",
         str(_port()),
-        ROOT / "examples/train_tp.py",
-        "--steps",
-        "2",
+        ROOT / script,
+        *args,
         tmp_path=tmp_path,
     )
-    assert len(_losses(out)) == 2
-    assert "all_reduce" in out and "(modelled)" in out
 
 
 def _port():
@@ -68,21 +72,8 @@ def _port():
 def test_pipeline_example_applies_each_instructions_planned_clock(tmp_path):
     import json
 
-    out = _run(
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(_port()),
-        ROOT / "examples/train_pipeline.py",
-        "--steps",
-        "2",
-        "--tp",
-        "1",  # TP x PP x DP runs in tests/test_topologies.py; here the example's own path
-        tmp_path=tmp_path,
-    )
+    # TP x PP x DP runs in tests/test_topologies.py; here the example's own path, TP 1.
+    out = _torchrun(2, "examples/train_pipeline.py", "--steps", "2", "--tp", "1", tmp_path=tmp_path)
     assert len(_losses(out)) == 2  # the last stage, two steps
     plan = json.loads((tmp_path / "kareus-pipeline/plan.json").read_text())
     for stage in (0, 1):
