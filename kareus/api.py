@@ -26,7 +26,7 @@ from kareus.errors import PassError, PlanMismatchError
 from kareus.partitions import Decision
 from kareus.passes.base import PassContext, run_passes
 from kareus.passes.census import Key, as_side, census, describe, lost
-from kareus.plan import Plan
+from kareus.plan import PIPELINE_SCHEDULES, Plan
 from kareus.region import GraphRecord, Region
 from kareus.runtime.clocks import ClockController, default_controller
 from kareus.runtime.comm_pool import CommunicatorPool, job_pool
@@ -326,14 +326,9 @@ class _Decisions(dict):  # type: ignore[type-arg]
 
 
 SCHEDULES = {
-    "1f1b": "1F1B",
-    "schedule1f1b": "1F1B",
-    "gpipe": "GPipe",
-    "schedulegpipe": "GPipe",
-    "interleaved1f1b": "Interleaved1F1B",
-    "scheduleinterleaved1f1b": "Interleaved1F1B",
+    alias + name.lower(): name for name in PIPELINE_SCHEDULES for alias in ("", "schedule")
 }
-"""Pipeline schedules by the names users give them (torch.distributed.pipelining's too)."""
+"""Pipeline schedules by the names users give them (``"gpipe"``, ``"Schedule1F1B"``...)."""
 
 
 def _check_schedule(plan: Plan, schedule: str | None) -> None:
@@ -343,7 +338,7 @@ def _check_schedule(plan: Plan, schedule: str | None) -> None:
     name = SCHEDULES.get(schedule.replace("_", "").replace("-", "").lower())
     if name is None:
         raise PlanMismatchError(
-            f"unknown pipeline schedule {schedule!r}: use one of {sorted(set(SCHEDULES.values()))}"
+            f"unknown pipeline schedule {schedule!r}: use one of {list(PIPELINE_SCHEDULES)}"
         )
     planned = plan.pipeline_schedule
     if name != planned:

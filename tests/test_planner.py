@@ -11,7 +11,7 @@ from kareus.plan import Plan
 from kareus.planner.compose import Composer, Option, chain, gpipe, makespan, one_f_one_b, pipeline
 from kareus.planner.knobs import KnobSpace, RecordingEvaluator, ReplayEvaluator, default_clocks
 from kareus.planner.pareto import hypervolume, hypervolume_share, is_monotone, pareto_front
-from kareus.planner.planner import Parallelism, PlannerSettings, plan_iteration
+from kareus.planner.planner import Parallelism, PlannerSettings, plan_for_gpu, plan_iteration
 from kareus.planner.search import exhaustive, search
 from kareus.planner.select import InfeasiblePlanError, select
 from kareus.testing import megatron_partition_set
@@ -143,12 +143,9 @@ def test_gpipe_structure_and_a_gpipe_plan():
     pset = megatron_partition_set(
         hidden=512, ffn=2048, heads=8, seq=512, microbatch=4, layers=2, tp=2
     )
-    plan = plan_iteration(
+    plan = plan_for_gpu(
         pset,
-        Emulator(SPEC),
-        gpu=SPEC.name,
-        clocks_mhz=SPEC.clocks_mhz(),
-        static_power_w=SPEC.calibration.static_power_w,
+        SPEC,
         parallel=Parallelism(tp=2, pp=2, microbatches=3, schedule="GPipe"),
         settings=PlannerSettings(sweep_points=3, clocks_mhz=(1410, 1005)),
     ).plan
@@ -162,12 +159,9 @@ def test_gpipe_structure_and_a_gpipe_plan():
         ("backward", 2),
     ]
     with pytest.raises(KareusError, match="unknown pipeline schedule 'zigzag'"):
-        plan_iteration(
+        plan_for_gpu(
             pset,
-            Emulator(SPEC),
-            gpu=SPEC.name,
-            clocks_mhz=SPEC.clocks_mhz(),
-            static_power_w=0.0,
+            SPEC,
             parallel=Parallelism(schedule="zigzag"),
         )
 
@@ -201,12 +195,9 @@ def small_plan():
     pset = megatron_partition_set(
         hidden=1024, ffn=4096, heads=16, seq=1024, microbatch=4, layers=2, tp=2
     )
-    return plan_iteration(
+    return plan_for_gpu(
         pset,
-        Emulator(SPEC),
-        gpu=SPEC.name,
-        clocks_mhz=SPEC.clocks_mhz(),
-        static_power_w=SPEC.calibration.static_power_w,
+        SPEC,
         parallel=Parallelism(tp=2, pp=2, microbatches=2),
         settings=PlannerSettings(sweep_points=5, clocks_mhz=(1410, 1200, 1005, 810)),
     )
@@ -389,12 +380,9 @@ def test_plans_are_the_same_on_a_quiet_and_a_busy_machine():
     )
 
     def plan():
-        return plan_iteration(
+        return plan_for_gpu(
             pset,
-            Emulator(SPEC),
-            gpu=SPEC.name,
-            clocks_mhz=SPEC.clocks_mhz(),
-            static_power_w=SPEC.calibration.static_power_w,
+            SPEC,
             parallel=Parallelism(tp=2, pp=4, microbatches=8),
             settings=PlannerSettings(
                 sweep_points=4, clocks_mhz=(1410, 1200, 1005, 810), solver_time_limit_s=0.02

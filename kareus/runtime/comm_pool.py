@@ -43,7 +43,7 @@ class CommunicatorPool:
         ask, in the same order: they compile the same graphs). Returns ``base_name`` when no
         share group can be made safely (the reason is in :attr:`notes`).
         """
-        base = dist.distributed_c10d._resolve_process_group(base_name)  # type: ignore[arg-type]
+        base = _resolve(base_name)
         ranks = tuple(dist.get_process_group_ranks(base))
         key = (ranks, sm_share)
         if key not in self._groups:
@@ -128,16 +128,10 @@ class CommunicatorPool:
             i = _group_arg(issue)
             if i is not None:
                 wanted.append((issue, i, share))
-        ranks = {
-            name: tuple(
-                dist.get_process_group_ranks(
-                    dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
-                )
-            )
-            for name in {issue.args[i] for issue, i, _s in wanted}
-        }
+        needed = {(issue.args[i], share) for issue, i, share in wanted}
         for _ranks, share, name in sorted(
-            {(ranks[issue.args[i]], s, issue.args[i]) for issue, i, s in wanted}
+            (tuple(dist.get_process_group_ranks(_resolve(name))), share, name)
+            for name, share in needed
         ):
             self.group_name(name, share)
         changed = False
@@ -149,6 +143,10 @@ class CommunicatorPool:
                 issue.args = tuple(args)
                 changed = True
         return changed
+
+
+def _resolve(name: str) -> Any:
+    return dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
 
 
 def _group_arg(issue: Any) -> int | None:

@@ -29,6 +29,7 @@ controller or journal never stops training: it is reported once and left alone.
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import functools
 import itertools
@@ -44,6 +45,10 @@ import torch
 
 from kareus.runtime import journal as _journal
 from kareus.runtime.clocks import ClockController, ClockError, ClockPermissionError
+
+_KEEP = 4096
+"""Applied instructions and switches kept for ``explain`` (older ones are dropped: a long
+run must not grow the runtime)."""
 
 _RUNTIMES: dict[int, ClockRuntime] = {}
 _BY_DEVICE: dict[object, ClockRuntime] = {}
@@ -156,11 +161,14 @@ class ClockRuntime:
         self.on_iteration = on_iteration
         self.notes: list[str] = []
         self.iterations: list[IterationEnergy] = []
-        self.switches: list[float] = []
+        self.switches: list[float] = []  # the last _KEEP clocks set
+        self.switch_count = 0
         self.failed_switches = 0
         self.enabled = True
-        self.applied: list[tuple[int, int, str, int, float]] = []
-        """(iteration, stage, kind, micro-batch, MHz) of every instruction started."""
+        self.applied: collections.deque[tuple[int, int, str, int, float]] = collections.deque(
+            maxlen=_KEEP
+        )
+        """(iteration, stage, kind, micro-batch, MHz) of the last instructions started."""
         self._calls: dict[tuple[int, str, int], int] = {}  # passes per (stage, kind, region)
         self._iteration = -1
         self._order: dict[int, list[tuple[str, int]]] = {}  # iteration 0's order, per stage
@@ -185,7 +193,6 @@ class ClockRuntime:
                     "clocks=kareus.runtime.clocks.DryRunClocks() in all but one"
                 )
         self._monitor = _ZeusWindow(controller.index) if measure else None
-        self.gpu_index = controller.index
         _watch_shape_runs()
         self.id = next(_IDS)
         _RUNTIMES[self.id] = self
@@ -293,7 +300,10 @@ class ClockRuntime:
             if not self.enabled or freq == self._current:
                 return
             self._current = freq
+            self.switch_count += 1
             self.switches.append(freq)
+            if len(self.switches) > 2 * _KEEP:
+                del self.switches[:-_KEEP]
         self._apply(freq)
 
     def _check_order(self) -> None:
@@ -391,7 +401,7 @@ class ClockRuntime:
             )
             lines.append(f"stage {stage} per iteration (MHz): {sched}")
         lines += [
-            f"switches applied: {len(self.switches)}; clocks "
+            f"switches applied: {self.switch_count}; clocks "
             + ("applied" if self.enabled else "NOT applied")
             + (f"; {self.failed_switches} switch(es) failed" if self.failed_switches else ""),
         ]
