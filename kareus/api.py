@@ -9,6 +9,7 @@ handed to TorchInductor when ``Config.codegen == "inductor"``).
 from __future__ import annotations
 
 import functools
+import logging
 import pathlib
 import warnings
 from collections import Counter
@@ -32,6 +33,7 @@ from kareus.runtime.clocks import ClockController, default_controller
 from kareus.runtime.comm_pool import CommunicatorPool, job_pool
 from kareus.runtime.switcher import ClockRuntime, IterationEnergy, Step
 
+_log = logging.getLogger(__name__)
 T = TypeVar("T")
 _ORIG = "_orig_mod."
 
@@ -140,6 +142,19 @@ class KareusBackend:
             region.findings["communicator_pool"] = self._pool
         captured = gm
         gm = self._run_graph_passes(region, "dynamo", gm, example_inputs)
+        lower = functools.partial(self._lower_or_captured, region, gm, captured)
+        if len(_symbols(example_inputs)) > 1:
+            return lower(example_inputs)  # sizes besides the batch vary: lower symbolically
+        return _Specialised(lower, region)
+
+    def _lower_or_captured(
+        self,
+        region: Region,
+        gm: fx.GraphModule,
+        captured: fx.GraphModule,
+        example_inputs: Sequence[Any],
+    ) -> Callable[..., Any]:
+        """Lower the rewritten Dynamo graph; if that loses collectives, the captured one."""
         try:
             return self._lower(region, gm, example_inputs)
         except LostCollectivesError as err:
@@ -175,7 +190,8 @@ class KareusBackend:
             if kind == "inference":
                 _check_lowered(g, expected, "inference")
             compiled[kind] = (g, inputs, self._run_graph_passes(region, kind, g, inputs))
-            if kind == "backward" and self._plan_for and "forward" in compiled:
+            planned = region.findings.get("planned")
+            if kind == "backward" and self._plan_for and "forward" in compiled and not planned:
                 self._plan_region(region, compiled)
 
             def run(*args: Any) -> Any:  # looks the graph up: planning may replace it
@@ -290,9 +306,7 @@ class KareusBackend:
         self, region: Region, kind: str, gm: fx.GraphModule, example_inputs: Sequence[Any]
     ) -> fx.GraphModule:
         """Run the pipeline on one graph; on failure keep the captured graph unless strict."""
-        from kareus.passes.base import graph_code
-
-        record = GraphRecord(kind, graph_code(gm), num_inputs=len(example_inputs))
+        record = GraphRecord(kind, gm.code, num_inputs=len(example_inputs))
         region.graphs[kind] = record
         ctx = PassContext(self.config, kind, region.findings, example_inputs)
         # The passes rewrite a copy of the graph so that a failure leaves the captured one.
@@ -312,8 +326,70 @@ class KareusBackend:
                 _undo_split(region, err.detail)
             return gm
         region.history.extend(records)
-        record.final_code = graph_code(out)
+        record.final_code = out.code  # generated when the last pass that changed it ran
         return out
+
+
+SPECIALISATIONS_WARNED = 8
+"""Batch sizes a region is lowered for before kareus says that each new one costs a compile."""
+
+
+def _symbols(values: Sequence[Any]) -> set[Any]:
+    """Return the free symbols of the sizes of ``values`` (tensors and SymInts)."""
+    found: set[Any] = set()
+    for v in values:
+        sizes = tuple(v.shape) if isinstance(v, torch.Tensor) else (v,)
+        for size in sizes:
+            if isinstance(size, torch.SymInt):
+                found |= size.node.expr.free_symbols
+    return found
+
+
+class _Specialised:
+    """A region's compiled function, lowered through AOTAutograd once per batch size.
+
+    Dynamo hands kareus the graph with a symbolic batch, which the nanobatch split needs to
+    find the batch dimension. Tracing forward and backward with symbolic sizes costs about
+    2.5 times the static trace, so when the batch is the graph's only symbolic size, each
+    batch size (the one the training loop uses, a smaller last batch) is lowered with
+    concrete sizes on its first call, as Dynamo would recompile a static graph.
+    """
+
+    def __init__(self, lower: Callable[[Sequence[Any]], Callable[..., Any]], region: Region):
+        self._lower = lower
+        self._region = region
+        self._compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        key = tuple(
+            (tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
+            for a in args
+            if isinstance(a, (torch.Tensor, int))
+        )
+        fn = self._compiled.get(key)
+        if fn is None:
+            fn = self._compiled[key] = self._compile(args)
+        return fn(*args)
+
+    def _compile(self, args: Sequence[Any]) -> Callable[..., Any]:
+        done = len(self._compiled)
+        if done:
+            shape = next((tuple(a.shape) for a in args if isinstance(a, torch.Tensor)), ())
+            note = f"lowered again for new input shapes (first input {shape}; {done + 1} so far)"
+            if done + 1 == SPECIALISATIONS_WARNED:
+                note += (
+                    ": each new batch size costs a compile; give the loader a fixed batch "
+                    "size (drop_last=True) to avoid them"
+                )
+                _warn(self._region, note)
+            else:
+                self._region.notes.append(note)
+        _log.info("region %d: lowering for input shapes %s", self._region.index, _shapes(args))
+        return self._lower(list(args))
+
+
+def _shapes(args: Sequence[Any]) -> list[tuple[int, ...]]:
+    return [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
 
 
 class _Decisions(dict):  # type: ignore[type-arg]
@@ -395,7 +471,14 @@ def _checked_partition(
     from torch._functorch.partitioners import default_partition
 
     _check_lowered(joint, expected, "joint", joint=True)
-    return default_partition(joint, joint_inputs, **kwargs)
+    forward, backward = default_partition(joint, joint_inputs, **kwargs)
+    # The partitioner copies into the backward every forward node it can recompute from the
+    # saved values and then removes only dead collectives: the output projection and FC2
+    # of a tensor-parallel layer (with static shapes, attention too) would run again,
+    # unused, in every backward. Random ops count as pure here: eager never ran these.
+    if backward.graph.eliminate_dead_code(lambda n: n.is_impure(impure_random=False)):
+        backward.recompile()
+    return forward, backward
 
 
 def _this_gpu() -> str | None:

@@ -92,7 +92,7 @@ def test_a_pass_rewrites_and_is_recorded(pipeline):
     report = kareus.explain(compiled)
     (rec,) = [r for r in report.regions[0].history if r.graph == "forward"]
     assert rec.name == "relu_to_gelu" and rec.status == "ran" and rec.modified
-    assert rec.nodes_before == rec.nodes_after and "aten.gelu" in rec.code_after
+    assert rec.nodes_before == rec.nodes_after
     torch.testing.FileCheck().check("aten.gelu").check_not("aten.relu").run(report.graph("forward"))
     assert "aten.relu" in report.graph("forward", captured=True)
     assert "relu_to_gelu" in str(report)

@@ -36,6 +36,26 @@ def test_tiny_llama_split_matches_eager_at_batches_4_5_6_8():
     assert len(report.regions) == 1, "recompiled after the first symbolic compile"
     assert blocks_of(holder["c"]).split == ["layers.0", "layers.1"]
     assert "layers_0_batch" in report.graph("dynamo") and "cat" in report.graph("dynamo")
+    # One Dynamo graph (symbolic batch), lowered with static sizes once per batch size.
+    notes = report.regions[0].notes
+    assert sum("lowered again for new input shapes" in n for n in notes) == 3, notes
+
+
+def test_a_graph_symbolic_in_more_than_the_batch_is_lowered_once_for_all_shapes():
+    holder = {}
+
+    def compile_and_keep(m):
+        holder["c"] = kareus.compile(m, strict=True, dynamic=True)
+        return holder["c"]
+
+    batches = [b for seq in (16, 24, 12) for b in token_batches(1, 4, seq, 128, seed=seq)]
+    ref, got = compare_training(
+        lambda: Llama(PRESETS["tiny"]), compile_and_keep, batches, resync=True
+    )
+    assert_same_history(ref, got)
+    report = kareus.explain(holder["c"])
+    assert any(blocks_of(holder["c"], i).split for i in range(len(report.regions)))
+    assert not any("lowered again" in n for r in report.regions for n in r.notes)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
