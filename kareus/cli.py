@@ -12,6 +12,7 @@ the model, unreadable files); 3 no plan meets the selection policy; 1 any other 
 from __future__ import annotations
 
 import argparse
+import logging
 import pathlib
 import sys
 from collections.abc import Sequence
@@ -32,23 +33,70 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def _layers_traced(text: str) -> int:
+    from kareus.trace import TEMPLATE_POSITION
+
+    least = TEMPLATE_POSITION + 2
+    value = int(text) if text.strip().isdigit() else -1
+    if value < least:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: trace at least {least} layers per stage (the layer the others are "
+            "counted from needs an ordinary layer on each side)"
+        )
+    return value
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("kareus")
+    except metadata.PackageNotFoundError:  # run from a source tree, not installed
+        from kareus import __version__
+
+        return __version__
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Help that shows each option's default, where it has one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if default in (None, False, argparse.SUPPRESS) or "%(default)" in text:
+            return text
+        if action.option_strings and action.nargs != 0:
+            return f"{text} (default: %(default)s)"
+        return text
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kareus",
         description="Plan GPU clocks and communication overlap together for training.",
         epilog="exit status: 0 done, 1 failed, 2 bad input, 3 no plan meets the policy",
+        formatter_class=_Formatter,
+    )
+    parser.add_argument("--version", action="version", version=f"kareus {_version()}")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="log diagnostics to stderr (-v: what kareus does, -vv: debug detail)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser(
         "plan",
+        formatter_class=_Formatter,
         help="trace a model configuration, plan it, print the frontiers, write plan and report",
         description="Trace a preset at scale on fake tensors, search clocks x SM shares x "
         "launch points per partition type, compose the iteration with CP-SAT, and compare "
         "kareus with Megatron-LM, Perseus and nanobatching + Perseus on the same evaluator.",
     )
     p.add_argument("--model", required=True, help="a preset (see `kareus list`)")
-    p.add_argument("--gpu", default="a100-40gb", help="GPU type (default a100-40gb)")
+    p.add_argument("--gpu", default="a100-40gb", help="GPU type (see `kareus list`)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
@@ -59,9 +107,11 @@ def _parser() -> argparse.ArgumentParser:
         "--schedule",
         choices=("1F1B", "GPipe"),
         default="1F1B",
-        help="pipeline schedule, as torch.distributed.pipelining runs it (default 1F1B)",
+        help="pipeline schedule, as torch.distributed.pipelining runs it",
     )
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument(
+        "--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="training dtype"
+    )
     from kareus.planner.select import POLICIES
 
     p.add_argument("--select", default="iso_time", choices=POLICIES, help="selection policy")
@@ -69,7 +119,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, help="s per iteration (--select deadline_s)")
     p.add_argument("--clocks", type=_ints, help="SM clocks to consider, MHz, comma-separated")
     p.add_argument("--sm-shares", type=_ints, help="SM shares of the collective, comma-separated")
-    p.add_argument("--evaluator", default="emulator", choices=("emulator", "replay"))
+    p.add_argument(
+        "--evaluator",
+        default="emulator",
+        choices=("emulator", "replay"),
+        help="where times and energies come from: the hardware model (modelled) or a "
+        "recorded file (--replay)",
+    )
     p.add_argument("--replay", type=pathlib.Path, help="recorded evaluations (--evaluator replay)")
     p.add_argument("--record", type=pathlib.Path, help="append every evaluation to this file")
     p.add_argument("--exhaustive", action="store_true", help="evaluate the whole knob grid")
@@ -78,17 +134,28 @@ def _parser() -> argparse.ArgumentParser:
         type=pathlib.Path,
         help="partitions.json of an earlier run of this workload: plan again without tracing",
     )
-    p.add_argument("--layers-traced", type=int, default=4, help="layers traced per stage (>= 4)")
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("kareus-out"))
+    p.add_argument(
+        "--layers-traced",
+        type=_layers_traced,
+        default=4,
+        help="layers traced per pipeline stage (at least 4); the others are counted",
+    )
+    p.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("kareus-out"),
+        help="directory for plan.json, report.md, frontier.png and partitions.json",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress display")
 
-    e = sub.add_parser("explain", help="print a saved plan")
-    e.add_argument("plan", type=pathlib.Path)
+    e = sub.add_parser("explain", help="print a saved plan", formatter_class=_Formatter)
+    e.add_argument("plan", type=pathlib.Path, help="a plan.json written by `kareus plan`")
 
     sub.add_parser("list", help="list the model presets and GPU types")
 
     r = sub.add_parser(
         "restore-clocks",
+        formatter_class=_Formatter,
         help="restore GPU clocks that a crashed run left locked",
         description="Read a clock journal (the journal= of kareus.compile) and restore every "
         "GPU clock whose locking process no longer runs; report locks held on other hosts.",
@@ -97,7 +164,7 @@ def _parser() -> argparse.ArgumentParser:
         "--journal",
         type=pathlib.Path,
         default=pathlib.Path("kareus-clocks.jsonl"),
-        help="the clock journal (default: %(default)s)",
+        help="the clock journal",
     )
     return parser
 
@@ -105,6 +172,23 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     args = _parser().parse_args(argv)
+    if not args.verbose:
+        return _run(args)
+    # The command's own handler on kareus's logger, for this command only.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("kareus: %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("kareus")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if args.verbose > 1 else logging.INFO)
+    try:
+        return _run(args)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _run(args: argparse.Namespace) -> int:
     from kareus.errors import KareusError
     from kareus.planner.select import InfeasiblePlanError
 
@@ -212,8 +296,6 @@ def _plan(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         schedule=args.schedule,
     )
-    if args.layers_traced < 1:
-        raise ValueError(f"--layers-traced must be at least 1, got {args.layers_traced}")
     for option, value, unit in (
         ("--energy-budget", args.energy_budget, "joules per iteration"),
         ("--deadline", args.deadline, "seconds per iteration"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import pathlib
 import resource
 import time
@@ -26,6 +27,8 @@ from kareus.planner import Parallelism, PlannerSettings, plan_for_gpu
 from kareus.planner.pareto import iso_energy_time_reduction, iso_time_energy_reduction
 from kareus.planner.planner import PlanningResult
 from kareus.trace import Workload, trace
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -170,9 +173,16 @@ def plan_workload(
     notes: list[str] = []
     if partitions is not None:
         stages = load_stages(work, partitions)
+        _log.info("read %d pipeline stages' partitions from %s", len(stages), partitions)
     else:
         stages, notes = trace(work, layers=layers, progress=progress)
     traced = time.perf_counter()
+    _log.info(
+        "%d partitions over %d stages; planning on %s",
+        sum(len(s.partitions) for s in stages),
+        len(stages),
+        spec.name,
+    )
     if on_traced is not None:
         on_traced(stages)
     result = plan_for_gpu(
@@ -195,6 +205,14 @@ def plan_workload(
         workload=workload_record(work),
     )
     done = time.perf_counter()
+    _log.info(
+        "planned in %.1f s: %d frontier points, chosen %.4f s, %.1f J (%s)",
+        done - traced,
+        len(result.plan.frontier),
+        result.plan.chosen.time_s,
+        result.plan.chosen.energy_j,
+        result.plan.source,
+    )
     return WorkloadPlan(
         work,
         spec,
@@ -294,7 +312,7 @@ def report_markdown(planned: WorkloadPlan, plot_name: str = "frontier.png") -> s
         "",
         f"Every time and energy below is **{src}** "
         + (
-            f"(the hardware model of {plan.gpu}: {planned.spec.calibration_source})."
+            f"(the hardware model of {plan.gpu}; see *Hardware model* at the end)."
             if src == "modelled"
             else "(measured on the GPU)."
         )
@@ -347,7 +365,12 @@ def report_markdown(planned: WorkloadPlan, plot_name: str = "frontier.png") -> s
     methods: dict[str, Sequence[FrontierPoint]] = {"kareus": plan.frontier, **plan.baselines}
     for name, pts in methods.items():
         rows = [
-            (i, f"{p.time_s:.4f}", f"{p.energy_j:.1f}", "chosen" if p == chosen else "")
+            (
+                i,
+                f"{p.time_s:.4f}",
+                f"{p.energy_j:.1f}",
+                "chosen" if name == "kareus" and p == chosen else "",
+            )
             for i, p in enumerate(pts)
         ]
         lines += [f"### {name} ({src})", "", _md_table(("#", "time s", "energy J", ""), rows), ""]
@@ -378,14 +401,23 @@ def report_markdown(planned: WorkloadPlan, plot_name: str = "frontier.png") -> s
             if c.stage == s
         )
         lines.append(f"- stage {s}: {steps}")
-    lines += ["", "## Partition types", ""]
+    lines += [
+        "",
+        "## Partition types",
+        "",
+        "A partition is the compute of one nanobatch overlapped with the collective of the "
+        "other. *per micro-batch* counts a type's partitions in one forward or backward of "
+        "one micro-batch: each layer is split into two nanobatches, and a layer with two "
+        "collectives per direction (attention, MLP) gives two partitions per nanobatch.",
+        "",
+    ]
     for i, pset in planned.distinct_stages():
         per = work.config.num_layers // work.pp
         lines += [
             f"### stage {i} ({per} layers; traced on fake tensors, repeated layers counted)",
             "",
             _md_table(
-                ("type", "count", "compute ‖ collective", "launch slots"),
+                ("type", "per micro-batch", "compute ‖ collective", "launch slots"),
                 [
                     (
                         key,
@@ -410,5 +442,7 @@ def report_markdown(planned: WorkloadPlan, plot_name: str = "frontier.png") -> s
         "",
         'Apply the plan: `model = kareus.compile(model, plan="plan.json", stage=STAGE)`.',
     ]
+    if src == "modelled":
+        lines += ["", "## Hardware model", "", f"{plan.gpu}: {planned.spec.calibration_source}"]
     lines += [f"- note: {r}" for r in plan.skip_reasons]
     return "\n".join(lines) + "\n"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -183,6 +184,8 @@ def trace_stage(
     return psets[0], notes
 
 
+_log = logging.getLogger(__name__)
+
 TEMPLATE_POSITION = 2
 """Which block, in execution order, stands for the repeated ones: the third. The first
 block overlaps nothing before it, and a block's first partition takes in the tail of the
@@ -248,7 +251,11 @@ def trace(
     with fake_world(work.tp, work.cp) as groups:
         for kind in stage_kinds(work.pp):
             note(f"tracing stage {kind} ({traced} of {per_stage} layers, fake tensors)")
+            _log.info("tracing stage kind %d: %d of %d layers", kind, traced, per_stage)
             pset, found = trace_stage(work, kind, layers=traced, groups=groups)
+            _log.info(
+                "stage kind %d: %d partitions, %d notes", kind, len(pset.partitions), len(found)
+            )
             extrapolate(pset, traced, per_stage)
             by_kind[kind] = pset
             notes.extend(found)

@@ -37,6 +37,8 @@ def test_plan_writes_plan_report_plot_and_partitions(planned, capsys):
     for heading in ("## Methods side by side", "## Frontiers", "## Overlap decisions"):
         assert heading in report
     assert "modelled" in report and "frontier.png" in report
+    assert report.count("| chosen |") == 1  # in kareus's frontier only
+    assert "| per micro-batch |" in report and "## Hardware model" in report
     assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     sets = json.loads((out / "partitions.json").read_text())["sets"]
     kinds = {t["collective"]["kind"] for s in sets for t in s["types"].values() if t["collective"]}
@@ -52,7 +54,7 @@ def test_plan_writes_plan_report_plot_and_partitions(planned, capsys):
 def test_explain_prints_a_saved_plan_through_the_entry_point(planned):
     _rc, out = planned
     shown = subprocess.run(
-        [sys.executable, "-m", "kareus.cli", "explain", str(out / "plan.json")],
+        [sys.executable, "-m", "kareus", "explain", str(out / "plan.json")],
         capture_output=True,
         text=True,
         check=True,
@@ -103,19 +105,44 @@ def test_bad_input_gets_its_error_and_exit_status(args, rc, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_malformed_lists_are_rejected_by_the_parser(capsys):
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--clocks", "fast"], "comma-separated list of integers"),
+        (["--layers-traced", "2"], "trace at least 4 layers per stage"),
+    ],
+)
+def test_malformed_options_are_rejected_by_the_parser(option, message, capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(["plan", "--model", "tiny", "--clocks", "fast"])
+        main(["plan", "--model", "tiny", *option])
     assert exit_.value.code == EXIT_BAD_INPUT
-    assert "comma-separated list of integers" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
+
+
+def test_version_and_help_show_what_a_user_needs(capsys):
+    import kareus
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert (
+        exit_.value.code == 0 and capsys.readouterr().out.strip() == f"kareus {kareus.__version__}"
+    )
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "(default: a100-40gb)" in shown and "(default: kareus-out)" in shown
+    assert "(default: None)" not in shown and "directory for plan.json" in shown
 
 
 def test_replanning_from_saved_partitions_needs_the_same_workload(planned, tmp_path, capsys):
     _rc, out = planned
     args = ["plan", *SMALL, "--cp", "2", "--pp", "2", "--microbatches", "2", "--quiet"]
     saved = ["--partitions", str(out / "partitions.json"), "--out", str(tmp_path)]
-    assert main([*args, *saved, "--gpu", "h100", "--select", "min_energy"]) == EXIT_OK
+    assert main(["-v", *args, *saved, "--gpu", "h100", "--select", "min_energy"]) == EXIT_OK
     plan = Plan.load(tmp_path / "plan.json")
+    logged = capsys.readouterr().err  # -v: what kareus does, on stderr
+    assert "kareus: INFO kareus.planning: read 2 pipeline stages' partitions" in logged
+    assert "frontier points, chosen" in logged
     assert plan.gpu.startswith("H100") and plan.parallel["microbatches"] == 2
     other = ["plan", *SMALL, "--cp", "2", "--pp", "2", "--seq-len", "64", "--quiet", *saved]
     assert main(other) == EXIT_BAD_INPUT

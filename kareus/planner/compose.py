@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Mapping, Sequence
 
 from kareus.errors import KareusError
+
+_log = logging.getLogger(__name__)
 
 WALL_CLOCK_GUARD_S = 600.0
 """A wall-clock stop for one solve, far beyond its deterministic limit: it only guards
@@ -270,6 +273,13 @@ class Composer:
         solver.parameters.max_deterministic_time = limit
         solver.parameters.max_time_in_seconds = WALL_CLOCK_GUARD_S
         status = solver.solve(m)
+        _log.debug(
+            "CP-SAT %s: bound %s, %s after %.2f deterministic units",
+            "least energy" if bound_s is not None else "solve",
+            "none" if bound_s is None else f"{bound_s:.6f} s",
+            solver.status_name(status),
+            solver.deterministic_time,
+        )
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             if hint is not None and (bound_s is None or hint.time_s <= bound_s + 1e-9):
                 # Out of time before CP-SAT proved anything: the hint is still a valid plan.

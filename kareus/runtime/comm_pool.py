@@ -20,10 +20,13 @@ effect; :meth:`CommunicatorPool.to_text` says so, with what creating them cost.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 import torch.distributed as dist
+
+_log = logging.getLogger(__name__)
 
 _REDUCE_OPS = ("sum", "avg", "max", "min", "product", "band", "bor", "bxor")
 
@@ -53,6 +56,13 @@ class CommunicatorPool:
             with unset_fake_temporarily():  # passes run under AOTAutograd's fake mode
                 self._groups[key] = self._create(list(ranks), sm_share, base, base_name)
             self._cost_s[key] = time.perf_counter() - start
+            _log.info(
+                "ranks %s: SM share %d -> group %r in %.1f ms",
+                list(ranks),
+                sm_share,
+                self._groups[key],
+                self._cost_s[key] * 1e3,
+            )
         return self._groups[key]
 
     def _create(self, ranks: list[int], sm_share: int, base: Any, base_name: str) -> str:
