@@ -61,11 +61,17 @@ class Report:
         return "\n\n".join(parts)
 
 
+_INTERNAL = frozenset({"region_index", "clock_stage", "plan_stage", "planned"})
+"""Findings the passes share for their own bookkeeping; the report shows what they lead to."""
+
+
 def _region_text(region: Region, with_code: bool) -> str:
     lines = [f"== region {region.index} (Dynamo compile id {region.compile_id}) =="]
     for note in region.notes:
         lines.append(f"note: {note}")
     for name, finding in region.findings.items():
+        if name in _INTERNAL:
+            continue
         text = finding.to_text() if hasattr(finding, "to_text") else repr(finding)
         lines.append(f"-- {name} --\n{text}")
     if region.history:

@@ -54,17 +54,33 @@ class PartitionType:
     slot_labels: tuple[str, ...]
     collective: CollectiveCost | None
 
-    def describe(self) -> str:
-        """One line: the op mix and the collective."""
+    def describe(self, *, exact: bool = False) -> str:
+        """One line: the op mix and the collective.
+
+        Args:
+            exact: the collective's size in KiB to one decimal, as plan fingerprints
+                record it (a format plan files depend on), instead of a readable unit.
+        """
         mix = collections.Counter(o.op_class for o in self.compute)
         ops = ", ".join(f"{n} {k}" for k, n in sorted(mix.items()))
+        size = self.collective.bytes if self.collective else 0
         coll = (
-            f"{self.collective.kind} {self.collective.bytes / 2**10:.1f} KiB "
+            f"{self.collective.kind} "
+            f"{f'{size / 2**10:.1f} KiB' if exact else format_bytes(size)} "
             f"x{self.collective.world_size}"
             if self.collective
             else "no collective"
         )
         return f"{ops} ‖ {coll}"
+
+
+def format_bytes(n: float) -> str:
+    """Return ``n`` bytes in the largest binary unit that keeps it at least 1 ("96 MiB")."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.0f} {unit}" if value == round(value) else f"{value:.1f} {unit}"
+    return f"{n:.0f} B"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +157,7 @@ class PartitionSet:
         """
         counts = self.counts(instruction)
         return {
-            key: f"{t.describe()} x{counts.get(key, 0)}"
+            key: f"{t.describe(exact=True)} x{counts.get(key, 0)}"
             for key, t in self.types.items()
             if t.instruction == instruction
         }
@@ -183,13 +199,18 @@ class PartitionSet:
             count = sum(1 for p in self.partitions if p.type_key == key)
             slots = " | ".join(f"{i}:{s}" for i, s in enumerate(t.slot_labels))
             rows.append((key, t.instruction, count, t.describe(), slots))
-        lines = [
-            render_table(
-                "partition types (count per instruction; launch slots)",
-                ("type", "instruction", "count", "compute ‖ collective", "slots"),
-                rows,
-            )
-        ]
+        lines = (
+            [
+                render_table(
+                    "partition types (count: partitions of the type in one forward or backward; "
+                    "slots: where its collective can be launched)",
+                    ("type", "instruction", "count", "compute ‖ collective", "slots"),
+                    rows,
+                )
+            ]
+            if rows
+            else ["no partitions: no split block holds a collective"]
+        )
         for instr in self.other:
             ops = self.outside(instr)
             flops = sum(o.flops for o in ops)

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -36,3 +38,9 @@ def test_report_shows_each_graph_as_code():
     assert "-- forward graph" in short and "def forward(" not in short
     with pytest.raises(KeyError, match="inference graph"):
         report.graph("inference")
+    # Every section says something: no empty table, no internal bookkeeping, and the
+    # block table's node counts say what each number is.
+    assert "no partitions: no split block holds a collective" in short
+    assert "partition types (count" not in short  # no table without rows
+    assert "-- region_index --" not in short and "-- clock_stage --" not in short
+    assert re.search(r"│ \d+/\d+ \+\d+ shared", short) and "shared: nodes of both" in short

@@ -103,12 +103,11 @@ class BlockSet:
             cells = [b.family, b.index, b.module_type, len(b.nodes)]
             for kind in kinds:
                 span = self.spans[kind].get(b.name, {})
-                cells.append(
-                    "/".join(
-                        str(len(span[nb])) for nb in sorted(span, key=lambda n: (n is None, n))
-                    )
-                    or "0"
+                per_nb = "/".join(
+                    str(len(span[nb])) for nb in sorted(n for n in span if n is not None)
                 )
+                shared = f" +{len(span[None])} shared" if span.get(None) else ""
+                cells.append((per_nb or "0") + shared)
             if b.name in self.split:
                 cells += ["split", ""]
             else:
@@ -116,7 +115,8 @@ class BlockSet:
             rows.append(cells)
         cols = ["family", "block", "module", "dynamo nodes", *(f"{k} nodes" for k in kinds)]
         return render_table(
-            "blocks (node counts per nanobatch: nb0/nb1, then both together)",
+            "blocks (graph nodes per nanobatch, nb0/nb1; shared: nodes of both, such as the "
+            "split's narrow and cat and the sums of weight gradients)",
             [*cols, "nanobatches", "reason"],
             rows,
         )

@@ -40,9 +40,14 @@ def plot_frontiers(plan: Plan, path: str | pathlib.Path) -> pathlib.Path:
         color="black",
         label=f"chosen ({plan.policy})",
     )
+    if plan.baselines.get("megatron"):
+        mega = min(p.time_s for p in plan.baselines["megatron"])
+        ax.axvline(
+            mega, color="grey", linestyle=":", linewidth=1, label="Megatron-LM time (iso-time)"
+        )
     ax.set_xlabel("iteration time (s)")
     ax.set_ylabel("energy per iteration, all GPUs (J)")
-    ax.set_title(f"{plan.gpu}: time-energy frontiers ({plan.source})")
+    ax.set_title(f"{_workload(plan)} on {plan.gpu}\ntime-energy frontiers ({plan.source})")
     ax.grid(alpha=0.3)
     ax.legend()
     out = pathlib.Path(path)
@@ -54,3 +59,15 @@ def plot_frontiers(plan: Plan, path: str | pathlib.Path) -> pathlib.Path:
         fig.savefig(tmp, format="png")
     plt.close(fig)
     return out
+
+
+def _workload(plan: Plan) -> str:
+    """Model and parallel sizes, as the plan file records them (empty when it does not)."""
+    model = plan.workload.get("model", "")
+    name = model if isinstance(model, str) else "custom model"
+    sizes = " x ".join(
+        f"{k.upper()} {plan.parallel[k]}" for k in ("tp", "cp", "pp") if k in plan.parallel
+    )
+    micro = plan.parallel.get("microbatches")
+    parts = [name, sizes, f"{micro} micro-batches" if micro else ""]
+    return ", ".join(p for p in parts if p) or "workload"
