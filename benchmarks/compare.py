@@ -14,7 +14,9 @@ Every time and energy is modelled (the emulator); wall times are measured. Sanit
 fail the run (exit 1): no baseline point below kareus's frontier, every frontier monotone,
 kareus never worse than Perseus at iso-time, no plan below the lower bound.
 
-Run: python benchmarks/compare.py [--quick] [--out benchmarks/results] [--jobs 2] [--reuse]
+Run: python benchmarks/compare.py [--quick] [--out DIR] [--jobs 2] [--reuse]
+(writes compare-out/; ``--update-results`` runs the full matrix into the committed
+``benchmarks/results``)
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ import pathlib
 import sys
 import time
 from typing import Any
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+"""The committed results, written only with --update-results."""
 
 GPUS = ("a100-40gb", "h100", "h200")
 MODELS = ("llama3.2-3b", "qwen3-1.7b")
@@ -263,10 +268,25 @@ def main() -> int:
     """Run the matrix; return 1 when a sanity check fails."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="two A100 configurations")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        help="output directory (default: compare-out, or benchmarks/results with --update-results)",
+    )
+    parser.add_argument(
+        "--update-results",
+        action="store_true",
+        help="write the committed benchmarks/results (the full matrix only)",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="workloads traced in parallel")
     parser.add_argument("--reuse", action="store_true", help="reuse traced partition sets")
     args = parser.parse_args()
+    if args.update_results and args.quick:
+        parser.error("--update-results replaces the committed results: run the full matrix")
+    if args.out is None:
+        args.out = RESULTS if args.update_results else pathlib.Path("compare-out")
+    elif args.out.resolve() == RESULTS.resolve() and not args.update_results:
+        parser.error(f"{RESULTS} holds the committed results: add --update-results")
     from kareus.plan import Plan
     from kareus.planner.plot import plot_frontiers
 
@@ -300,7 +320,9 @@ def main() -> int:
             Plan.from_dict(row["plan"]), args.out / "plots" / f"{row['key']}_{row['gpu_key']}.png"
         )
     total = time.perf_counter() - start
-    command = "python benchmarks/compare.py" + (" --quick" if args.quick else "")
+    command = "python benchmarks/compare.py" + (
+        " --quick" if args.quick else " --update-results" if args.update_results else ""
+    )
     (args.out / "results.md").write_text(markdown(rows, total, command))
     for row in rows:
         del row["plan"]  # plotted; the frontiers stay
