@@ -147,6 +147,12 @@ def _parser() -> argparse.ArgumentParser:
         help="directory for plan.json, report.md, frontier.png and partitions.json",
     )
     p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="trace again instead of reading the trace cache ($KAREUS_CACHE_DIR, else "
+        "~/.cache/kareus), and do not write it",
+    )
 
     e = sub.add_parser("explain", help="print a saved plan", formatter_class=_Formatter)
     e.add_argument("plan", type=pathlib.Path, help="a plan.json written by `kareus plan`")
@@ -349,11 +355,19 @@ def _plan(args: argparse.Namespace) -> int:
             deadline_s=args.deadline,
             layers=args.layers_traced,
             partitions=args.partitions,
+            cache=not args.no_cache,
             on_traced=traced,
             progress=progress.step,
         )
+    source = (
+        f"partitions from the trace cache ({planned.cached}; --no-cache traces again) in"
+        if planned.cached
+        else "partitions read in"
+        if args.partitions
+        else "traced in"
+    )
     print(
-        f"traced in {planned.trace_s:.1f} s, planned in {planned.plan_s:.1f} s, peak memory "
+        f"{source} {planned.trace_s:.1f} s, planned in {planned.plan_s:.1f} s, peak memory "
         f"{planned.peak_rss_mib:.0f} MiB (measured)\n"
     )
     for i, pset in planned.distinct_stages():

@@ -9,8 +9,11 @@ sets. Used by ``kareus plan`` and by the benchmarks.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
 import logging
+import os
 import pathlib
 import resource
 import time
@@ -42,6 +45,7 @@ class WorkloadPlan:
         stages: each pipeline stage's partition set (identical stages share one).
         trace_s, plan_s: wall time of tracing and of planning (measured).
         peak_rss_mib: peak resident memory of this process so far (measured).
+        cached: the trace cache entry the partition sets were read from, if they were.
     """
 
     work: Workload
@@ -51,6 +55,7 @@ class WorkloadPlan:
     trace_s: float
     plan_s: float
     peak_rss_mib: float
+    cached: pathlib.Path | None = None  # the trace cache entry the partitions came from
 
     @property
     def plan(self) -> Plan:
@@ -145,6 +150,7 @@ def plan_workload(
     deadline_s: float | None = None,
     layers: int = 4,
     partitions: str | pathlib.Path | None = None,
+    cache: bool = True,
     on_traced: Callable[[list[PartitionSet]], None] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> WorkloadPlan:
@@ -161,6 +167,8 @@ def plan_workload(
         layers: layers traced per pipeline stage; the rest are counted.
         partitions: a ``partitions.json`` of an earlier run of this workload: its partition
             sets are used instead of tracing again.
+        cache: read and write traced partition sets in the trace cache
+            (:func:`trace_cache_dir`), keyed by everything tracing depends on.
         on_traced: called with the stages' partition sets once tracing is done.
         progress: called with a short description before each long step.
 
@@ -171,11 +179,18 @@ def plan_workload(
     spec = gpu(gpu_name)
     start = time.perf_counter()
     notes: list[str] = []
+    entry = trace_cache_dir() / _cache_key(work, layers) if cache else None
+    cached = None
     if partitions is not None:
         stages = load_stages(work, partitions)
         _log.info("read %d pipeline stages' partitions from %s", len(stages), partitions)
+    elif entry is not None and (found := _read_cache(work, entry)) is not None:
+        (stages, notes), cached = found, entry
+        _log.info("partitions from the trace cache: %s", entry)
     else:
         stages, notes = trace(work, layers=layers, progress=progress)
+        if entry is not None:
+            _write_cache(work, stages, notes, entry)
     traced = time.perf_counter()
     _log.info(
         "%d partitions over %d stages; planning on %s",
@@ -221,7 +236,66 @@ def plan_workload(
         traced - start,
         done - traced,
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        cached,
     )
+
+
+def trace_cache_dir() -> pathlib.Path:
+    """Return where traced partition sets are kept.
+
+    ``$KAREUS_CACHE_DIR``, else ``$XDG_CACHE_HOME/kareus``, else ``~/.cache/kareus``.
+    """
+    if os.environ.get("KAREUS_CACHE_DIR"):
+        return pathlib.Path(os.environ["KAREUS_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "kareus"
+
+
+@functools.cache
+def _code_digest() -> str:
+    """Return a digest of kareus's source and the torch version.
+
+    Tracing's result depends on them besides the workload: a changed pass must not be
+    served a stale trace.
+    """
+    import torch
+
+    digest = hashlib.sha256(torch.__version__.encode())
+    root = pathlib.Path(__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _cache_key(work: Workload, layers: int) -> str:
+    record = workload_record(work)
+    fields = {k: record[k] for k in _TRACED_FIELDS} | {"layers": layers, "code": _code_digest()}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _read_cache(work: Workload, entry: pathlib.Path) -> tuple[list[PartitionSet], list[str]] | None:
+    """Return the cached stages and tracing notes, or None (absent or unreadable: re-trace)."""
+    if not (entry / "partitions.json").is_file():
+        return None
+    try:
+        stages = load_stages(work, entry / "partitions.json")
+        notes = json.loads((entry / "notes.json").read_text())
+    except (OSError, ValueError, KareusError) as err:
+        _log.warning("trace cache entry %s unreadable (%s): tracing again", entry, err)
+        return None
+    return stages, [str(n) for n in notes]
+
+
+def _write_cache(
+    work: Workload, stages: Sequence[PartitionSet], notes: Sequence[str], entry: pathlib.Path
+) -> None:
+    """Keep the traced stages for the next run; a cache that cannot be written is skipped."""
+    try:
+        entry.mkdir(parents=True, exist_ok=True)
+        write_text(entry / "notes.json", json.dumps(list(notes)) + "\n")
+        save_stages(work, stages, entry / "partitions.json")  # last: it marks the entry whole
+    except OSError as err:
+        _log.warning("cannot write the trace cache at %s (%s); continuing without", entry, err)
 
 
 def workload_record(work: Workload) -> dict[str, Any]:

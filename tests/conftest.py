@@ -1,9 +1,12 @@
 import os
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Traces cached by the tests stay in the test run (and reach the processes it starts).
+os.environ["KAREUS_CACHE_DIR"] = tempfile.mkdtemp(prefix="kareus-test-cache-")
 
 
 @pytest.fixture(autouse=True)

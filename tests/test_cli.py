@@ -1,5 +1,6 @@
 """`kareus plan` / `kareus explain` / `kareus list`, and tracing at scale on fake tensors."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -194,3 +195,25 @@ def test_counting_repeated_layers_equals_tracing_them_all():
 def _costs(items):
     """Costs without node names (names differ between traces)."""
     return [tuple(v for k, v in vars(c).items() if k != "name") for c in items]
+
+
+def test_the_trace_cache_serves_a_traced_workload_and_retraces_when_asked(tmp_path, monkeypatch):
+    from kareus.planning import _cache_key, plan_workload, trace_cache_dir
+
+    monkeypatch.setenv("KAREUS_CACHE_DIR", str(tmp_path / "cache"))
+    work = Workload(model="tiny-4l", tp=2, microbatch_size=4, seq_len=32, microbatches=2)
+    first = plan_workload(work, "a100-40gb")
+    assert first.cached is None
+    (entry,) = (tmp_path / "cache").iterdir()
+    assert entry.parent == trace_cache_dir() and (entry / "partitions.json").is_file()
+    # The same workload from the cache plans exactly as from the trace.
+    again = plan_workload(work, "a100-40gb")
+    assert again.cached == entry and again.plan.to_dict() == first.plan.to_dict()
+    # Another micro-batch count is the same trace; another sequence length is not.
+    assert plan_workload(dataclasses.replace(work, microbatches=4), "a100-40gb").cached == entry
+    assert _cache_key(dataclasses.replace(work, seq_len=64), 4) != entry.name
+    assert plan_workload(work, "a100-40gb", cache=False).cached is None
+    # A damaged entry is traced again and rewritten whole.
+    (entry / "partitions.json").write_text("{not json")
+    assert plan_workload(work, "a100-40gb").cached is None
+    assert plan_workload(work, "a100-40gb").cached == entry
