@@ -1,10 +1,11 @@
 """How well the hardware model reproduces measured partitions (figures are printed).
 
 Compares the calibrated A100 model with every row of the measured forward-attention
-partition (benchmarks/data/a100_fwd_attention_tp2): absolute percentage errors of time and
-energy, Spearman rank correlation of configurations, and the qualitative facts (collective
-time saturating at a handful of SMs; which overlap windows are best). Also checks GEMM time
-at max clock against the spec's peak and idle power against static power.
+partition (shared/data/a100_fwd_attention_tp2, next to the repository): absolute
+percentage errors of time and energy, Spearman rank correlation of configurations, and the
+qualitative facts (collective time saturating at a handful of SMs; which overlap windows
+are best). Also checks GEMM time at max clock against the spec's peak and idle power
+against static power.
 
 Run: python benchmarks/hardware_fidelity.py [--data CSV]
 """

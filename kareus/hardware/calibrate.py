@@ -16,6 +16,7 @@ import csv
 import dataclasses
 import datetime
 import json
+import os
 import pathlib
 import statistics
 from collections.abc import Sequence
@@ -24,13 +25,20 @@ from kareus.costs import CollectiveCost, Knobs, OpCost, PartitionWork
 from kareus.hardware.emulator import Emulator
 from kareus.hardware.specs import GPUS, Calibration, GPUSpec
 
-DEFAULT_DATA = (
-    pathlib.Path(__file__).resolve().parents[2]
-    / "benchmarks"
-    / "data"
-    / "a100_fwd_attention_tp2"
-    / "default_clock.csv"
-)
+
+def shared_data_dir() -> pathlib.Path:
+    """Return the directory of the reference measurements kareus is checked against.
+
+    ``$KAREUS_SHARED_DATA``, else ``shared/data`` next to the repository (where the project
+    keeps them; they are not copied into the repository).
+    """
+    env = os.environ.get("KAREUS_SHARED_DATA")
+    if env:
+        return pathlib.Path(env)
+    return pathlib.Path(__file__).resolve().parents[3] / "shared" / "data"
+
+
+DEFAULT_DATA = shared_data_dir() / "a100_fwd_attention_tp2" / "default_clock.csv"
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "calibration" / "a100_sxm4.json"
 
 
@@ -92,6 +100,11 @@ class Row:
 
 def load_rows(path: pathlib.Path, freq_mhz: float = 1410) -> list[Row]:
     """Read the measured CSV; each row's value is the median of its repeats."""
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no reference measurements at {path}: set KAREUS_SHARED_DATA to the project's "
+            "shared/data directory (or pass --data)"
+        )
     rows = []
     with open(path) as fh:
         for rec in csv.DictReader(fh):
@@ -195,7 +208,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     cal = fit(spec, rows)
     provenance = (
         f"fitted by kareus.hardware.calibrate to {len(rows)} measured configurations of "
-        "a100_fwd_attention_tp2/default_clock.csv (Kareus research code, commit 9b64d9e9; "
+        "shared/data/a100_fwd_attention_tp2/default_clock.csv (Kareus research code, "
+        "commit 9b64d9e9; "
         "two A100-SXM4, default clocks, fp16 forward-attention partition at TP 2) on "
         f"{datetime.date.today().isoformat()}"
     )
