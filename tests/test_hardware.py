@@ -160,3 +160,31 @@ def test_calibration_fit_reduces_the_error(tmp_path):
 
     fitted = calibrate.fit(spec, rows)
     assert err(spec.with_calibration(fitted, "fit")) < 0.5 * err(spec)
+
+
+@pytest.mark.parametrize(("seq_q", "seq_kv"), [(64, 64), (16, 64), (64, 16)])
+def test_causal_attention_costs_the_unmasked_part_only(seq_q, seq_kv):
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from kareus.passes.annotate_costs import annotate_node, op_class
+
+    def attention(q, k, v, causal):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        out.sum().backward()
+        return out
+
+    def flops(causal):
+        q = torch.randn(2, 4, seq_q, 8, requires_grad=True)
+        k, v = (torch.randn(2, 4, seq_kv, 8, requires_grad=True) for _ in range(2))
+        gm = make_fx(lambda q, k, v: attention(q, k, v, causal), tracing_mode="fake")(q, k, v)
+        ops = [n for n in gm.graph.nodes if n.op == "call_function" and op_class(n) == "attention"]
+        assert len(ops) == 2  # forward and backward
+        return {("backward" in str(n.target)): annotate_node(n).flops for n in ops}
+
+    full, causal = flops(False), flops(True)
+    # Query i sees keys 0..i (PyTorch's top-left alignment).
+    seen = sum(min(i + 1, seq_kv) for i in range(seq_q))
+    for backward in (False, True):
+        assert full[backward] == 4.0 * 2 * 4 * seq_q * seq_kv * 8 * (2.5 if backward else 1)
+        assert causal[backward] == pytest.approx(full[backward] * seen / (seq_q * seq_kv))

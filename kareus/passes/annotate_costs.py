@@ -128,8 +128,9 @@ def _flops(node: fx.Node) -> float:
 
     packet = getattr(node.target, "overloadpacket", None)
     formula = flop_registry.get(packet)
+    attention = op_class(node) == "attention"
     if formula is None:
-        return _attention_flops(node) if op_class(node) == "attention" else 0.0
+        return _attention_flops(node) * _causal_fraction(node) if attention else 0.0
 
     def meta(v: Any) -> Any:
         if isinstance(v, fx.Node):
@@ -144,18 +145,53 @@ def _flops(node: fx.Node) -> float:
     kwargs = {k: meta(v) for k, v in node.kwargs.items()}
     out = meta(node.meta.get("val"))
     try:
-        return float(formula(*args, **kwargs, out_val=out))
+        flops = float(formula(*args, **kwargs, out_val=out))
     except Exception:  # a formula that cannot read these arguments: count no FLOPs
         return 0.0
+    return flops * _causal_fraction(node) if attention else flops
+
+
+def _argument(node: fx.Node, name: str) -> Any:
+    """Return the argument ``name`` of an op call, by its schema (None when absent)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return None
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == name:
+            if i < len(node.args) and not arg.kwarg_only:
+                return node.args[i]
+            return node.kwargs.get(name, arg.default_value)
+    return None
+
+
+def _causal_fraction(node: fx.Node) -> float:
+    """Return the share of the score matrix a causal attention computes (1 when not causal).
+
+    PyTorch's FLOP formulas count the whole s_q x s_kv square; with ``is_causal`` (query i
+    sees keys 0..i, PyTorch's top-left alignment) kernels skip the masked part, which for
+    s_q = s_kv is (s + 1) / 2s of it: about half.
+    """
+    if _argument(node, "is_causal") is not True:
+        return 1.0
+    q, k = (_argument(node, n) for n in ("query", "key"))
+    q, k = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in (q, k))
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or q.dim() < 2:
+        return 1.0
+    sq, skv = concrete(q.shape[-2]), concrete(k.shape[-2])
+    if sq <= 0 or skv <= 0:
+        return 1.0
+    seen = sq * (sq + 1) // 2 if skv >= sq else skv * (skv + 1) // 2 + (sq - skv) * skv
+    return seen / (sq * skv)
 
 
 def _attention_flops(node: fx.Node) -> float:
     """FLOPs of an attention op PyTorch has no formula for (e.g. the CPU kernels).
 
     As PyTorch's own formulas: 4·b·h·s_q·s_kv·d forward (two matmuls), 2.5 times that
-    backward; causal masking is not discounted.
+    backward, for the whole square (the caller discounts causal masking).
     """
-    q, k = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in node.args[:2])
+    q, k = (_argument(node, n) for n in ("query", "key"))
+    q, k = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in (q, k))
     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or q.dim() != 4:
         return 0.0
     b, h, sq, d = concrete(tuple(q.shape))
