@@ -335,12 +335,12 @@ SPECIALISATIONS_WARNED = 8
 
 
 def _symbols(values: Sequence[Any]) -> set[Any]:
-    """Return the free symbols of the sizes of ``values`` (tensors and SymInts)."""
+    """Return the free symbols of the sizes of ``values`` (tensors, SymInts, SymFloats)."""
     found: set[Any] = set()
     for v in values:
         sizes = tuple(v.shape) if isinstance(v, torch.Tensor) else (v,)
         for size in sizes:
-            if isinstance(size, torch.SymInt):
+            if isinstance(size, (torch.SymInt, torch.SymFloat, torch.SymBool)):
                 found |= size.node.expr.free_symbols
     return found
 
@@ -364,7 +364,7 @@ class _Specialised:
         key = tuple(
             (tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
             for a in args
-            if isinstance(a, (torch.Tensor, int))
+            if isinstance(a, (torch.Tensor, int, float, bool))
         )
         fn = self._compiled.get(key)
         if fn is None:
