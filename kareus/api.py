@@ -373,8 +373,8 @@ class _Specialised:
 
     def _compile(self, args: Sequence[Any]) -> Callable[..., Any]:
         done = len(self._compiled)
+        shape = next((tuple(a.shape) for a in args if isinstance(a, torch.Tensor)), ())
         if done:
-            shape = next((tuple(a.shape) for a in args if isinstance(a, torch.Tensor)), ())
             note = f"lowered again for new input shapes (first input {shape}; {done + 1} so far)"
             if done + 1 == SPECIALISATIONS_WARNED:
                 note += (
@@ -384,12 +384,8 @@ class _Specialised:
                 _warn(self._region, note)
             else:
                 self._region.notes.append(note)
-        _log.info("region %d: lowering for input shapes %s", self._region.index, _shapes(args))
+        _log.info("region %d: lowering for first input %s", self._region.index, shape)
         return self._lower(list(args))
-
-
-def _shapes(args: Sequence[Any]) -> list[tuple[int, ...]]:
-    return [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
 
 
 class _Decisions(dict):  # type: ignore[type-arg]

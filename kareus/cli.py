@@ -63,7 +63,7 @@ class _Formatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if default in (None, False, argparse.SUPPRESS) or "%(default)" in text:
+        if default in (None, False, argparse.SUPPRESS):
             return text
         if action.option_strings and action.nargs != 0:
             return f"{text} (default: %(default)s)"

@@ -55,7 +55,7 @@ class WorkloadPlan:
     trace_s: float
     plan_s: float
     peak_rss_mib: float
-    cached: pathlib.Path | None = None  # the trace cache entry the partitions came from
+    cached: pathlib.Path | None = None
 
     @property
     def plan(self) -> Plan:

@@ -62,12 +62,5 @@ def plot_frontiers(plan: Plan, path: str | pathlib.Path) -> pathlib.Path:
 
 
 def _workload(plan: Plan) -> str:
-    """Model and parallel sizes, as the plan file records them (empty when it does not)."""
-    model = plan.workload.get("model", "")
-    name = model if isinstance(model, str) else "custom model"
-    sizes = " x ".join(
-        f"{k.upper()} {plan.parallel[k]}" for k in ("tp", "cp", "pp") if k in plan.parallel
-    )
-    micro = plan.parallel.get("microbatches")
-    parts = [name, sizes, f"{micro} micro-batches" if micro else ""]
-    return ", ".join(p for p in parts if p) or "workload"
+    """Return the workload as the plan file describes it (``Workload.describe``)."""
+    return str(plan.workload.get("describe") or "workload")
