@@ -12,7 +12,9 @@ the model, unreadable files); 3 no plan meets the selection policy; 1 any other 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import os
 import pathlib
 import sys
 from collections.abc import Sequence
@@ -70,6 +72,44 @@ class _Formatter(argparse.HelpFormatter):
         return text
 
 
+def _workload_options(p: argparse.ArgumentParser) -> None:
+    """Options naming the workload (``plan`` and ``profile`` share them)."""
+    p.add_argument(
+        "--model",
+        required=True,
+        help="a preset (see `kareus list`), or MODULE:ATTRIBUTE naming a kareus LlamaConfig",
+    )
+    p.add_argument("--gpu", default="a100-40gb", help="GPU type (see `kareus list`)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--microbatch-size", type=int, default=8, help="sequences per micro-batch")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration")
+    p.add_argument(
+        "--schedule",
+        choices=("1F1B", "GPipe"),
+        default="1F1B",
+        help="pipeline schedule, as torch.distributed.pipelining runs it",
+    )
+    p.add_argument(
+        "--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="training dtype"
+    )
+    p.add_argument(
+        "--layers-traced",
+        type=_layers_traced,
+        default=4,
+        help="layers traced per pipeline stage (at least 4); the others are counted",
+    )
+
+
+def _search_options(p: argparse.ArgumentParser) -> None:
+    """Options of the per-type search (a replay needs the ones its profile used)."""
+    p.add_argument("--clocks", type=_ints, help="SM clocks to consider, MHz, comma-separated")
+    p.add_argument("--sm-shares", type=_ints, help="SM shares of the collective, comma-separated")
+    p.add_argument("--exhaustive", action="store_true", help="evaluate the whole knob grid")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kareus",
@@ -95,30 +135,13 @@ def _parser() -> argparse.ArgumentParser:
         "launch points per partition type, compose the iteration with CP-SAT, and compare "
         "kareus with Megatron-LM, Perseus and nanobatching + Perseus on the same evaluator.",
     )
-    p.add_argument("--model", required=True, help="a preset (see `kareus list`)")
-    p.add_argument("--gpu", default="a100-40gb", help="GPU type (see `kareus list`)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    p.add_argument("--microbatch-size", type=int, default=8, help="sequences per micro-batch")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
-    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration")
-    p.add_argument(
-        "--schedule",
-        choices=("1F1B", "GPipe"),
-        default="1F1B",
-        help="pipeline schedule, as torch.distributed.pipelining runs it",
-    )
-    p.add_argument(
-        "--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="training dtype"
-    )
+    _workload_options(p)
     from kareus.planner.select import POLICIES
 
     p.add_argument("--select", default="iso_time", choices=POLICIES, help="selection policy")
     p.add_argument("--energy-budget", type=float, help="J per iteration (--select energy_budget_j)")
     p.add_argument("--deadline", type=float, help="s per iteration (--select deadline_s)")
-    p.add_argument("--clocks", type=_ints, help="SM clocks to consider, MHz, comma-separated")
-    p.add_argument("--sm-shares", type=_ints, help="SM shares of the collective, comma-separated")
+    _search_options(p)
     p.add_argument(
         "--evaluator",
         default="emulator",
@@ -128,17 +151,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--replay", type=pathlib.Path, help="recorded evaluations (--evaluator replay)")
     p.add_argument("--record", type=pathlib.Path, help="append every evaluation to this file")
-    p.add_argument("--exhaustive", action="store_true", help="evaluate the whole knob grid")
     p.add_argument(
         "--partitions",
         type=pathlib.Path,
         help="partitions.json of an earlier run of this workload: plan again without tracing",
-    )
-    p.add_argument(
-        "--layers-traced",
-        type=_layers_traced,
-        default=4,
-        help="layers traced per pipeline stage (at least 4); the others are counted",
     )
     p.add_argument(
         "--out",
@@ -153,6 +169,48 @@ def _parser() -> argparse.ArgumentParser:
         help="trace again instead of reading the trace cache ($KAREUS_CACHE_DIR, else "
         "~/.cache/kareus), and do not write it",
     )
+
+    f = sub.add_parser(
+        "profile",
+        formatter_class=_Formatter,
+        help="measure the workload's partitions on this machine's devices (launch with "
+        "torchrun, one process per GPU of one TP x CP group)",
+        description="Trace the workload, extract each partition type as a runnable program, "
+        "and measure every knob setting the planner's search asks for on the real devices: "
+        "`torchrun --nproc-per-node TP*CP -m kareus profile ... --out DIR`. Then plan from "
+        "the measurements: `kareus plan ... --evaluator replay --replay DIR/profiles.jsonl "
+        "--partitions DIR/partitions.json` (profile.md prints the exact command). On CPUs "
+        "(gloo) times are measured and energies modelled. Clocks are never changed unless "
+        "--lock-clocks is given and permitted.",
+    )
+    _workload_options(f)
+    _search_options(f)
+    f.add_argument(
+        "--window",
+        type=float,
+        default=1.0,
+        help="shortest measurement window, s (NVML's energy counter needs about a second)",
+    )
+    f.add_argument("--warmup", type=int, default=3, help="runs before each measurement")
+    f.add_argument(
+        "--lock-clocks",
+        action="store_true",
+        help="lock each clock the search asks for on the GPU (needs permission; without it, "
+        "or without this option, the clock as found is measured and planned; on a CPU every "
+        "clock of --gpu is used, since only the energy model sees it)",
+    )
+    f.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        help="where the partitions run (default: CUDA when available, else the CPU)",
+    )
+    f.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("kareus-profile"),
+        help="directory for profiles.jsonl, partitions.json and profile.md",
+    )
+    f.add_argument("--quiet", action="store_true", help="no progress display")
 
     e = sub.add_parser("explain", help="print a saved plan", formatter_class=_Formatter)
     e.add_argument("plan", type=pathlib.Path, help="a plan.json written by `kareus plan`")
@@ -201,6 +259,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "plan":
             return _plan(args)
+        if args.command == "profile":
+            return _profile(args)
         if args.command == "explain":
             return _explain(args.plan)
         if args.command == "restore-clocks":
@@ -280,7 +340,7 @@ def _explain(path: pathlib.Path) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from kareus.hardware import Emulator, gpu
-    from kareus.planner import PlannerSettings, RecordingEvaluator, ReplayEvaluator
+    from kareus.planner import RecordingEvaluator, ReplayEvaluator
     from kareus.planning import (
         COMPARISON_HEADER,
         comparison_rows,
@@ -288,20 +348,10 @@ def _plan(args: argparse.Namespace) -> int:
         planning_steps,
         write_outputs,
     )
-    from kareus.trace import Workload, stage_kinds
+    from kareus.trace import stage_kinds
 
     spec = gpu(args.gpu)
-    work = Workload(
-        model=args.model,
-        tp=args.tp,
-        cp=args.cp,
-        pp=args.pp,
-        microbatch_size=args.microbatch_size,
-        seq_len=args.seq_len,
-        microbatches=args.microbatches,
-        dtype=args.dtype,
-        schedule=args.schedule,
-    )
+    work = _workload(args)
     for option, value, unit in (
         ("--energy-budget", args.energy_budget, "joules per iteration"),
         ("--deadline", args.deadline, "seconds per iteration"),
@@ -312,25 +362,25 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError("--select energy_budget_j needs --energy-budget J")
     if args.select == "deadline_s" and args.deadline is None:
         raise ValueError("--select deadline_s needs --deadline SECONDS")
-    if args.clocks:
-        lo, hi = min(spec.clocks_mhz()), max(spec.clocks_mhz())
-        bad = [c for c in args.clocks if not lo <= c <= hi]
-        if bad:
-            raise ValueError(f"--clocks {bad} outside {spec.name}'s range {lo}-{hi} MHz")
+    _check_clocks(args.clocks, spec)
     evaluator: Any
+    settings = _settings(args)
     if args.evaluator == "replay":
         if args.replay is None:
-            raise ValueError("--evaluator replay needs --replay FILE (written by --record)")
+            raise ValueError(
+                "--evaluator replay needs --replay FILE (written by --record or `kareus profile`)"
+            )
         evaluator = ReplayEvaluator(args.replay)
+        if args.clocks is None:  # the clocks it was recorded at (one, if not locked)
+            settings = dataclasses.replace(settings, clocks_mhz=evaluator.clocks())
+        beside = args.replay.parent / "partitions.json"
+        if args.partitions is None and beside.is_file():
+            args.partitions = beside  # the partitions the recording belongs to
+            print(f"partitions from {beside}, recorded with {args.replay}")
     else:
         evaluator = Emulator(spec)
     if args.record is not None:
         evaluator = RecordingEvaluator(evaluator, args.record)
-    settings = PlannerSettings(
-        clocks_mhz=args.clocks,
-        exhaustive=args.exhaustive,
-        **({"sm_shares": args.sm_shares} if args.sm_shares else {}),
-    )
     from kareus._files import check_output_dir
     from kareus.planning import save_stages
 
@@ -389,6 +439,88 @@ def _plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _workload(args: argparse.Namespace) -> Any:
+    from kareus.trace import Workload
+
+    return Workload(
+        model=args.model,
+        tp=args.tp,
+        cp=args.cp,
+        pp=args.pp,
+        microbatch_size=args.microbatch_size,
+        seq_len=args.seq_len,
+        microbatches=args.microbatches,
+        dtype=args.dtype,
+        schedule=args.schedule,
+    )
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    from kareus.planner import PlannerSettings
+
+    return PlannerSettings(
+        clocks_mhz=args.clocks,
+        exhaustive=args.exhaustive,
+        **({"sm_shares": args.sm_shares} if args.sm_shares else {}),
+    )
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from kareus.hardware import gpu
+    from kareus.profile import ProfileSettings, plan_command, profile_workload
+
+    spec = gpu(args.gpu)
+    work = _workload(args)
+    _check_clocks(args.clocks, spec)
+    if not args.window >= 0 or args.warmup < 0:
+        raise ValueError(
+            f"--window {args.window:g} and --warmup {args.warmup} must not be negative"
+        )
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if rank0:
+        print(f"kareus profile: {work.describe()} for {spec.name}", flush=True)
+    from kareus.planning import planning_steps
+    from kareus.trace import stage_kinds
+
+    with _Progress(enabled=rank0 and not args.quiet) as progress:
+        progress.start("tracing", len(stage_kinds(work.pp)))
+        result = profile_workload(
+            work,
+            args.gpu,
+            args.out,
+            planner=_settings(args),
+            settings=ProfileSettings(
+                window_s=args.window,
+                warmup=args.warmup,
+                lock_clocks=True if args.lock_clocks else None,
+                device=args.device,
+            ),
+            layers=args.layers_traced,
+            on_traced=lambda stages: progress.start("measuring", planning_steps(stages) - 4),
+            progress=progress.step,
+        )
+    if rank0:
+        measured = sum(r["time_source"] == "measured" for r in result.rows)
+        print(
+            f"traced in {result.trace_s:.1f} s, measured in {result.profile_s:.1f} s on "
+            f"{result.ranks} {result.device} process(es) (wall, measured): {len(result.rows)} "
+            f"evaluations, {measured} of them run as extracted partitions"
+        )
+        for note in result.notes:
+            print(f"note: {note}")
+        print(f"wrote {args.out}/profiles.jsonl, partitions.json, profile.md")
+        print("plan from it:\n  " + plan_command(result, str(args.out)))
+    return EXIT_OK
+
+
+def _check_clocks(clocks: Any, spec: Any) -> None:
+    if clocks:
+        lo, hi = min(spec.clocks_mhz()), max(spec.clocks_mhz())
+        bad = [c for c in clocks if not lo <= c <= hi]
+        if bad:
+            raise ValueError(f"--clocks {bad} outside {spec.name}'s range {lo}-{hi} MHz")
+
+
 class _Progress:
     """Progress bars on stderr (rich); a no-op when disabled or not a terminal stage."""
 
@@ -422,7 +554,10 @@ class _Progress:
 
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:
-            self._finish()
+            if exc[0] is None:  # a failed step is not "done"
+                self._finish()
+            elif self._task is not None:
+                self._progress.update(self._task, step="failed")
             self._progress.__exit__(*exc)
 
     def _finish(self) -> None:

@@ -104,6 +104,13 @@ class Config:
         lambda v: v in ("iso_time", "max_throughput", "min_energy"),
         "How compile picks its own plan from the frontier (see kareus.planner.select).",
     )
+    extract_partitions: bool = _field(
+        False,
+        "True or False",
+        lambda v: isinstance(v, bool),
+        "Keep one runnable program per partition type (its compute and the collective it "
+        "overlaps, with the captured input layouts), as `kareus profile` measures them.",
+    )
     strict: bool | None = _field(
         None,
         "None, True or False",

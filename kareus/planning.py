@@ -67,7 +67,7 @@ class WorkloadPlan:
         return _distinct(self.stages)
 
 
-_TRACED_FIELDS = ("model", "tp", "cp", "pp", "microbatch_size", "seq_len", "dtype")
+_TRACED_FIELDS = ("model", "config", "tp", "cp", "pp", "microbatch_size", "seq_len", "dtype")
 """Workload fields the partition sets depend on (the micro-batch count does not)."""
 
 
@@ -118,7 +118,9 @@ def load_stages(work: Workload, path: str | pathlib.Path) -> list[PartitionSet]:
         )
     want = workload_record(work)
     diff = [
-        f"{k} {saved.get(k)!r} != {want[k]!r}" for k in _TRACED_FIELDS if saved.get(k) != want[k]
+        f"{k} {saved.get(k)!r} != {want.get(k)!r}"
+        for k in _TRACED_FIELDS
+        if saved.get(k) != want.get(k)
     ]
     if diff:
         raise PartitionsFileError(f"{path} was traced for another workload: {', '.join(diff)}")
@@ -269,7 +271,7 @@ def _code_digest() -> str:
 
 def _cache_key(work: Workload, layers: int) -> str:
     record = workload_record(work)
-    fields = {k: record[k] for k in _TRACED_FIELDS} | {"layers": layers, "code": _code_digest()}
+    fields = {k: record.get(k) for k in _TRACED_FIELDS} | {"layers": layers, "code": _code_digest()}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -303,6 +305,8 @@ def workload_record(work: Workload) -> dict[str, Any]:
     data = dataclasses.asdict(work)
     if not isinstance(work.model, str):
         data["model"] = dataclasses.asdict(work.model)
+    elif ":" in work.model:  # a module's config: its shape, which the name does not pin
+        data["config"] = dataclasses.asdict(work.config)
     data["describe"] = work.describe()
     return data
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from kareus.errors import KareusError
 from kareus.models.llama import Llama, LlamaConfig, preset
 from kareus.partitions import Partition, PartitionSet
+from kareus.passes.extract_partitions import PartitionProgram
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """Training dtypes by name."""
@@ -128,17 +129,44 @@ def stage_kinds(pp: int) -> list[int]:
     return sorted({0, min(1, pp - 1), pp - 1})
 
 
+@dataclasses.dataclass
+class StageTrace:
+    """What tracing one pipeline stage found.
+
+    Attributes:
+        pset: the stage's partition set (the traced layers only).
+        notes: what the passes recorded.
+        programs: each partition type as a runnable program, by type key (when extracted).
+    """
+
+    pset: PartitionSet
+    notes: list[str]
+    programs: dict[str, PartitionProgram] = dataclasses.field(default_factory=dict)
+
+
 def trace_stage(
     work: Workload,
     stage: int,
     *,
     layers: int,
     groups: tuple[Any, Any] = (None, None),
-) -> tuple[PartitionSet, list[str]]:
-    """Trace ``layers`` layers of one pipeline stage; return its partition set and notes.
+    extract: bool = False,
+    device: str = "cpu",
+) -> StageTrace:
+    """Trace ``layers`` layers of one pipeline stage.
 
     Runs one forward and backward of a kareus-compiled stage on fake tensors (analysis
     passes only: nothing is rewritten).
+
+    Args:
+        work: the configuration.
+        stage: the pipeline stage.
+        layers: decoder layers traced.
+        groups: the (TP, CP) process groups of :func:`fake_world`.
+        extract: also keep each partition type as a runnable program; its collective's
+            group is then named by role (``"tp"`` or ``"cp"``), to be bound to a real group.
+        device: the device the fake tensors claim (the one the programs will run on: the
+            attention kernels differ between CPU and CUDA).
     """
     import kareus
     from kareus.api import find_backend
@@ -150,7 +178,7 @@ def trace_stage(
     torch._dynamo.reset()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode():
+    with FakeTensorMode(), torch.device(device):
         default = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
@@ -162,7 +190,9 @@ def trace_stage(
         x = ids if model.first else torch.zeros(*shape, cfg.hidden_size, dtype=dtype)
         x.requires_grad_(x.is_floating_point())
         compiled = kareus.compile(
-            model, disable_passes=("schedule_overlap", "insert_clock_switches")
+            model,
+            disable_passes=("schedule_overlap", "insert_clock_switches"),
+            extract_partitions=extract,
         )
         out = compiled(x, ids if model.last else None)
         out.backward(torch.ones_like(out))
@@ -170,18 +200,26 @@ def trace_stage(
     assert backend is not None
     notes: list[str] = []
     psets = []
+    programs: dict[str, PartitionProgram] = {}
     for region in backend.regions:
         notes.extend(region.notes)
         pset = region.findings.get("cut_partitions")
         if pset is not None and "backward" in pset.other:
             psets.append(pset)
+            programs = region.findings.get("extract_partitions", {})
     if len(psets) != 1:
         raise TraceError(
             f"stage {stage} of {work.describe()} traced into {len(psets)} training graphs "
             f"(expected one){': ' + '; '.join(notes) if notes else ''}"
         )
     notes.extend(f"stage {stage} {kind}: {note}" for kind, note in psets[0].notes.items())
-    return psets[0], notes
+    roles = {
+        g.group_name: role for g, role in zip(groups, ("tp", "cp"), strict=True) if g is not None
+    }
+    for program in programs.values():
+        if program.group_name is not None:
+            program.group_name = roles.get(program.group_name, program.group_name)
+    return StageTrace(psets[0], notes, dict(programs))
 
 
 _log = logging.getLogger(__name__)
@@ -243,35 +281,66 @@ def trace(
     Returns:
         One partition set per pipeline stage, and the notes the passes recorded.
     """
+    stages, notes, _programs = trace_programs(work, layers=layers, progress=progress, extract=False)
+    return stages, notes
+
+
+def trace_programs(
+    work: Workload,
+    *,
+    layers: int = TEMPLATE_POSITION + 2,
+    progress: Callable[[str], None] | None = None,
+    extract: bool = True,
+    device: str = "cpu",
+) -> tuple[list[PartitionSet], list[str], list[dict[str, PartitionProgram]]]:
+    """:func:`trace`, also keeping each partition type as a runnable program.
+
+    Args:
+        work: the configuration.
+        layers: layers traced per stage (see :func:`trace`).
+        progress: called with a short description before each stage is traced.
+        extract: keep the programs (:mod:`kareus.passes.extract_partitions`).
+        device: the device the programs will run on (see :func:`trace_stage`).
+
+    Returns:
+        As :func:`trace`, and per pipeline stage its programs by type key.
+    """
     per_stage = work.config.num_layers // work.pp
     traced = min(per_stage, max(layers, TEMPLATE_POSITION + 2))
     note = progress or (lambda _s: None)
-    by_kind: dict[int, PartitionSet] = {}
+    by_kind: dict[int, StageTrace] = {}
     notes: list[str] = []
     with fake_world(work.tp, work.cp) as groups:
         for kind in stage_kinds(work.pp):
             note(f"tracing stage {kind} ({traced} of {per_stage} layers, fake tensors)")
             _log.info("tracing stage kind %d: %d of %d layers", kind, traced, per_stage)
-            pset, found = trace_stage(work, kind, layers=traced, groups=groups)
-            _log.info(
-                "stage kind %d: %d partitions, %d notes", kind, len(pset.partitions), len(found)
+            found = trace_stage(
+                work, kind, layers=traced, groups=groups, extract=extract, device=device
             )
-            extrapolate(pset, traced, per_stage)
-            by_kind[kind] = pset
-            notes.extend(found)
+            _log.info(
+                "stage kind %d: %d partitions, %d notes",
+                kind,
+                len(found.pset.partitions),
+                len(found.notes),
+            )
+            extrapolate(found.pset, traced, per_stage)
+            by_kind[kind] = found
+            notes.extend(found.notes)
     stages = [
         by_kind[0 if s == 0 else work.pp - 1 if s == work.pp - 1 else 1] for s in range(work.pp)
     ]
-    return stages, notes
+    return [s.pset for s in stages], notes, [s.programs for s in stages]
 
 
 __all__ = [
     "DTYPES",
+    "StageTrace",
     "TraceError",
     "Workload",
     "extrapolate",
     "fake_world",
     "stage_kinds",
     "trace",
+    "trace_programs",
     "trace_stage",
 ]

@@ -145,11 +145,43 @@ PRESETS: dict[str, LlamaConfig] = {
 
 
 def preset(name: str) -> LlamaConfig:
-    """Return the preset ``name``; the error lists the known names."""
+    """Return the preset ``name``, or the config a ``module:attribute`` path names.
+
+    The attribute is a :class:`LlamaConfig` or a function without arguments returning one.
+
+    Raises:
+        ValueError: an unknown preset (the known ones are listed), a module that cannot be
+            imported, a missing attribute, or one that is not a config.
+    """
+    if ":" not in name:
+        try:
+            return PRESETS[name]
+        except KeyError:
+            raise ValueError(
+                f"unknown model {name!r}; known models: {', '.join(PRESETS)}, or "
+                "MODULE:ATTRIBUTE naming a LlamaConfig"
+            ) from None
+    import importlib
+
+    module_name, _, attr = name.partition(":")
     try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(PRESETS)}") from None
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(
+            f"model {name!r}: cannot import module {module_name!r} ({err}); check the name "
+            "and that its directory is on PYTHONPATH"
+        ) from None
+    if not hasattr(module, attr):
+        raise ValueError(f"model {name!r}: module {module_name!r} has no attribute {attr!r}")
+    value = getattr(module, attr)
+    if callable(value) and not isinstance(value, LlamaConfig):
+        value = value()
+    if not isinstance(value, LlamaConfig):
+        raise ValueError(
+            f"model {name!r} is of type {type(value).__name__}, not a kareus.models.LlamaConfig "
+            "(or a function returning one)"
+        )
+    return value
 
 
 def _size(group: Group) -> int:

@@ -11,6 +11,7 @@ from kareus.passes.annotate_costs import AnnotateCosts
 from kareus.passes.base import GRAPH_KINDS, GraphPass, PassContext, PassRecord, PassResult
 from kareus.passes.check_plan import CheckPlan
 from kareus.passes.cut_partitions import CutPartitions
+from kareus.passes.extract_partitions import ExtractPartitions
 from kareus.passes.find_blocks import FindBlocks
 from kareus.passes.insert_clock_switches import InsertClockSwitches
 from kareus.passes.schedule_overlap import ScheduleOverlap
@@ -21,6 +22,7 @@ PIPELINE: tuple[GraphPass, ...] = (
     SplitNanobatches(),
     AnnotateCosts(),
     CutPartitions(),
+    ExtractPartitions(),
     CheckPlan(),
     ScheduleOverlap(),
     InsertClockSwitches(),

@@ -125,6 +125,15 @@ def _slots(nodes: list[fx.Node], fuse: bool = False) -> tuple[Slot, ...]:
     return tuple(Slot(first, _costs(run, fuse)) for first, run in slots)
 
 
+def partition_costs(nodes: list[fx.Node], fuse: bool) -> tuple[OpCost, ...]:
+    """Return the costs of a run of compute nodes, slot by slot (``fuse``: see ``Config``).
+
+    Partition types, the work outside partitions and extracted programs are all costed
+    through this one function.
+    """
+    return tuple(c for slot in _slots(nodes, fuse) for c in slot.ops)
+
+
 def _costs(run: list[fx.Node], fuse: bool) -> tuple[OpCost, ...]:
     """Return the costs of a run of ops: memory ops as one fused kernel when ``fuse``."""
     costs = tuple(cost_of(n) for n in run)
@@ -233,11 +242,10 @@ def cut_graph(
         if n.name in owner:
             per_block.setdefault(owner[n.name], []).append(n)
     pset.block_other[kind] = {
-        block: tuple(c for slot in _slots(nodes, fuse) for c in slot.ops)
-        for block, nodes in per_block.items()
+        block: partition_costs(nodes, fuse) for block, nodes in per_block.items()
     }
     rest = [n for n in outside if n.name not in owner]
-    pset.other[kind] = tuple(c for slot in _slots(rest, fuse) for c in slot.ops)
+    pset.other[kind] = partition_costs(rest, fuse)
     pset.exposed[kind] = tuple(
         collective_cost(n)
         for n in graph.nodes
@@ -272,7 +280,7 @@ def _interleave(
             compute = [n for n in seg.compute]
             coll = collective_cost(overlapped.issue) if overlapped and overlapped.issue else None
             slots = _slots(compute, fuse)
-            costs = tuple(c for s in slots for c in s.ops)
+            costs = partition_costs(compute, fuse)
             sig = _signature(costs, coll)
             if sig not in signatures:
                 key = f"{kind}.{sum(1 for t in pset.types.values() if t.instruction == kind)}"

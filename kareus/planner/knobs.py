@@ -6,7 +6,8 @@ import dataclasses
 import hashlib
 import json
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kareus.costs import Estimate, Evaluator, Knobs, OpCost, PartitionWork
 from kareus.errors import KareusError
@@ -100,15 +101,32 @@ def _digest(work: PartitionWork) -> str:
 
 
 def _knobs_key(knobs: Knobs) -> str:
-    return json.dumps(dataclasses.asdict(knobs), sort_keys=True)
+    data = dataclasses.asdict(knobs)
+    data["freq_mhz"] = float(data["freq_mhz"])  # 1410 and 1410.0 are one clock
+    return json.dumps(data, sort_keys=True)
 
 
 class RecordingEvaluator:
-    """Wrap an evaluator and append every result to a JSON-lines file for later replay."""
+    """Wrap an evaluator and append every result to a JSON-lines file for later replay.
 
-    def __init__(self, inner: Evaluator, path: str | pathlib.Path) -> None:
+    Each row holds the work's digest, the knobs and the estimate, plus what ``describe``
+    returns for it (for example the GPU and the clock observed while measuring).
+    """
+
+    def __init__(
+        self,
+        inner: Evaluator,
+        path: str | pathlib.Path,
+        describe: Callable[[PartitionWork, Knobs, Estimate], dict[str, Any]] | None = None,
+    ) -> None:
         self.inner = inner
         self.path = pathlib.Path(path)
+        self.describe = describe
+
+    @property
+    def source(self) -> str:
+        """The wrapped evaluator's source."""
+        return str(getattr(self.inner, "source", "modelled"))
 
     def partition(self, work: PartitionWork, knobs: Knobs) -> Estimate:
         """Evaluate and record."""
@@ -118,6 +136,7 @@ class RecordingEvaluator:
                 "work": _digest(work),
                 "knobs": dataclasses.asdict(knobs),
                 **dataclasses.asdict(est),
+                **(self.describe(work, knobs, est) if self.describe else {}),
             }
             fh.write(json.dumps(row) + "\n")
         return est
@@ -127,18 +146,43 @@ class RecordingEvaluator:
         return self.partition(PartitionWork(ops, None), Knobs(freq_mhz, 0, launch_slot=None))
 
 
+_ESTIMATE_FIELDS = tuple(f.name for f in dataclasses.fields(Estimate))
+
+
 class ReplayEvaluator:
-    """Answer from recorded results (JSON lines); a missing entry is an error."""
+    """Answer from recorded results (JSON lines); a missing entry is an error.
+
+    Rows may carry more fields than the estimate (``kareus profile`` records the GPU, the
+    clock observed and what was measured); they are kept in :attr:`rows` and not used.
+    """
 
     def __init__(self, path: str | pathlib.Path) -> None:
         self.path = pathlib.Path(path)
         self._rows: dict[tuple[str, str], Estimate] = {}
+        self.rows: list[dict[str, Any]] = []
         with self.path.open() as fh:
-            for line in fh:
-                row = json.loads(line)
-                knobs = Knobs(**row.pop("knobs"))
-                work = row.pop("work")
-                self._rows[(work, _knobs_key(knobs))] = Estimate(**row)
+            for number, line in enumerate(fh, 1):
+                try:
+                    row = json.loads(line)
+                    knobs = Knobs(**row["knobs"])
+                    est = Estimate(**{k: row[k] for k in _ESTIMATE_FIELDS if k in row})
+                    self._rows[(str(row["work"]), _knobs_key(knobs))] = est
+                except (ValueError, KeyError, TypeError) as err:
+                    raise KareusError(
+                        f"{self.path}:{number} is not a recorded evaluation ({err!r}); record "
+                        "with `kareus plan --record` or `kareus profile`"
+                    ) from None
+                self.rows.append(row)
+
+    @property
+    def source(self) -> str:
+        """``measured`` when every row was, ``modelled`` when none was, else ``partly measured``."""
+        kinds = {est.source for est in self._rows.values()}
+        return kinds.pop() if len(kinds) == 1 else "partly measured"
+
+    def clocks(self) -> tuple[float, ...]:
+        """Return the clocks the recorded partitions were evaluated at, highest first."""
+        return tuple(sorted({float(r["knobs"]["freq_mhz"]) for r in self.rows}, reverse=True))
 
     def partition(self, work: PartitionWork, knobs: Knobs) -> Estimate:
         """Return the recorded estimate."""
@@ -146,8 +190,10 @@ class ReplayEvaluator:
             return self._rows[(_digest(work), _knobs_key(knobs))]
         except KeyError:
             raise KareusError(
-                f"no recorded result in {self.path} for knobs {knobs}; record one with "
-                "RecordingEvaluator or plan with --evaluator emulator"
+                f"no recorded result in {self.path} for knobs {knobs}: plan with the "
+                "partitions, clocks, SM shares and search the file was recorded with (for a "
+                "`kareus profile` directory: --partitions DIR/partitions.json), or with "
+                "--evaluator emulator"
             ) from None
 
     def ops(self, ops: tuple[OpCost, ...], freq_mhz: float) -> Estimate:

@@ -141,66 +141,16 @@ def plan_iteration(
     ev = CountingEvaluator(evaluator)
     freqs = tuple(settings.clocks_mhz or default_clocks(clocks_mhz))
     note = progress or (lambda _step: None)
-
-    # 1. Per partition type: the frontier over the knob space.
-    searches: dict[str, SearchResult] = {}
-    works: dict[str, PartitionWork] = {}
-    spaces: dict[str, KnobSpace] = {}
-    for si, pset in enumerate(stages):
-        for key, ptype in pset.types.items():
-            name = f"{si}/{key}"
-            if stages.index(pset) != si:  # the same set as an earlier stage
-                searches[name] = searches[f"{stages.index(pset)}/{key}"]
-                works[name], spaces[name] = (
-                    works[f"{stages.index(pset)}/{key}"],
-                    spaces[f"{stages.index(pset)}/{key}"],
-                )
-                continue
-            note(f"searching {name}")
-            work = PartitionWork(ptype.compute, ptype.collective)
-            space = KnobSpace(
-                freqs,
-                settings.sm_shares,
-                len(ptype.slot_labels) if ptype.collective else 0,
-                settings.no_overlap_sm_share,
-            )
-            fn = exhaustive if settings.exhaustive else search
-            kwargs = {} if settings.exhaustive else {"budget_fraction": settings.budget_fraction}
-            searches[name] = fn(work, space, ev, **kwargs)  # type: ignore[operator]
-            works[name], spaces[name] = work, space
-    grid = sum(r.grid_size for n, r in searches.items() if n.startswith("0/"))
-    searched = ev.evaluations
-
-    # 2. Options per (stage, kind): clock x decision profile.
-    note("building instruction options")
-    options: dict[tuple[int, str], list[Option]] = {}
-    profiles_by_group: dict[tuple[int, str], dict[str, dict[str, Pair]]] = {}
-    for si, pset in enumerate(stages):
-        for kind in ("forward", "backward"):
-            counts = pset.counts(kind)
-            types = [k for k in pset.types if pset.types[k].instruction == kind]
-            profiles = _profiles(si, types, pset, searches, settings)
-            profiles_by_group[(si, kind)] = profiles
-            opts = []
-            for f in freqs:
-                base_t, base_e = _base(pset, kind, f, ev, settings, static_power_w)
-                for pname, pairs in profiles.items():
-                    t, e = base_t, base_e
-                    for key in types:
-                        name = f"{si}/{key}"
-                        pair = pairs[key] if pset.types[key].collective else (None, None)
-                        est = ev.partition(works[name], knobs_of(Setting(f, *pair), spaces[name]))
-                        t += counts.get(key, 0) * est.time_s
-                        e += counts.get(key, 0) * (est.energy_j - static_power_w * est.time_s)
-                    opts.append(Option(f, pname, t, e))
-            options[(si, kind)] = opts
+    evaluated = evaluate_options(stages, ev, freqs, static_power_w, settings, note)
+    options, profiles_by_group = evaluated.options, evaluated.profiles
+    searches, grid, searched = evaluated.searches, evaluated.grid, evaluated.searched
     iteration = (
         chain(parallel.microbatches)  # one stage under 1F1B: forward, backward, forward...
         if parallel.pp == 1 and parallel.schedule == "1F1B"
         else SCHEDULES[parallel.schedule](parallel.pp, parallel.microbatches)
     )
 
-    # 3. Compose every method on the same options.
+    # Compose every method on the same options.
     fmax = max(freqs)
     restrict = {
         "megatron": lambda o: o.freq_mhz == fmax and o.profile == "no-overlap",
@@ -233,7 +183,7 @@ def plan_iteration(
         [s for sols in frontiers.values() for s in sols], key=lambda s: (s.time_s, s.energy_j)
     )
 
-    # 4. Select and write the plan.
+    # Select and write the plan.
     chosen = select(
         frontiers["kareus"],  # type: ignore[arg-type]
         policy,
@@ -302,6 +252,96 @@ def plan_iteration(
         workload=dict(workload or {}),
     )
     return PlanningResult(plan, searches, frontiers, ev.evaluations, grid)
+
+
+@dataclasses.dataclass
+class Evaluated:
+    """What planning evaluates before it composes (:func:`evaluate_options`).
+
+    Attributes:
+        searches: each type's search, by ``"stage/type"``.
+        options: each (stage, kind)'s instruction options (clock x decision profile).
+        profiles: each (stage, kind)'s decision profiles, by name.
+        grid: the knob grid's size over the first stage's types.
+        searched: evaluations the searches made.
+    """
+
+    searches: dict[str, SearchResult]
+    options: dict[tuple[int, str], list[Option]]
+    profiles: dict[tuple[int, str], dict[str, dict[str, Pair]]]
+    grid: int
+    searched: int
+
+
+def evaluate_options(
+    stages: Sequence[PartitionSet],
+    ev: CountingEvaluator,
+    freqs: Sequence[float],
+    static_power_w: float,
+    settings: PlannerSettings,
+    note: Any = None,
+) -> Evaluated:
+    """Search each partition type and build every instruction's options.
+
+    Every evaluation planning needs happens here (composing evaluates nothing), so a
+    profiler that runs this records everything a later replay is asked for.
+    """
+    note = note or (lambda _step: None)
+    freqs = tuple(freqs)
+
+    # Per partition type: the frontier over the knob space.
+    searches: dict[str, SearchResult] = {}
+    works: dict[str, PartitionWork] = {}
+    spaces: dict[str, KnobSpace] = {}
+    for si, pset in enumerate(stages):
+        for key, ptype in pset.types.items():
+            name = f"{si}/{key}"
+            if stages.index(pset) != si:  # the same set as an earlier stage
+                searches[name] = searches[f"{stages.index(pset)}/{key}"]
+                works[name], spaces[name] = (
+                    works[f"{stages.index(pset)}/{key}"],
+                    spaces[f"{stages.index(pset)}/{key}"],
+                )
+                continue
+            note(f"searching {name}")
+            work = PartitionWork(ptype.compute, ptype.collective)
+            space = KnobSpace(
+                freqs,
+                settings.sm_shares,
+                len(ptype.slot_labels) if ptype.collective else 0,
+                settings.no_overlap_sm_share,
+            )
+            fn = exhaustive if settings.exhaustive else search
+            kwargs = {} if settings.exhaustive else {"budget_fraction": settings.budget_fraction}
+            searches[name] = fn(work, space, ev, **kwargs)  # type: ignore[operator]
+            works[name], spaces[name] = work, space
+    grid = sum(r.grid_size for n, r in searches.items() if n.startswith("0/"))
+    searched = ev.evaluations
+
+    # Options per (stage, kind): clock x decision profile.
+    note("building instruction options")
+    options: dict[tuple[int, str], list[Option]] = {}
+    profiles_by_group: dict[tuple[int, str], dict[str, dict[str, Pair]]] = {}
+    for si, pset in enumerate(stages):
+        for kind in ("forward", "backward"):
+            counts = pset.counts(kind)
+            types = [k for k in pset.types if pset.types[k].instruction == kind]
+            profiles = _profiles(si, types, pset, searches, settings)
+            profiles_by_group[(si, kind)] = profiles
+            opts = []
+            for f in freqs:
+                base_t, base_e = _base(pset, kind, f, ev, settings, static_power_w)
+                for pname, pairs in profiles.items():
+                    t, e = base_t, base_e
+                    for key in types:
+                        name = f"{si}/{key}"
+                        pair = pairs[key] if pset.types[key].collective else (None, None)
+                        est = ev.partition(works[name], knobs_of(Setting(f, *pair), spaces[name]))
+                        t += counts.get(key, 0) * est.time_s
+                        e += counts.get(key, 0) * (est.energy_j - static_power_w * est.time_s)
+                    opts.append(Option(f, pname, t, e))
+            options[(si, kind)] = opts
+    return Evaluated(searches, options, profiles_by_group, grid, searched)
 
 
 def plan_for_gpu(

@@ -7,12 +7,15 @@ the repetitions. It locks the clock only when permitted (``lock_clocks=True``) a
 it after every measurement, also on errors; with ``lock_clocks=False`` it never changes a
 clock and measures at the clock the device runs at (the plan then holds that clock only).
 
+The repetitions are counted before the window starts, from the warm-up's time, and agreed
+by every rank that measures together (:meth:`ProfilingDevice.agree`): the ranks of a
+tensor-parallel group run the same partition with its collective, so they must run it
+equally often; their results are combined the same way (:meth:`ProfilingDevice.combine`).
+
 Devices: :class:`EmulatedProfilingDevice` advances a virtual time and a coarse energy
 counter with the hardware model, so the profiler is tested without a GPU (its figures are
-modelled); ``kareus.runtime.cuda_profiling.CudaProfilingDevice`` runs a synthetic workload
-built from the partition's costs on a CUDA GPU (GEMMs and copies of the same FLOPs and
-bytes, the collective on a side stream from its launch slot) and reads energy through Zeus's
-monitor.
+modelled); ``kareus.profile.ProgramDevice`` runs the partitions extracted from the model's
+own graphs (``kareus profile``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ from kareus.runtime.clocks import ClockController
 class ProfilingDevice(Protocol):
     """Something that runs workloads and reports time and a cumulative energy counter."""
 
-    source: str
+    @property
+    def source(self) -> str:
+        """``measured`` or ``modelled``: where its time and energy come from."""
+        ...
 
     def run(self, work: PartitionWork, knobs: Knobs) -> None:
         """Enqueue one execution of the partition's workload."""
@@ -46,6 +52,14 @@ class ProfilingDevice(Protocol):
         """Return the cumulative energy counter in joules."""
         ...
 
+    def agree(self, reps: int) -> int:
+        """Return the repetitions every rank measuring together runs (the largest asked)."""
+        ...
+
+    def combine(self, time_s: float, energy_j: float) -> tuple[float, float]:
+        """Return one result for all ranks measuring together (per GPU)."""
+        ...
+
 
 @dataclasses.dataclass
 class ProfilerEvaluator:
@@ -59,6 +73,7 @@ class ProfilerEvaluator:
         static_power_w: static power, to split off dynamic energy.
         warmup: executions before measuring.
         min_window_s: shortest measurement window.
+        max_reps: most repetitions of one measurement.
     """
 
     device: ProfilingDevice
@@ -67,6 +82,7 @@ class ProfilerEvaluator:
     static_power_w: float = 0.0
     warmup: int = 3
     min_window_s: float = 1.0
+    max_reps: int = 100_000
     measurements: int = 0
 
     @property
@@ -79,21 +95,20 @@ class ProfilerEvaluator:
         if self.lock_clocks:
             self.clocks.set(knobs.freq_mhz)
         try:
-            for _ in range(self.warmup):
+            start = self.device.now_s()
+            for _ in range(max(self.warmup, 1)):
                 self.device.run(work, knobs)
             self.device.synchronize()
+            each = (self.device.now_s() - start) / max(self.warmup, 1)
+            wanted = math.ceil(self.min_window_s / each) if each > 0 else 1
+            reps = self.device.agree(min(max(wanted, 1), self.max_reps))
             t0, e0 = self.device.now_s(), self.device.energy_j()
-            reps = 0
-            while True:
+            for _ in range(reps):
                 self.device.run(work, knobs)
-                reps += 1
-                if reps % 8 == 0 or reps < 8:
-                    self.device.synchronize()
-                    if self.device.now_s() - t0 >= self.min_window_s:
-                        break
             self.device.synchronize()
-            time_s = (self.device.now_s() - t0) / reps
-            energy_j = (self.device.energy_j() - e0) / reps
+            time_s, energy_j = self.device.combine(
+                (self.device.now_s() - t0) / reps, (self.device.energy_j() - e0) / reps
+            )
         finally:
             if self.lock_clocks:
                 self.clocks.reset()
@@ -140,6 +155,14 @@ class EmulatedProfilingDevice:
     def now_s(self) -> float:
         """Return virtual time."""
         return self._t
+
+    def agree(self, reps: int) -> int:
+        """One device: its own count."""
+        return reps
+
+    def combine(self, time_s: float, energy_j: float) -> tuple[float, float]:
+        """One device: its own result."""
+        return time_s, energy_j
 
     def energy_j(self) -> float:
         """Return the energy counter as of its last update."""

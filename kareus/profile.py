@@ -1,0 +1,550 @@
+"""``kareus profile``: measure the partitions of a workload on the devices it trains on.
+
+Launched like the training job, one process per GPU of one TP × CP group
+(``torchrun --nproc-per-node TP*CP -m kareus profile ...``). Every rank traces the workload on
+fake tensors, as ``kareus plan`` does, keeping each partition type as a runnable program
+(:mod:`kareus.passes.extract_partitions`); then the ranks join a process group and run the
+planner's own evaluation (:func:`kareus.planner.planner.evaluate_options`) with a
+:class:`~kareus.planner.profiler.ProfilerEvaluator` over those programs. Each knob setting
+the search asks for is measured: the launch slot by reordering the program, the SM share
+through the communicator pool, the clock locked only when permitted (``--lock-clocks``) and
+reset after each measurement, also on errors. The ranks agree on repetitions and combine
+their results, so they take the same search decisions and run the same collectives.
+
+Work outside partitions (embedding, head, loss, weight gradients outside partitions,
+collectives that overlap nothing) has no extracted program: the hardware model answers for
+it, and its rows say so.
+
+Writes to ``--out``: ``profiles.jsonl`` (the replay format of
+:class:`~kareus.planner.knobs.ReplayEvaluator`; each row also names the partition type, the
+GPU, the clock observed and what was measured), ``partitions.json`` (the partition sets the
+rows belong to) and ``profile.md``. ``kareus plan --evaluator replay --replay
+DIR/profiles.jsonl`` plans from them.
+
+On a CPU (gloo) times are measured on the CPU and energies come from the hardware model of
+``--gpu`` (its dynamic energy, plus static power over the measured time), so those rows are
+labelled modelled. On a CUDA GPU time is measured over the window and energy through Zeus's
+monitor (NVML's counter).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import pathlib
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kareus._files import check_output_dir, write_text
+from kareus.costs import Estimate, Knobs, OpCost, PartitionWork
+from kareus.hardware import Emulator, GPUSpec, gpu
+from kareus.partitions import Decision, PartitionSet
+from kareus.passes.extract_partitions import PartitionProgram
+from kareus.planner import PlannerSettings
+from kareus.planner.knobs import CountingEvaluator, RecordingEvaluator, _digest, default_clocks
+from kareus.planner.planner import evaluate_options
+from kareus.planner.profiler import ProfilerEvaluator
+from kareus.runtime.clocks import ClockController, ClockError, EmulatedClocks
+from kareus.trace import Workload, trace_programs
+
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProfileSettings:
+    """How measurements are taken.
+
+    Attributes:
+        window_s: shortest measurement window (NVML's energy counter needs about a second).
+        warmup: executions before each measurement.
+        lock_clocks: True locks each clock the search asks for (needs permission; without
+            it the clock as found is measured and planned, never a failure); False never
+            locks; None locks only where nothing real changes (the emulated GPU of a CPU
+            run, whose clock only the energy model sees).
+        device: ``cuda``, ``cpu`` or None (CUDA when available).
+        seed: seed of the random inputs.
+    """
+
+    window_s: float = 1.0
+    warmup: int = 3
+    lock_clocks: bool | None = None
+    device: str | None = None
+    seed: int = 0
+
+
+class ProgramDevice:
+    """Runs extracted partition programs: a profiling device of ``ProfilerEvaluator``.
+
+    Args:
+        programs: the programs by the digest of their type's work.
+        groups: the real process group's name for each collective role (``tp``, ``cp``).
+        device: where the programs run.
+        model: the hardware model that supplies energy where nothing measures it (CPU).
+        static_power_w: static power added over measured time to modelled energy.
+        gpu_index: the CUDA index (energy and observed clock).
+        seed: seed of the random inputs.
+    """
+
+    time_source = "measured"
+
+    def __init__(
+        self,
+        programs: Mapping[str, PartitionProgram],
+        groups: Mapping[str, str | None],
+        device: torch.device,
+        *,
+        model: Emulator | None,
+        static_power_w: float,
+        gpu_index: int = 0,
+        seed: int = 0,
+    ) -> None:
+        from kareus.runtime.comm_pool import job_pool
+
+        self.programs = programs
+        self.groups = groups
+        self.device = device
+        self.model = model
+        self.static_power_w = static_power_w
+        self.gpu_index = gpu_index
+        self.seed = seed
+        self.pool = job_pool() if dist.is_initialized() else None
+        self._graphs: dict[tuple[str, int | None, int | None], Any] = {}
+        self._inputs: collections.OrderedDict[str, list[torch.Tensor]] = collections.OrderedDict()
+        self._modelled_j = 0.0
+        self._model_cache: dict[tuple[PartitionWork, Knobs], Estimate] = {}
+        self._start = time.perf_counter()
+        self._measured_j = 0.0
+        self.clock_mhz: float | None = None
+        self._monitor: Any = None
+        if device.type == "cuda":  # pragma: no cover - needs a CUDA GPU
+            from zeus.monitor import ZeusMonitor
+
+            self._monitor = ZeusMonitor(gpu_indices=[gpu_index], sync_execution_with="torch")
+            self._monitor.begin_window("kareus-profile", sync_execution=True)
+
+    @property
+    def energy_source(self) -> str:
+        """``measured`` where an energy counter is read, else ``modelled``."""
+        return "measured" if self._monitor is not None else "modelled"
+
+    @property
+    def source(self) -> str:
+        """``measured`` when time and energy both are."""
+        return "measured" if self.energy_source == "measured" else "modelled"
+
+    def has(self, work: PartitionWork) -> bool:
+        """Whether ``work`` is a partition type with a program."""
+        return _digest(work) in self.programs
+
+    def run(self, work: PartitionWork, knobs: Knobs) -> None:
+        """Run the program of ``work`` once, ordered and grouped per ``knobs``."""
+        key = _digest(work)
+        program = self.programs[key]
+        slot = knobs.launch_slot
+        share = knobs.sm_share if slot is not None else None  # alone: the default group
+        graph_key = (key, slot, share)
+        if graph_key not in self._graphs:
+            role = program.group_name
+            group = self.groups.get(role) if role is not None else None
+            self._graphs[graph_key] = program.scheduled(
+                Decision(slot, share), group, self.pool if share is not None else None
+            )
+        if key not in self._inputs:
+            while len(self._inputs) >= 2:  # keep the inputs of the last two types only
+                self._inputs.popitem(last=False)
+            self._inputs[key] = program.make_inputs(self.device, self.seed)
+        with torch.no_grad():
+            self._graphs[graph_key](*self._inputs[key])
+        if self.model is not None:
+            if (work, knobs) not in self._model_cache:  # outside the timed loop's cost
+                self._model_cache[(work, knobs)] = self.model.partition(work, knobs)
+            self._modelled_j += self._model_cache[(work, knobs)].dynamic_energy_j
+
+    def synchronize(self) -> None:
+        """Wait for the device."""
+        if self.device.type == "cuda":  # pragma: no cover - needs a CUDA GPU
+            torch.cuda.synchronize(self.device)
+
+    def now_s(self) -> float:
+        """Return wall time (read after :meth:`synchronize`)."""
+        return time.perf_counter()
+
+    def energy_j(self) -> float:
+        """Return the cumulative energy: measured through Zeus, else modelled.
+
+        Modelled energy is the hardware model's dynamic energy of what ran plus static
+        power over the measured time.
+        """
+        if self._monitor is None:
+            return self._modelled_j + self.static_power_w * (time.perf_counter() - self._start)
+        m = self._monitor.end_window("kareus-profile", sync_execution=True)  # pragma: no cover
+        self._monitor.begin_window("kareus-profile", sync_execution=True)  # pragma: no cover
+        self._measured_j += m.total_energy  # pragma: no cover
+        return self._measured_j  # pragma: no cover
+
+    def agree(self, reps: int) -> int:
+        """Return the largest repetition count any rank asks for."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return reps
+        t = torch.tensor([reps], dtype=torch.int64, device=self._collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def combine(self, time_s: float, energy_j: float) -> tuple[float, float]:
+        """Return the slowest rank's time and the ranks' mean energy (per GPU)."""
+        self.clock_mhz = _sm_clock(self.gpu_index) if self.device.type == "cuda" else None
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return time_s, energy_j
+        dev = self._collective_device()
+        t = torch.tensor([time_s], dtype=torch.float64, device=dev)
+        e = torch.tensor([energy_j], dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(e)
+        return float(t.item()), float(e.item()) / dist.get_world_size()
+
+    def _collective_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+class _Profiled:
+    """The evaluator of a profile: programs measured, everything else modelled."""
+
+    def __init__(self, profiler: ProfilerEvaluator, device: ProgramDevice, model: Emulator):
+        self.profiler = profiler
+        self.device = device
+        self.model = model
+
+    @property
+    def source(self) -> str:
+        """The programs' source."""
+        return self.device.source
+
+    def partition(self, work: PartitionWork, knobs: Knobs) -> Estimate:
+        """Measure a partition type's program; model work without one."""
+        if self.device.has(work):
+            return self.profiler.partition(work, knobs)
+        return self.model.partition(work, knobs)
+
+    def ops(self, ops: tuple[OpCost, ...], freq_mhz: float) -> Estimate:
+        """Model work outside partitions (it has no program)."""
+        return self.model.ops(ops, freq_mhz)
+
+
+@dataclasses.dataclass
+class ProfileResult:
+    """What a profile measured.
+
+    Attributes:
+        work: the workload.
+        spec: the GPU type planned for.
+        stages: each pipeline stage's partition set.
+        rows: one record per evaluation (what ``profiles.jsonl`` holds).
+        clocks_mhz: the clocks measured at.
+        device: where the programs ran (``cpu`` or the CUDA device's name).
+        ranks: processes that measured together.
+        trace_s, profile_s: wall time of tracing and of measuring.
+        notes: what the passes and the profiler recorded.
+    """
+
+    work: Workload
+    spec: GPUSpec
+    stages: list[PartitionSet]
+    rows: list[dict[str, Any]]
+    clocks_mhz: tuple[float, ...]
+    device: str
+    ranks: int
+    trace_s: float
+    profile_s: float
+    notes: list[str]
+    planner: PlannerSettings
+
+
+def profile_workload(
+    work: Workload,
+    gpu_name: str,
+    out: str | pathlib.Path,
+    *,
+    planner: PlannerSettings | None = None,
+    settings: ProfileSettings | None = None,
+    layers: int = 4,
+    clocks: ClockController | None = None,
+    on_traced: Callable[[list[PartitionSet]], None] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ProfileResult:
+    """Measure every evaluation planning ``work`` needs; write the files (rank 0).
+
+    Args:
+        work: the workload (its TP × CP size is the number of processes).
+        gpu_name: the GPU type: the plan's clocks and static power, and the energy model
+            where energy is not measured.
+        out: the output directory.
+        planner: the planner's settings (clocks, SM shares, search); plan from the profile
+            with the same ones.
+        settings: how to measure.
+        layers: layers traced per pipeline stage.
+        clocks: the clock controller (default: the device's; the emulated GPU's on a CPU).
+        on_traced: called with the stages' partition sets once tracing is done (rank 0).
+        progress: called with a short description before each long step (rank 0).
+
+    Raises:
+        ValueError: the process count does not match TP × CP, the workload has no partition
+            with a collective, or a CUDA device was asked for without one.
+    """
+    settings = settings or ProfileSettings()
+    planner = planner or PlannerSettings()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    group_size = work.tp * work.cp
+    if world != group_size:
+        raise ValueError(
+            f"kareus profile measures one TP x CP group of {group_size} rank(s) "
+            f"(TP {work.tp} x CP {work.cp}) but runs on {world}: launch it with "
+            f"`torchrun --nproc-per-node {group_size} -m kareus profile ...`"
+        )
+    if group_size == 1:
+        raise ValueError(
+            f"{work.describe()} has no collective to overlap (TP and CP 1): nothing to "
+            "profile; plan its clocks with `kareus plan`"
+        )
+    device = _device(settings.device)
+    spec = gpu(gpu_name)
+    out = check_output_dir(out) if rank == 0 else pathlib.Path(out)
+    note = progress if progress is not None and rank == 0 else (lambda _s: None)
+    start = time.perf_counter()
+    stages, notes, programs = trace_programs(work, layers=layers, progress=note, device=device.type)
+    by_work: dict[str, PartitionProgram] = {}
+    type_of: dict[str, str] = {}
+    for si, (pset, progs) in enumerate(zip(stages, programs, strict=True)):
+        for key, ptype in pset.types.items():
+            digest = _digest(PartitionWork(ptype.compute, ptype.collective))
+            type_of.setdefault(digest, f"{si}/{key}")
+            if key in progs:
+                by_work.setdefault(digest, progs[key])
+    if not any(p.partition.collective for p in by_work.values()):
+        raise ValueError(
+            f"{work.describe()} has no partition with a collective to measure (TP and CP "
+            "1 have none): plan its clocks with `kareus plan`"
+        )
+    traced = time.perf_counter()
+    if on_traced is not None and rank == 0:
+        on_traced(stages)
+    created = _init_group(device, world, rank)
+    try:
+        groups = _groups(work.tp, work.cp, rank)
+        model = Emulator(spec)
+        if clocks is None:
+            clocks = _controller(device, spec)
+        wanted = settings.lock_clocks
+        lock = _can_lock(clocks, device.type != "cuda" if wanted is None else wanted, notes)
+        if lock:
+            freqs = tuple(planner.clocks_mhz or default_clocks(spec.clocks_mhz()))
+        else:
+            found = _sm_clock(device.index or 0) if device.type == "cuda" else None
+            freqs = (float(found or spec.clock_max_mhz),)
+            notes.append(
+                f"clocks not locked: measured at the clock as found ({freqs[0]:g} MHz, "
+                f"{'read from NVML' if found else 'taken as the maximum'}); only it is planned"
+            )
+        program_device = ProgramDevice(
+            by_work,
+            groups,
+            device,
+            model=model if device.type != "cuda" else None,
+            static_power_w=spec.calibration.static_power_w,
+            gpu_index=device.index or 0,
+            seed=settings.seed,
+        )
+        profiler = ProfilerEvaluator(
+            program_device,
+            clocks,
+            lock_clocks=lock,
+            static_power_w=spec.calibration.static_power_w,
+            warmup=settings.warmup,
+            min_window_s=settings.window_s,
+        )
+        evaluator: Any = _Profiled(profiler, program_device, model)
+        rows: list[dict[str, Any]] = []
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+        def describe(w: PartitionWork, knobs: Knobs, est: Estimate) -> dict[str, Any]:
+            measured = program_device.has(w)
+            row = {
+                "type": type_of.get(_digest(w), "outside partitions"),
+                "gpu": spec.name,
+                "device": device_name,
+                "ranks": world,
+                "clock_mhz_observed": program_device.clock_mhz if measured else None,
+                "time_source": "measured" if measured else "modelled",
+                "energy_source": program_device.energy_source if measured else "modelled",
+            }
+            rows.append(row | {"knobs": dataclasses.asdict(knobs), "time_s": est.time_s})
+            return row
+
+        if rank == 0:
+            path = out / "profiles.jsonl"
+            path.unlink(missing_ok=True)
+            evaluator = RecordingEvaluator(evaluator, path, describe)
+        evaluate_options(
+            stages,
+            CountingEvaluator(evaluator),
+            freqs,
+            spec.calibration.static_power_w,
+            dataclasses.replace(planner, clocks_mhz=freqs),
+            note,
+        )
+        notes.extend(program_device.pool.notes if program_device.pool else [])
+    finally:
+        if created:
+            dist.destroy_process_group()
+    result = ProfileResult(
+        work,
+        spec,
+        stages,
+        rows,
+        freqs,
+        device_name,
+        world,
+        traced - start,
+        time.perf_counter() - traced,
+        notes,
+        dataclasses.replace(planner, clocks_mhz=freqs),
+    )
+    if rank == 0:
+        from kareus.planning import save_stages
+
+        save_stages(work, stages, out / "partitions.json")
+        write_text(out / "profile.md", profile_markdown(result, str(out)))
+    return result
+
+
+def _device(name: str | None) -> torch.device:
+    if name == "cuda" or (name is None and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: this machine has no CUDA GPU; use --device cpu")
+        index = int(os.environ.get("LOCAL_RANK", "0"))  # pragma: no cover - needs a GPU
+        torch.cuda.set_device(index)  # pragma: no cover
+        return torch.device("cuda", index)  # pragma: no cover
+    return torch.device("cpu")
+
+
+def _init_group(device: torch.device, world: int, rank: int) -> bool:
+    """Join the profiling group (env:// from torchrun); return whether this call created it."""
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if world == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)  # type: ignore[arg-type]
+    return True
+
+
+def _groups(tp: int, cp: int, rank: int) -> dict[str, str | None]:
+    """Create the TP and CP groups (every rank creates all); return this rank's by role.
+
+    Ranks are laid out as in tracing: TP groups are consecutive ranks, CP groups stride TP.
+    """
+    roles: dict[str, str | None] = {"tp": None, "cp": None}
+    if tp > 1:
+        for c in range(cp):
+            ranks = [c * tp + i for i in range(tp)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                roles["tp"] = group.group_name  # type: ignore[union-attr]
+    if cp > 1:
+        for t in range(tp):
+            ranks = [t + c * tp for c in range(cp)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                roles["cp"] = group.group_name  # type: ignore[union-attr]
+    return roles
+
+
+def _can_lock(controller: ClockController, lock: bool, notes: list[str]) -> bool:
+    """Return whether ``controller`` may lock clocks; without permission say so, never fail."""
+    if not lock:
+        return False
+    try:
+        controller.set(max(controller.supported_clocks()))
+        controller.reset()
+    except ClockError as err:
+        notes.append(f"cannot lock clocks ({err}): measured at the clock as found")
+        _log.warning("cannot lock clocks (%s): measuring at the clock as found", err)
+        return False
+    return True
+
+
+def _controller(device: torch.device, spec: GPUSpec) -> ClockController:
+    """Return the clock controller of ``device``: the emulated GPU's on a CPU."""
+    if device.type != "cuda":
+        return EmulatedClocks(spec.clocks_mhz())
+    from kareus.runtime.clocks import default_controller  # pragma: no cover - needs a GPU
+
+    return default_controller()  # pragma: no cover
+
+
+def _sm_clock(index: int) -> float | None:  # pragma: no cover - needs a CUDA GPU
+    """Return the GPU's SM clock now (NVML), or None when it cannot be read."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM))
+    except Exception:
+        return None
+
+
+def profile_markdown(result: ProfileResult, out: str = "DIR") -> str:
+    """Return ``profile.md``: what was measured, per partition type, and how to plan from it."""
+    by_type: dict[str, list[dict[str, Any]]] = {}
+    for row in result.rows:
+        by_type.setdefault(row["type"], []).append(row)
+    lines = [
+        f"# kareus profile: {result.work.describe()}",
+        "",
+        f"Ran on {result.ranks} {result.device} process(es); planned for {result.spec.name}; "
+        f"clocks {', '.join(f'{c:g}' for c in result.clocks_mhz)} MHz. Traced in "
+        f"{result.trace_s:.1f} s, measured in {result.profile_s:.1f} s (wall, measured).",
+        "",
+        "| type | evaluations | time | energy | fastest time (s) | at knobs |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, rows in by_type.items():
+        best = min(rows, key=lambda r: r["time_s"])
+        knobs = best["knobs"]
+        where = (
+            "no overlap"
+            if knobs["launch_slot"] is None
+            else f"slot {knobs['launch_slot']}, SM share {knobs['sm_share']}"
+        )
+        lines.append(
+            f"| {key} | {len(rows)} | {rows[0]['time_source']} | {rows[0]['energy_source']} | "
+            f"{best['time_s']:.6f} | {knobs['freq_mhz']:g} MHz, {where} |"
+        )
+    lines += ["", "Plan from it (the same clocks, SM shares and search):", ""]
+    lines.append(f"    {plan_command(result, out)}")
+    if result.notes:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in result.notes]
+    return "\n".join(lines) + "\n"
+
+
+def plan_command(result: ProfileResult, out: str = "DIR") -> str:
+    """Return the ``kareus plan`` command line that plans from this profile."""
+    w, p = result.work, result.planner
+    clocks = ",".join(f"{c:g}" for c in result.clocks_mhz)
+    return (
+        f"kareus plan --model {w.name} --gpu {result.spec.name} --tp {w.tp} --cp {w.cp} "
+        f"--pp {w.pp} --microbatch-size {w.microbatch_size} --seq-len {w.seq_len} "
+        f"--microbatches {w.microbatches} --dtype {w.dtype} --clocks {clocks} "
+        f"--sm-shares {','.join(str(s) for s in p.sm_shares)}"
+        + (" --exhaustive" if p.exhaustive else "")
+        + f" --evaluator replay --replay {out}/profiles.jsonl --partitions {out}/partitions.json"
+    )

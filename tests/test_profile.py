@@ -1,0 +1,198 @@
+"""Partition programs and `kareus profile`: extraction, measurement over real ranks, replay."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kareus.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from kareus.costs import PartitionWork
+from kareus.partitions import Decision
+from kareus.plan import Plan
+from kareus.testing import free_port
+from kareus.trace import Workload, fake_world, trace_stage
+
+WORK = Workload(model="tiny-4l", tp=2, microbatch_size=4, seq_len=64)
+SMALL = ["--model", "tiny-4l", "--tp", "2", "--microbatch-size", "4", "--seq-len", "64"]
+
+
+def _names(work):
+    """A work without op names (fused runs are named after their first and last node)."""
+    ops = tuple(dataclasses.replace(o, name="") for o in work.ops)
+    coll = work.collective and dataclasses.replace(work.collective, name="")
+    return PartitionWork(ops, coll)
+
+
+@pytest.fixture(scope="module")
+def traced():
+    with fake_world(2, 1) as groups:
+        return trace_stage(WORK, 0, layers=4, groups=groups, extract=True)
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_type_has_a_program_that_costs_what_the_type_costs(traced):
+    pset, programs = traced.pset, traced.programs
+    assert set(programs) == set(pset.types)
+    for key, ptype in pset.types.items():
+        program = programs[key]
+        # The emulator costs the type; the profiler runs the program: the same work.
+        assert _names(program.work) == _names(PartitionWork(ptype.compute, ptype.collective))
+        assert (program.group_name == "tp") == (ptype.collective is not None)
+        # Fake tensors do not outlive tracing: the inputs are described by layout.
+        assert all("val" not in n.meta for n in program.gm.graph.nodes)
+        placeholders = [n for n in program.gm.graph.nodes if n.op == "placeholder"]
+        assert len(placeholders) == len(program.inputs) > 0
+
+
+def test_programs_run_in_every_order_with_the_same_results(traced, one_rank):
+    for key, program in traced.programs.items():
+        part = program.partition
+        inputs = program.make_inputs("cpu")
+        assert [tuple(t.shape) for t in inputs] == [s.shape for s in program.inputs]
+        slots = [None, *range(len(part.slots))] if part.collective else [None]
+        results = []
+        for slot in slots:
+            gm = program.scheduled(Decision(slot, None), one_rank)
+            order = [n.name for n in gm.graph.nodes]
+            if part.collective and slot is not None:
+                issue = order.index(part.collective[0])
+                # Issued right before its slot's first node, waited for after the compute.
+                assert order.index(part.slots[slot].first) > issue
+                if slot > 0:
+                    before = [o.name for o in part.slots[slot - 1].ops if o.op_class != "view"]
+                    assert all(order.index(n) < issue for n in before if n in order), key
+                assert order.index(part.collective[1]) > max(order.index(n) for n in part.compute)
+            results.append(gm(*inputs))
+        for got in results[1:]:  # reordering changes no value
+            assert all(torch.equal(a, b) for a, b in zip(results[0], got, strict=True)), key
+        if part.collective:
+            # One rank: the all-reduce returns its input, which the program's output shows.
+            alone = program.scheduled(Decision(0, None), None)
+            assert not any("c10d" in str(n.target) for n in alone.graph.nodes)
+            assert len(alone(*inputs)) == len(results[0]) - 1
+
+
+def test_profile_and_plan_from_it_across_two_ranks(tmp_path):
+    out = tmp_path / "profile"
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "kareus",
+            "profile",
+            *SMALL,
+            "--clocks",
+            "1410,1005",
+            "--sm-shares",
+            "4,16",
+            "--window",
+            "0.01",
+            "--warmup",
+            "1",
+            "--quiet",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "plan from it" in run.stdout
+    rows = [json.loads(line) for line in (out / "profiles.jsonl").read_text().splitlines()]
+    types = json.loads((out / "partitions.json").read_text())["sets"][0]["types"]
+    measured = [r for r in rows if r["time_source"] == "measured"]
+    # Every partition type ran as a program, at both clocks; on a CPU the time is measured
+    # and the energy modelled, so the rows say modelled.
+    assert {r["type"] for r in measured} == {f"0/{k}" for k in types}
+    assert {r["knobs"]["freq_mhz"] for r in measured} == {1410, 1005}
+    assert all(r["energy_source"] == "modelled" and r["source"] == "modelled" for r in rows)
+    assert all(r["ranks"] == 2 and r["device"] == "cpu" and r["time_s"] > 0 for r in rows)
+    slots = {r["knobs"]["launch_slot"] for r in measured}
+    assert None in slots and len(slots) > 2  # overlapped at several slots, and alone
+    assert {r["type"] for r in rows if r["time_source"] == "modelled"} == {"outside partitions"}
+    assert "| 0/forward.1 |" in (out / "profile.md").read_text()
+    # Plan from the measurements: the partitions beside the file, its clocks.
+    rc = main(
+        [
+            "plan",
+            *SMALL,
+            "--sm-shares",
+            "4,16",
+            "--evaluator",
+            "replay",
+            "--replay",
+            str(out / "profiles.jsonl"),
+            "--quiet",
+            "--out",
+            str(tmp_path / "plan"),
+        ]
+    )
+    assert rc == EXIT_OK
+    plan = Plan.load(tmp_path / "plan" / "plan.json")
+    assert {s.freq_mhz for s in plan.schedule} <= {1410, 1005}
+    assert plan.source == "modelled" and plan.evaluations["search"] > 0
+
+
+def test_profile_bad_input_says_what_to_fix(capsys):
+    # Not launched by torchrun: one process for a group of two.
+    assert main(["profile", *SMALL, "--quiet"]) == EXIT_BAD_INPUT
+    assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
+    assert main(["profile", *SMALL[:2], "--quiet"]) == EXIT_BAD_INPUT  # TP 1: no collective
+    assert "no collective" in capsys.readouterr().err
+    bad = ["profile", "--model", "no_such_module:CONFIG", "--tp", "2", "--quiet"]
+    assert main(bad) == EXIT_BAD_INPUT
+    assert "cannot import module 'no_such_module'" in capsys.readouterr().err
+    assert main(["profile", *SMALL, "--window", "-1"]) == EXIT_BAD_INPUT
+
+
+def test_model_path_names_a_config_module(tmp_path, monkeypatch):
+    from kareus.models import LlamaConfig, preset
+
+    (tmp_path / "my_models.py").write_text(
+        "from kareus.models import LlamaConfig\n"
+        "SMALL = LlamaConfig(num_layers=4, hidden_size=64, intermediate_size=128)\n"
+        "def small():\n    return SMALL\n"
+        "NOT_A_CONFIG = 3\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert (
+        preset("my_models:SMALL")
+        == preset("my_models:small")
+        == LlamaConfig(num_layers=4, hidden_size=64, intermediate_size=128)
+    )
+    with pytest.raises(ValueError, match="has no attribute 'LARGE'"):
+        preset("my_models:LARGE")
+    with pytest.raises(ValueError, match="is of type int, not a kareus.models.LlamaConfig"):
+        preset("my_models:NOT_A_CONFIG")
+
+
+def test_no_permission_to_lock_clocks_measures_at_the_clock_as_found():
+    from kareus.profile import _can_lock
+    from kareus.runtime.clocks import EmulatedClocks
+
+    notes = []
+    assert not _can_lock(EmulatedClocks(refuse=True), True, notes)
+    assert "measured at the clock as found" in notes[0]
+    assert _can_lock(EmulatedClocks(), True, []) and not _can_lock(EmulatedClocks(), False, [])
