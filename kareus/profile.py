@@ -117,7 +117,7 @@ class ProgramDevice:
         self._graphs: dict[tuple[str, int | None, int | None], Any] = {}
         self._inputs: collections.OrderedDict[str, list[torch.Tensor]] = collections.OrderedDict()
         self._modelled_j = 0.0
-        self._model_cache: dict[tuple[PartitionWork, Knobs], Estimate] = {}
+        self._model_cache: dict[tuple[str, Knobs], Estimate] = {}
         self._start = time.perf_counter()
         self._measured_j = 0.0
         self.clock_mhz: float | None = None
@@ -162,9 +162,12 @@ class ProgramDevice:
         with torch.no_grad():
             self._graphs[graph_key](*self._inputs[key])
         if self.model is not None:
-            if (work, knobs) not in self._model_cache:  # outside the timed loop's cost
-                self._model_cache[(work, knobs)] = self.model.partition(work, knobs)
-            self._modelled_j += self._model_cache[(work, knobs)].dynamic_energy_j
+            if (key, knobs) not in self._model_cache:  # outside the timed loop's cost
+                role = program.group_name
+                alone = role is None or self.groups.get(role) is None  # collective left out
+                ran = PartitionWork(work.ops) if alone else work
+                self._model_cache[(key, knobs)] = self.model.partition(ran, knobs)
+            self._modelled_j += self._model_cache[(key, knobs)].dynamic_energy_j
 
     def synchronize(self) -> None:
         """Wait for the device."""

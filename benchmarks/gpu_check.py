@@ -1,0 +1,716 @@
+"""One prepared GPU check: kareus on a real GPU, measured against its own model.
+
+Six steps, each reported even when another fails:
+
+1. ``compile``: kareus.compile of a tiny Llama (python and Inductor codegen, with and
+   without a clock plan) trains like eager: losses and gradients side by side.
+2. ``switches``: the clock runtime, with a dry-run controller (nothing is changed), applies
+   each instruction's clock in the plan's order, and only once the GPU reaches it: a 50 ms
+   sleep kernel queued before the step delays the first switch by at least that long.
+3. ``energy``: Zeus's monitor (NVML's counter) over idle and busy windows: idle power,
+   busy power, and how much windows of 0.1 s scatter.
+4. ``ops``: the GEMMs of the Llama 3.2 3B, 3.1 8B and 3.3 70B tensor-parallel (TP 8) layers
+   for one nanobatch (4 x 4096 tokens), causal flash attention forward and backward, and
+   memory-bound ops, timed with CUDA events at the clock as found, each against the hardware
+   model at that clock (the ratio per op class is what recalibration needs).
+5. ``profile``: one partition type of Llama 3.2 3B (TP 8) extracted and measured as
+   ``kareus profile`` does, on this one GPU (its collective left out), against the model.
+6. ``nccl``: with 2+ GPUs, all-reduce time of a 64 MiB tensor under NCCL CTA limits
+   (the SM share) against the model.
+
+It never changes clocks, the power limit or any other setting: the clock controller is a
+dry run, measurements run at the clock as found (read from NVML and recorded). It writes
+``OUT/summary.md`` and CSVs with a README under ``benchmarks/data/<gpu>/`` (``--data``);
+it takes about 5 minutes on one H200.
+
+``--dry-run`` runs every step on the CPU (tiny shapes, gloo for step 6, energy from the
+model): the code paths are exercised, no figure is a measurement of a GPU. CI runs it.
+
+Run: python benchmarks/gpu_check.py --out gpu-check
+     python benchmarks/gpu_check.py --dry-run --out /tmp/gpu-check
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import dataclasses
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import kareus
+from kareus.costs import CollectiveCost, Knobs, OpCost, PartitionWork
+from kareus.hardware import Emulator, GPUSpec, gpu
+from kareus.hardware.specs import spec_name_for_device
+
+
+@dataclasses.dataclass
+class Context:
+    """What every step needs: where it runs, what it compares against, where it writes."""
+
+    dry_run: bool
+    device: torch.device
+    spec: GPUSpec
+    clock_mhz: float
+    clock_source: str  # "NVML" or "taken as the model's maximum"
+    out: pathlib.Path
+    data: pathlib.Path
+
+    @property
+    def emulator(self) -> Emulator:
+        return Emulator(self.spec)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+@dataclasses.dataclass
+class StepResult:
+    """One step: passed, failed or skipped, a line saying what it found, and its rows."""
+
+    name: str
+    status: str
+    summary: str
+    rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+
+# ---- 1. compile -------------------------------------------------------------------------------
+
+
+def _tiny_llama():
+    from kareus.models import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(num_layers=2, hidden_size=64, intermediate_size=128))
+
+
+def _clock_plan(clocks: list[int]):
+    """A plan for one stage, two micro-batches (gradient accumulation), four clocks."""
+    from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
+
+    picks = [clocks[0], clocks[len(clocks) // 3], clocks[len(clocks) // 2], clocks[-1]]
+    order = [("forward", 0), ("backward", 0), ("forward", 1), ("backward", 1)]
+    schedule = tuple(
+        ScheduledInstruction(0, k, m, float(f), time_s=0.01, dynamic_energy_j=1.0)
+        for (k, m), f in zip(order, picks, strict=True)
+    )
+    return Plan(
+        gpu="A100-SXM4-40GB",
+        source="modelled",
+        policy="iso_time",
+        parallel={"tp": 1, "pp": 1, "microbatches": 2},
+        frontier=(FrontierPoint(1.0, 1.0),),
+        chosen=FrontierPoint(1.0, 1.0),
+        schedule=schedule,
+        decisions={},
+        baselines={},
+        static_power_w=80.0,
+    )
+
+
+def step_compile(ctx: Context) -> StepResult:
+    from kareus.runtime.clocks import DryRunClocks, EmulatedClocks
+
+    ids = torch.randint(0, 128, (4, 4, 32), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(ctx.device)
+    rows, worst = [], 0.0
+    for codegen in ("python", "inductor"):
+        for with_plan in (False, True):
+            torch._dynamo.reset()
+            eager = _tiny_llama().to(ctx.device)
+            kwargs: dict[str, Any] = {"codegen": codegen}
+            if with_plan:
+                kwargs |= {
+                    "plan": _clock_plan(ctx.spec.clocks_mhz()),
+                    "clocks": DryRunClocks(EmulatedClocks()),
+                }
+            compiled = kareus.compile(copy.deepcopy(eager), **kwargs)
+            start = time.perf_counter()
+            loss_diff = grad_diff = 0.0
+            for step in range(2):  # two micro-batches per step: the plan's instructions
+                for m in range(2):
+                    x = ids[2 * step + m]
+                    le, lc = eager(x, x), compiled(x, x)
+                    le.backward()
+                    lc.backward()
+                    loss_diff = max(loss_diff, abs(le.item() - lc.item()) / abs(le.item()))
+            for p, q in zip(compiled.parameters(), eager.parameters(), strict=True):
+                scale = q.grad.abs().max().item() or 1.0
+                grad_diff = max(grad_diff, (p.grad - q.grad).abs().max().item() / scale)
+            runtime = getattr(kareus.api.find_backend(compiled), "runtime", None)
+            if runtime is not None:
+                runtime.close()
+            worst = max(worst, loss_diff, grad_diff)
+            rows.append(
+                {
+                    "codegen": codegen,
+                    "plan": with_plan,
+                    "max_rel_loss_diff": loss_diff,
+                    "max_rel_grad_diff": grad_diff,
+                    "compile_and_run_s": round(time.perf_counter() - start, 3),
+                }
+            )
+    ok = worst <= 1e-4
+    return StepResult(
+        "compile",
+        "passed" if ok else "failed",
+        f"4 configurations against eager, largest relative difference {worst:.2e} "
+        f"(fp32; limit 1e-4)",
+        rows,
+    )
+
+
+# ---- 2. clock switches ------------------------------------------------------------------------
+
+
+class _Recorder:
+    """A dry-run controller that records when each clock would have been set."""
+
+    name = "recorder"
+    journal_name = "dry-run"
+    device_key = None
+    index = 0
+
+    def __init__(self, clocks: list[int]) -> None:
+        self.clocks = clocks
+        self.sets: list[tuple[float, float]] = []
+
+    def supported_clocks(self) -> list[int]:
+        return list(self.clocks)
+
+    def set(self, freq_mhz: float) -> None:
+        self.sets.append((time.perf_counter(), float(freq_mhz)))
+
+    def reset(self) -> None:
+        """Nothing was changed."""
+
+
+def step_switches(ctx: Context) -> StepResult:
+    plan = _clock_plan(ctx.spec.clocks_mhz())
+    recorder = _Recorder(ctx.spec.clocks_mhz())
+    torch._dynamo.reset()
+    model = kareus.compile(_tiny_llama().to(ctx.device), plan=plan, clocks=recorder)
+    x = torch.randint(0, 128, (2, 4, 32), generator=torch.Generator().manual_seed(1))
+    x = x.to(ctx.device)
+    model(x[0], x[0]).backward()  # compile outside the timed step
+    model(x[1], x[1]).backward()
+    ctx.sync()
+    recorder.sets.clear()
+    sleep_s = 0.05
+    start = time.perf_counter()
+    if ctx.device.type == "cuda":  # the GPU is busy for 50 ms before the step's first switch
+        cycles = (
+            int(sleep_s * torch.cuda.clock_rate() * 1e3)
+            if hasattr(torch.cuda, "clock_rate")
+            else int(sleep_s * 1.5e9)
+        )
+        torch.cuda._sleep(cycles)
+    for m in range(2):
+        model(x[m], x[m]).backward()
+    ctx.sync()
+    runtime = kareus.api.find_backend(model).runtime
+    runtime.close()  # drains the switch queue
+    want = [s.freq_mhz for s in plan.schedule]
+    got = [f for _t, f in recorder.sets]
+    first_after = recorder.sets[0][0] - start if recorder.sets else float("nan")
+    rows = [
+        {"switch": i, "freq_mhz": f, "after_start_s": round(t - start, 6)}
+        for i, (t, f) in enumerate(recorder.sets)
+    ]
+    in_order = _dedup(want) == _dedup(got)
+    waited = ctx.device.type != "cuda" or first_after >= sleep_s * 0.9
+    how = (
+        f"first switch {first_after * 1e3:.1f} ms after a {sleep_s * 1e3:.0f} ms GPU sleep"
+        if ctx.device.type == "cuda"
+        else "no CUDA stream in a dry run: switches applied as the host reaches them"
+    )
+    return StepResult(
+        "switches",
+        "passed" if in_order and waited else "failed",
+        f"{len(got)} switches, {'in' if in_order else 'NOT in'} the plan's order "
+        f"({' '.join(f'{f:g}' for f in got)}); {how}",
+        rows,
+    )
+
+
+def _dedup(values: list[float]) -> list[float]:
+    """Consecutive equal clocks are one switch."""
+    return [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
+
+
+# ---- 3. energy --------------------------------------------------------------------------------
+
+
+def step_energy(ctx: Context) -> StepResult:
+    if ctx.device.type != "cuda":
+        from kareus.planner.profiler import EmulatedProfilingDevice, ProfilerEvaluator
+        from kareus.runtime.clocks import DryRunClocks
+
+        # The window logic over the emulated device's coarse counter (modelled figures).
+        emu = ctx.emulator
+        work = PartitionWork((OpCost("gemm", 4e12, 1e8), OpCost("memory", 0.0, 4e9)), None)
+        rows = []
+        for window in (0.0, 0.1, 1.0):
+            prof = ProfilerEvaluator(
+                EmulatedProfilingDevice(emu), DryRunClocks(), min_window_s=window
+            )
+            got = prof.partition(work, Knobs(ctx.clock_mhz, 0, launch_slot=None))
+            want = emu.partition(work, Knobs(ctx.clock_mhz, 0, launch_slot=None))
+            rows.append(
+                {
+                    "window_s": window,
+                    "energy_j": got.energy_j,
+                    "model_j": want.energy_j,
+                    "source": "modelled",
+                }
+            )
+        return StepResult(
+            "energy",
+            "passed" if abs(rows[-1]["energy_j"] / rows[-1]["model_j"] - 1) < 0.12 else "failed",
+            f"dry run: 1 s windows over the emulated counter read "
+            f"{rows[-1]['energy_j'] / rows[-1]['model_j']:.3f} of the modelled energy "
+            f"(0 s windows: {rows[0]['energy_j']:.3g} J); idle power modelled "
+            f"{ctx.spec.calibration.static_power_w:.0f} W",
+            rows,
+        )
+    from zeus.monitor import ZeusMonitor  # pragma: no cover - needs a GPU
+
+    index = ctx.device.index or 0
+    monitor = ZeusMonitor(gpu_indices=[index])
+    rows = []
+
+    def window(name: str, seconds: float, busy: bool) -> float:
+        monitor.begin_window(name)
+        end = time.perf_counter() + seconds
+        a = torch.randn(8192, 8192, device=ctx.device, dtype=torch.bfloat16) if busy else None
+        while time.perf_counter() < end:
+            if busy:
+                a @ a
+                ctx.sync()
+            else:
+                time.sleep(0.01)
+        m = monitor.end_window(name)
+        power = m.total_energy / m.time
+        rows.append(
+            {
+                "window": name,
+                "seconds": m.time,
+                "energy_j": m.total_energy,
+                "power_w": power,
+                "clock_mhz": _sm_clock(index),
+                "source": "measured",
+            }
+        )
+        return power
+
+    idle = window("idle", 2.0, busy=False)
+    busy = window("busy-gemm", 2.0, busy=True)
+    short = [window(f"idle-0.1s-{i}", 0.1, busy=False) for i in range(10)]
+    spread = statistics.pstdev(short) / statistics.mean(short) if statistics.mean(short) else 0
+    return StepResult(
+        "energy",
+        "passed" if busy > idle > 0 else "failed",
+        f"idle {idle:.0f} W (model's static power {ctx.spec.calibration.static_power_w:.0f} W), "
+        f"busy GEMM {busy:.0f} W (TDP {ctx.spec.tdp_w:.0f} W); 0.1 s idle windows scatter "
+        f"{spread * 100:.0f} % (measured)",
+        rows,
+    )
+
+
+# ---- 4. op classes ----------------------------------------------------------------------------
+
+SHAPES = {  # hidden, intermediate, heads, kv heads (TP 8 shards)
+    "llama3.2-3b": (3072, 8192, 24, 8),
+    "llama3.1-8b": (4096, 14336, 32, 8),
+    "llama3.3-70b": (8192, 28672, 64, 8),
+}
+
+
+def _costs(fn: Callable[..., Any], inputs: list[torch.Tensor]) -> tuple[OpCost, ...]:
+    """kareus's own cost of each op ``fn`` runs (traced on fake tensors, as the passes do)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from kareus.passes.annotate_costs import annotate_node
+
+    gm = make_fx(fn, tracing_mode="fake")(*inputs)
+    costs = [annotate_node(n) for n in gm.graph.nodes if n.op == "call_function"]
+    return tuple(c for c in costs if c.op_class != "view")
+
+
+def _time(
+    ctx: Context, fn: Callable[..., Any], inputs: list[torch.Tensor], window_s: float
+) -> float:
+    for _ in range(3):
+        fn(*inputs)
+    ctx.sync()
+    reps, start = 0, time.perf_counter()
+    if ctx.device.type == "cuda":
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+    while True:
+        fn(*inputs)
+        reps += 1
+        if reps % 10 == 0:
+            ctx.sync()
+            if time.perf_counter() - start >= window_s:
+                break
+    if ctx.device.type == "cuda":
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3 / reps
+    return (time.perf_counter() - start) / reps
+
+
+def _op_cases(ctx: Context) -> list[tuple[str, str, str, Callable[..., Any], list[torch.Tensor]]]:
+    dt = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+    scale = 1 if ctx.device.type == "cuda" else 16
+    tokens, seq, tp = 4 * 4096 // scale, 4096 // scale, 8
+    gen = torch.Generator().manual_seed(0)
+
+    def t(*shape: int, grad: bool = False) -> torch.Tensor:
+        x = torch.randn(*shape, generator=gen).to(ctx.device, dt)
+        return x.requires_grad_(grad)
+
+    cases = []
+    for model, (h, i, heads, kv) in SHAPES.items():
+        h, i = h // scale, i // scale
+        hd = 128 // min(scale, 4)
+        qkv = (heads + 2 * kv) * hd // tp
+        for name, (m, k, n) in {
+            "qkv": (tokens, h, qkv),
+            "out_proj": (tokens, heads * hd // tp, h),
+            "fc1": (tokens, h, 2 * i // tp),
+            "fc2": (tokens, i // tp, h),
+        }.items():
+            cases.append((model, f"gemm {name}", "gemm", torch.mm, [t(m, k), t(k, n)]))
+    # Attention of the 3B layer (24 heads / TP 8 = 3 per rank), causal, 4 sequences.
+    heads, hd, b = 3, 128 // min(scale, 4), 4
+    q, k, v = (t(b, heads, seq, hd, grad=True) for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return sdpa(q, k, v, is_causal=True)
+
+    def fwd_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        out = sdpa(q, k, v, is_causal=True)
+        return torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    cases.append(("llama3.2-3b", "attention forward", "attention", fwd, [q, k, v]))
+    cases.append(("llama3.2-3b", "attention forward+backward", "attention", fwd_bwd, [q, k, v]))
+    h = 3072 // scale
+    x, w = t(tokens, h), t(h)
+
+    def rmsnorm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+
+    def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(a) * b
+
+    cases.append(("llama3.2-3b", "rmsnorm (eager ops)", "memory", rmsnorm, [x, w]))
+    cases.append(("llama3.2-3b", "swiglu (eager ops)", "memory", swiglu, [x, t(tokens, h)]))
+    return cases
+
+
+def step_ops(ctx: Context) -> StepResult:
+    emu = ctx.emulator
+    window = 0.3 if ctx.device.type == "cuda" else 0.02
+    rows = []
+    for model, name, cls, fn, inputs in _op_cases(ctx):
+        costs = _costs(fn, inputs)
+        measured = _time(ctx, fn, inputs, window)
+        modelled = emu.ops(costs, ctx.clock_mhz).time_s
+        rows.append(
+            {
+                "model": model,
+                "op": name,
+                "class": cls,
+                "kernels_costed": len(costs),
+                "gflop": round(sum(c.flops for c in costs) / 1e9, 3),
+                "mbytes": round(sum(c.bytes for c in costs) / 1e6, 3),
+                "clock_mhz": ctx.clock_mhz,
+                "measured_s": measured,
+                "modelled_s": modelled,
+                "ratio": measured / modelled,
+            }
+        )
+    per_class = {
+        cls: statistics.median(r["ratio"] for r in rows if r["class"] == cls)
+        for cls in dict.fromkeys(r["class"] for r in rows)
+    }
+    what = (
+        "CPU against the GPU model: not a fidelity figure" if ctx.dry_run else "measured / modelled"
+    )
+    return StepResult(
+        "ops",
+        "passed",
+        f"{len(rows)} ops at {ctx.clock_mhz:g} MHz; median time ratio per class ({what}): "
+        + ", ".join(f"{c} {v:.2f}" for c, v in per_class.items()),
+        rows,
+    )
+
+
+# ---- 5. one partition, as kareus profile measures it ------------------------------------------
+
+
+def step_profile(ctx: Context) -> StepResult:
+    from kareus.planner.knobs import _digest
+    from kareus.planner.profiler import ProfilerEvaluator
+    from kareus.profile import ProgramDevice
+    from kareus.runtime.clocks import DryRunClocks
+    from kareus.trace import Workload, fake_world, trace_stage
+
+    if ctx.dry_run:
+        work = Workload(model="tiny-4l", tp=2, microbatch_size=4, seq_len=64)
+    else:  # pragma: no cover - needs a GPU
+        work = Workload(model="llama3.2-3b", tp=8, microbatch_size=4, seq_len=4096)
+    start = time.perf_counter()
+    with fake_world(work.tp, work.cp) as groups:
+        traced = trace_stage(
+            work,
+            1 if work.pp > 1 else 0,
+            layers=4,
+            groups=groups,
+            extract=True,
+            device=ctx.device.type,
+        )
+    trace_s = time.perf_counter() - start
+    key = next(k for k, t in traced.pset.types.items() if t.collective is not None)
+    ptype = traced.pset.types[key]
+    type_work = PartitionWork(ptype.compute, ptype.collective)
+    static = ctx.spec.calibration.static_power_w
+    cuda = ctx.device.type == "cuda"
+    device = ProgramDevice(
+        {_digest(type_work): traced.programs[key]},
+        {"tp": None},  # one GPU: the collective is left out
+        ctx.device,
+        model=None if cuda else ctx.emulator,
+        static_power_w=static,
+        gpu_index=ctx.device.index or 0,
+    )
+    profiler = ProfilerEvaluator(
+        device,
+        DryRunClocks(),
+        lock_clocks=False,
+        static_power_w=static,
+        min_window_s=1.0 if cuda else 0.05,
+    )
+    knobs = Knobs(ctx.clock_mhz, 0, launch_slot=None)
+    got = profiler.partition(type_work, knobs)
+    want = ctx.emulator.partition(PartitionWork(ptype.compute, None), knobs)
+    row = {
+        "workload": work.describe(),
+        "type": key,
+        "ops": len(ptype.compute),
+        "clock_mhz": ctx.clock_mhz,
+        "measured_s": got.time_s,
+        "modelled_s": want.time_s,
+        "time_ratio": got.time_s / want.time_s,
+        "energy_j": got.energy_j,
+        "modelled_energy_j": want.energy_j,
+        "energy_ratio": got.energy_j / want.energy_j,
+        "energy_source": device.energy_source,
+        "trace_s": round(trace_s, 1),
+    }
+    return StepResult(
+        "profile",
+        "passed",
+        f"{key} of {work.describe()} ({len(ptype.compute)} ops, collective left out): time "
+        f"{got.time_s * 1e3:.3f} ms measured vs {want.time_s * 1e3:.3f} ms modelled "
+        f"({row['time_ratio']:.2f}x), energy {row['energy_ratio']:.2f}x "
+        f"({device.energy_source})",
+        [row],
+    )
+
+
+# ---- 6. NCCL all-reduce under CTA limits ------------------------------------------------------
+
+
+def _nccl_rank(rank: int, world: int, port: int, nbytes: int, shares: list[int], out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    if cuda:  # pragma: no cover - needs 2 GPUs
+        torch.cuda.set_device(rank)
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    buf = torch.ones(nbytes // 2, dtype=torch.bfloat16 if cuda else torch.float16, device=device)
+    rows = []
+    for share in shares:
+        options = None
+        if cuda:  # pragma: no cover - needs 2 GPUs
+            options = dist.ProcessGroupNCCL.Options()
+            options.config.max_ctas = share
+            options.config.min_ctas = min(share, options.config.min_ctas or share)
+        group = dist.new_group(list(range(world)), backend=backend, pg_options=options)
+        for _ in range(3):
+            dist.all_reduce(buf, group=group)
+        if cuda:  # pragma: no cover
+            torch.cuda.synchronize()
+        start, reps = time.perf_counter(), 10
+        for _ in range(reps):
+            dist.all_reduce(buf, group=group)
+        if cuda:  # pragma: no cover
+            torch.cuda.synchronize()
+        rows.append({"sm_share": share, "measured_s": (time.perf_counter() - start) / reps})
+    if rank == 0:
+        torch.save(rows, out)
+    dist.destroy_process_group()
+
+
+def step_nccl(ctx: Context) -> StepResult:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from kareus.testing import free_port
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not ctx.dry_run and gpus < 2:
+        return StepResult("nccl", "skipped", f"{gpus} GPU(s): the all-reduce needs 2")
+    nbytes = 64 * 2**20 if not ctx.dry_run else 2**20
+    shares = [1, 2, 4, 8, 16, 32]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/rows.pt"
+        mp.start_processes(
+            _nccl_rank, args=(2, free_port(), nbytes, shares, out), nprocs=2, start_method="spawn"
+        )
+        rows = torch.load(out)
+    emu = ctx.emulator
+    for row in rows:
+        coll = CollectiveCost("all_reduce", float(nbytes), 2)
+        est = emu.partition(PartitionWork((), coll), Knobs(ctx.clock_mhz, row["sm_share"], None))
+        row |= {"bytes": nbytes, "modelled_s": est.time_s, "ratio": row["measured_s"] / est.time_s}
+    backend = "gloo on the CPU (the CTA limit has no effect)" if ctx.dry_run else "NCCL"
+    return StepResult(
+        "nccl",
+        "passed",
+        f"{backend}: {nbytes / 2**20:g} MiB all-reduce over 2 ranks, "
+        + ", ".join(f"{r['sm_share']} SMs {r['measured_s'] * 1e3:.2f} ms" for r in rows),
+        rows,
+    )
+
+
+# ---- driver -----------------------------------------------------------------------------------
+
+STEPS = (step_compile, step_switches, step_energy, step_ops, step_profile, step_nccl)
+
+
+def _sm_clock(index: int) -> float | None:
+    from kareus.profile import _sm_clock as read
+
+    return read(index)
+
+
+def _context(args: argparse.Namespace) -> Context:
+    if args.dry_run:
+        device = torch.device("cpu")
+        spec = gpu(args.gpu or "a100-40gb")
+        clock, how = float(spec.clock_max_mhz), "taken as the model's maximum (dry run)"
+        data = args.data or args.out / "data" / "dry-run"
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit(
+                "gpu_check: no CUDA GPU here; run it on a GPU machine, or with --dry-run to "
+                "exercise every step on the CPU"
+            )
+        device = torch.device("cuda", 0)  # pragma: no cover - needs a GPU
+        name = args.gpu or spec_name_for_device(torch.cuda.get_device_name(device))
+        if name is None:
+            raise SystemExit(
+                f"gpu_check: kareus has no model of {torch.cuda.get_device_name(device)}; "
+                "name the closest with --gpu"
+            )
+        spec = gpu(name)
+        found = _sm_clock(0)
+        clock, how = (
+            (found, "read from NVML")
+            if found
+            else (float(spec.clock_max_mhz), "taken as the model's maximum (NVML unreadable)")
+        )
+        data = args.data or pathlib.Path(__file__).parent / "data" / spec.name.lower()
+    return Context(args.dry_run, device, spec, clock, how, args.out, pathlib.Path(data))
+
+
+def _write_csv(path: pathlib.Path, rows: list[dict[str, Any]]) -> None:
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("gpu-check"))
+    parser.add_argument("--dry-run", action="store_true", help="every step on the CPU")
+    parser.add_argument("--gpu", help="kareus GPU type to compare with (default: detected)")
+    parser.add_argument("--data", type=pathlib.Path, help="directory for the CSVs")
+    parser.add_argument(
+        "--steps",
+        help="comma-separated subset of: "
+        + ", ".join(s.__name__.removeprefix("step_") for s in STEPS),
+    )
+    args = parser.parse_args(argv)
+    ctx = _context(args)
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    ctx.data.mkdir(parents=True, exist_ok=True)
+    wanted = set(args.steps.split(",")) if args.steps else None
+    results = []
+    for step in STEPS:
+        name = step.__name__.removeprefix("step_")
+        if wanted is not None and name not in wanted:
+            continue
+        print(f"[{name}] running", flush=True)
+        start = time.perf_counter()
+        try:
+            result = step(ctx)
+        except Exception as err:  # every step reports, whatever another did
+            traceback.print_exc()
+            result = StepResult(name, "failed", f"{type(err).__name__}: {err}")
+        result.seconds = time.perf_counter() - start
+        if result.rows:
+            _write_csv(ctx.data / f"{name}.csv", result.rows)
+        print(f"[{name}] {result.status} in {result.seconds:.1f} s: {result.summary}", flush=True)
+        results.append(result)
+    device = "CPU (dry run)" if ctx.dry_run else torch.cuda.get_device_name(ctx.device)
+    summary = [
+        f"# kareus GPU check{' (dry run: no figure here measures a GPU)' if ctx.dry_run else ''}",
+        "",
+        f"Device: {device}; compared with kareus's model of {ctx.spec.name}; SM clock "
+        f"{ctx.clock_mhz:g} MHz ({ctx.clock_source}); torch {torch.__version__}, "
+        f"python {platform.python_version()}. No clock, power limit or other setting was "
+        "changed. CSVs: " + str(ctx.data),
+        "",
+        "| step | status | seconds | what it found |",
+        "|---|---|---|---|",
+    ]
+    summary += [f"| {r.name} | {r.status} | {r.seconds:.1f} | {r.summary} |" for r in results]
+    (ctx.out / "summary.md").write_text("\n".join(summary) + "\n")
+    (ctx.data / "README.md").write_text(
+        f"# GPU check data: {device}\n\nWritten by `benchmarks/gpu_check.py"
+        f"{' --dry-run' if ctx.dry_run else ''}` (see its docstring for each step). Times are "
+        f"measured on {device} at the SM clock as found ({ctx.clock_mhz:g} MHz, "
+        f"{ctx.clock_source}); `modelled_*` columns are kareus's model of {ctx.spec.name} at "
+        "that clock; `ratio` is measured / modelled. Energies say their source.\n\n"
+        + "\n".join(f"- `{r.name}.csv`: {r.summary}" for r in results if r.rows)
+        + "\n"
+    )
+    print(f"wrote {ctx.out / 'summary.md'} and CSVs in {ctx.data}")
+    return 1 if any(r.status == "failed" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

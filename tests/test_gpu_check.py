@@ -1,0 +1,48 @@
+"""The prepared GPU check: its dry run exercises every step on the CPU."""
+
+import csv
+import subprocess
+import sys
+
+import pytest
+import torch
+
+SCRIPT = "benchmarks/gpu_check.py"
+
+
+def test_dry_run_runs_every_step_and_writes_summary_and_data(tmp_path):
+    run = subprocess.run(
+        [sys.executable, SCRIPT, "--dry-run", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    summary = (tmp_path / "summary.md").read_text()
+    assert "dry run: no figure here measures a GPU" in summary
+    assert "No clock, power limit or other setting was changed" in summary
+    steps = ("compile", "switches", "energy", "ops", "profile", "nccl")
+    for step in steps:
+        assert f"| {step} | passed |" in summary, summary
+        rows = list(csv.DictReader((tmp_path / "data" / "dry-run" / f"{step}.csv").open()))
+        assert rows, step
+    data = tmp_path / "data" / "dry-run"
+    compiled = list(csv.DictReader((data / "compile.csv").open()))
+    assert {(r["codegen"], r["plan"]) for r in compiled} == {
+        (c, p) for c in ("python", "inductor") for p in ("False", "True")
+    }
+    switches = [float(r["freq_mhz"]) for r in csv.DictReader((data / "switches.csv").open())]
+    assert len(switches) == 4 and len(set(switches)) == 4  # the plan's four clocks, in order
+    ops = list(csv.DictReader((data / "ops.csv").open()))
+    assert {r["class"] for r in ops} == {"gemm", "attention", "memory"}
+    assert all(float(r["measured_s"]) > 0 and float(r["modelled_s"]) > 0 for r in ops)
+    assert "README" not in summary and (data / "README.md").is_file()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU")
+def test_without_a_gpu_it_says_to_use_the_dry_run(tmp_path):
+    run = subprocess.run(
+        [sys.executable, SCRIPT, "--out", str(tmp_path)], capture_output=True, text=True
+    )
+    assert run.returncode != 0 and "--dry-run" in run.stderr
+    assert not (tmp_path / "summary.md").exists()
