@@ -492,7 +492,7 @@ def step_profile(ctx: Context) -> StepResult:
     static = ctx.spec.calibration.static_power_w
     cuda = ctx.device.type == "cuda"
     device = ProgramDevice(
-        {_digest(type_work): traced.programs[key]},
+        {_digest(type_work): [(traced.programs[key], 1)]},
         {"tp": None},  # one GPU: the collective is left out
         ctx.device,
         model=None if cuda else ctx.emulator,

@@ -82,7 +82,9 @@ class ProgramDevice:
     """Runs extracted partition programs: a profiling device of ``ProfilerEvaluator``.
 
     Args:
-        programs: the programs by the digest of their type's work.
+        programs: by the digest of the work they stand for, the programs that run it and
+            how often each runs (the work outside partitions of a stage is the traced
+            layers' pieces plus a repeated layer's, as the partition set counts it).
         groups: the real process group's name for each collective role (``tp``, ``cp``).
         device: where the programs run.
         model: the hardware model that supplies energy where nothing measures it (CPU).
@@ -95,7 +97,7 @@ class ProgramDevice:
 
     def __init__(
         self,
-        programs: Mapping[str, PartitionProgram],
+        programs: Mapping[str, list[tuple[PartitionProgram, int]]],
         groups: Mapping[str, str | None],
         device: torch.device,
         *,
@@ -114,7 +116,7 @@ class ProgramDevice:
         self.gpu_index = gpu_index
         self.seed = seed
         self.pool = job_pool() if dist.is_initialized() else None
-        self._graphs: dict[tuple[str, int | None, int | None], Any] = {}
+        self._graphs: dict[tuple[str, int | None, int | None], list[tuple[Any, Any, int]]] = {}
         self._inputs: collections.OrderedDict[str, list[torch.Tensor]] = collections.OrderedDict()
         self._modelled_j = 0.0
         self._model_cache: dict[tuple[str, Knobs], Estimate] = {}
@@ -143,31 +145,49 @@ class ProgramDevice:
         return _digest(work) in self.programs
 
     def run(self, work: PartitionWork, knobs: Knobs) -> None:
-        """Run the program of ``work`` once, ordered and grouped per ``knobs``."""
+        """Run the programs of ``work`` once, ordered and grouped per ``knobs``."""
         key = _digest(work)
-        program = self.programs[key]
         slot = knobs.launch_slot
         share = knobs.sm_share if slot is not None else None  # alone: the default group
         graph_key = (key, slot, share)
         if graph_key not in self._graphs:
-            role = program.group_name
-            group = self.groups.get(role) if role is not None else None
-            self._graphs[graph_key] = program.scheduled(
-                Decision(slot, share), group, self.pool if share is not None else None
-            )
-        if key not in self._inputs:
-            while len(self._inputs) >= 2:  # keep the inputs of the last two types only
-                self._inputs.popitem(last=False)
-            self._inputs[key] = program.make_inputs(self.device, self.seed)
+            self._graphs[graph_key] = [
+                (
+                    program,
+                    program.scheduled(
+                        Decision(slot, share),
+                        self._group(program),
+                        self.pool if share is not None else None,
+                    ),
+                    repeat,
+                )
+                for program, repeat in self.programs[key]
+            ]
         with torch.no_grad():
-            self._graphs[graph_key](*self._inputs[key])
+            for program, gm, repeat in self._graphs[graph_key]:
+                inputs = self._inputs_of(program)
+                for _ in range(repeat):
+                    gm(*inputs)
         if self.model is not None:
             if (key, knobs) not in self._model_cache:  # outside the timed loop's cost
-                role = program.group_name
-                alone = role is None or self.groups.get(role) is None  # collective left out
-                ran = PartitionWork(work.ops) if alone else work
+                alone = all(self._group(p) is None for p, _r in self.programs[key])
+                ran = PartitionWork(work.ops) if alone else work  # collective left out
                 self._model_cache[(key, knobs)] = self.model.partition(ran, knobs)
             self._modelled_j += self._model_cache[(key, knobs)].dynamic_energy_j
+
+    def _group(self, program: PartitionProgram) -> str | None:
+        """Return the real group of the program's collective (None: left out)."""
+        role = program.group_name
+        return self.groups.get(role) if role is not None else None
+
+    def _inputs_of(self, program: PartitionProgram) -> list[torch.Tensor]:
+        """Random inputs of ``program``, kept for the programs run most recently."""
+        if program.key not in self._inputs:
+            while len(self._inputs) >= 8:
+                self._inputs.popitem(last=False)
+            self._inputs[program.key] = program.make_inputs(self.device, self.seed)
+        self._inputs.move_to_end(program.key)
+        return self._inputs[program.key]
 
     def synchronize(self) -> None:
         """Wait for the device."""
@@ -235,8 +255,8 @@ class _Profiled:
         return self.model.partition(work, knobs)
 
     def ops(self, ops: tuple[OpCost, ...], freq_mhz: float) -> Estimate:
-        """Model work outside partitions (it has no program)."""
-        return self.model.ops(ops, freq_mhz)
+        """Measure work outside partitions from its programs; model it without."""
+        return self.partition(PartitionWork(ops, None), Knobs(freq_mhz, 0, launch_slot=None))
 
 
 @dataclasses.dataclass
@@ -321,15 +341,8 @@ def profile_workload(
     note = progress if progress is not None and rank == 0 else (lambda _s: None)
     start = time.perf_counter()
     stages, notes, programs = trace_programs(work, layers=layers, progress=note, device=device.type)
-    by_work: dict[str, PartitionProgram] = {}
-    type_of: dict[str, str] = {}
-    for si, (pset, progs) in enumerate(zip(stages, programs, strict=True)):
-        for key, ptype in pset.types.items():
-            digest = _digest(PartitionWork(ptype.compute, ptype.collective))
-            type_of.setdefault(digest, f"{si}/{key}")
-            if key in progs:
-                by_work.setdefault(digest, progs[key])
-    if not any(p.partition.collective for p in by_work.values()):
+    by_work, type_of = _programs_by_work(stages, programs)
+    if not any(p.partition and p.partition.collective for ps in by_work.values() for p, _ in ps):
         raise ValueError(
             f"{work.describe()} has no partition with a collective to measure (TP and CP "
             "1 have none): plan its clocks with `kareus plan`"
@@ -378,7 +391,7 @@ def profile_workload(
         def describe(w: PartitionWork, knobs: Knobs, est: Estimate) -> dict[str, Any]:
             measured = program_device.has(w)
             row = {
-                "type": type_of.get(_digest(w), "outside partitions"),
+                "type": type_of.get(_digest(w), "not extracted"),
                 "gpu": spec.name,
                 "device": device_name,
                 "ranks": world,
@@ -424,6 +437,54 @@ def profile_workload(
         save_stages(work, stages, out / "partitions.json")
         write_text(out / "profile.md", profile_markdown(result, str(out)))
     return result
+
+
+def _programs_by_work(
+    stages: list[PartitionSet], programs: list[dict[str, PartitionProgram]]
+) -> tuple[dict[str, list[tuple[PartitionProgram, int]]], dict[str, str]]:
+    """Map the digest of each work planning evaluates to the programs that run it.
+
+    Returns:
+        The programs (and repetitions) per work digest, and a name per digest: the type
+        key, or what outside partitions it is.
+    """
+    from kareus.trace import TEMPLATE_POSITION
+
+    by_work: dict[str, list[tuple[PartitionProgram, int]]] = {}
+    names: dict[str, str] = {}
+
+    def add(work: PartitionWork, pieces: list[PartitionProgram | None], name: str) -> None:
+        if not pieces or any(p is None for p in pieces):
+            return  # nothing extracted for it: the model answers
+        got = tuple(o for p in pieces for o in p.work.ops)  # type: ignore[union-attr]
+        if _unnamed(got) != _unnamed(work.ops):
+            raise RuntimeError(f"the programs of {name} do not add up to its work")
+        counts = collections.Counter(id(p) for p in pieces)
+        unique = {id(p): p for p in pieces}
+        digest = _digest(work)
+        by_work.setdefault(digest, [(unique[i], n) for i, n in counts.items()])  # type: ignore[misc]
+        names.setdefault(digest, name)
+
+    for si, (pset, progs) in enumerate(zip(stages, programs, strict=True)):
+        for key, ptype in pset.types.items():
+            add(PartitionWork(ptype.compute, ptype.collective), [progs.get(key)], f"{si}/{key}")
+        for kind in ("forward", "backward"):
+            order = list(dict.fromkeys(p.block for p in pset.partitions if p.instruction == kind))
+            template = order[TEMPLATE_POSITION] if len(order) > TEMPLATE_POSITION else None
+            pieces = [progs.get(f"{kind}/outside")] if pset.other.get(kind) else []
+            pieces += [
+                progs.get(f"{kind}/block/{block}", progs.get(f"{kind}/block/{template}"))
+                for block in pset.block_other.get(kind, {})
+            ]
+            add(PartitionWork(pset.outside(kind)), pieces, f"{si}/{kind} outside partitions")
+            for coll in pset.exposed.get(kind, ()):
+                program = progs.get(f"{kind}/exposed/{coll.name}")
+                add(PartitionWork((), coll), [program], f"{si}/{kind} collective alone")
+    return by_work, names
+
+
+def _unnamed(ops: tuple[OpCost, ...]) -> tuple[OpCost, ...]:
+    return tuple(dataclasses.replace(o, name="") for o in ops)
 
 
 def _device(name: str | None) -> torch.device:

@@ -219,45 +219,56 @@ def cut_graph(
     order = {n.name: i for i, n in enumerate(graph.nodes)}
     # Blocks run in reverse in the backward graph: follow this graph's order.
     chain.sort(key=lambda item: min(order[s.issue.name] for s in item[1][0][0] if s.issue))
-    in_partitions: set[str] = set()
     if not chain:
         pset.notes[kind] = "no split block with collectives: frequency planning only"
     else:
-        in_partitions = _interleave(graph, kind, chain, pset, fuse)
-    outside = [
-        n
-        for n in graph.nodes
-        if n.op == "call_function"
-        and n.name not in in_partitions
-        and cost_of(n).op_class in ("gemm", "attention", "memory", "view")
-    ]
-    owner = {
-        name: block
-        for block, _cut in chain
-        for names in spans.get(block, {}).values()
-        for name in names
-    }
-    per_block: dict[str, list[fx.Node]] = {}
-    for n in outside:
-        if n.name in owner:
-            per_block.setdefault(owner[n.name], []).append(n)
+        _interleave(graph, kind, chain, pset, fuse)
+    rest, per_block, exposed = outside_nodes(graph, kind, pset, spans)
     pset.block_other[kind] = {
         block: partition_costs(nodes, fuse) for block, nodes in per_block.items()
     }
-    rest = [n for n in outside if n.name not in owner]
     pset.other[kind] = partition_costs(rest, fuse)
-    pset.exposed[kind] = tuple(
-        collective_cost(n)
-        for n in graph.nodes
-        if n.op == "call_function"
-        and n.name not in in_partitions
-        and cost_of(n).op_class == "collective_issue"
-    )
+    pset.exposed[kind] = tuple(collective_cost(n) for n in exposed)
+
+
+def outside_nodes(
+    graph: fx.Graph, kind: str, pset: PartitionSet, spans: dict[str, Any]
+) -> tuple[list[fx.Node], dict[str, list[fx.Node]], list[fx.Node]]:
+    """Return the compute of ``graph`` outside its partitions, and its exposed collectives.
+
+    Returns:
+        The compute outside split blocks (embedding, head, loss, blocks left whole); per split
+        block with partitions, its compute outside them (weight gradients, residual tail);
+        the issue nodes of collectives that overlap no compute. All in graph order.
+    """
+    parts = [p for p in pset.partitions if p.instruction == kind]
+    inside = {n for p in parts for n in (*p.compute, *(p.collective or ()))}
+    owner = {
+        name: block
+        for block in dict.fromkeys(p.block for p in parts)
+        for names in spans.get(block, {}).values()
+        for name in names
+    }
+    rest: list[fx.Node] = []
+    per_block: dict[str, list[fx.Node]] = {}
+    exposed: list[fx.Node] = []
+    for n in graph.nodes:
+        if n.op != "call_function" or n.name in inside:
+            continue
+        cls = cost_of(n).op_class
+        if cls == "collective_issue":
+            exposed.append(n)
+        elif cls in ("gemm", "attention", "memory", "view"):
+            if n.name in owner:
+                per_block.setdefault(owner[n.name], []).append(n)
+            else:
+                rest.append(n)
+    return rest, per_block, exposed
 
 
 def _interleave(
     graph: fx.Graph, kind: str, chain: list[Any], pset: PartitionSet, fuse: bool
-) -> set[str]:
+) -> None:
     order = {n.name: i for i, n in enumerate(graph.nodes)}
     first_block = chain[0][1]
     # X: the nanobatch whose first segment runs first in this graph.
@@ -270,7 +281,6 @@ def _interleave(
             segs[nb].extend(block_segs)
             if i + 1 < len(chain):  # the residual tail joins the next block's first segment
                 chain[i + 1][1][nb][0][0].compute[:0] = tail
-    used: set[str] = set()
     signatures: dict[tuple[Any, ...], str] = {
         _signature(t.compute, t.collective): key for key, t in pset.types.items()
     }
@@ -302,12 +312,6 @@ def _interleave(
                     else None,
                 )
             )
-            used.update(n.name for n in compute)
-            if overlapped and overlapped.issue is not None:
-                used.add(overlapped.issue.name)
-                if overlapped.wait is not None:
-                    used.add(overlapped.wait.name)
-    return used
 
 
 def _signature(costs: tuple[OpCost, ...], coll: CollectiveCost | None) -> tuple[Any, ...]:

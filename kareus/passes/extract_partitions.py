@@ -1,17 +1,21 @@
-"""Extract each partition type as a program that runs alone.
+"""Extract each partition type, and the work outside partitions, as programs that run alone.
 
 For every partition type of a forward or backward graph, one of its partitions (they are
 identical) is copied out of the graph: its compute nodes in order, then the issue and wait of
-the collective it overlaps. Values the partition reads from the rest of the graph become
-inputs, recorded with their shapes, strides and dtypes so that random inputs of the captured
-shapes can be made; values the rest of the graph reads become outputs. The copy keeps node
-names, so the partition's record (slots, compute, collective) names the program's nodes and
+the collective it overlaps. The work outside partitions is copied too, in the pieces the
+partition set counts it in: the compute outside split blocks, each split block's compute
+outside its partitions, and each collective that overlaps nothing. Values a program reads
+from the rest of the graph become inputs, recorded with their shapes, strides and dtypes so
+that random inputs of the captured shapes can be made; values the rest of the graph reads
+become outputs. The copy keeps node names, so a partition's record (slots, compute,
+collective) names the program's nodes and
 :func:`~kareus.passes.schedule_overlap.rewrite_schedule` reorders it like the whole graph.
 
-The program's cost is read from its own nodes with the functions that cut the partitions
-(:func:`~kareus.passes.cut_partitions.partition_costs`); the pass checks it equals the type's,
-so what ``kareus profile`` measures is what the emulator costs. It runs only when
-``Config.extract_partitions`` is set (``kareus profile`` sets it); the graph does not change.
+A program's cost is read from its own nodes with the functions that cut the partitions
+(:func:`~kareus.passes.cut_partitions.partition_costs`); the pass checks it equals what the
+partition set records, so what ``kareus profile`` measures is what the emulator costs. It
+runs only when ``Config.extract_partitions`` is set (``kareus profile`` sets it); the graph
+does not change.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ import torch.fx as fx
 
 from kareus.costs import PartitionWork
 from kareus.partitions import Decision, Partition, PartitionSet
-from kareus.passes.annotate_costs import concrete
+from kareus.passes.annotate_costs import concrete, cost_of
 from kareus.passes.base import GraphPass, PassContext, PassResult
-from kareus.passes.cut_partitions import collective_cost, partition_costs
+from kareus.passes.cut_partitions import collective_cost, outside_nodes, partition_costs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,19 +56,20 @@ class TensorSpec:
 
 @dataclasses.dataclass
 class PartitionProgram:
-    """One partition type as a runnable program (see the module docstring).
+    """A partition type, or a piece of the work outside partitions, as a runnable program.
 
     Attributes:
-        type_key: the :class:`~kareus.partitions.PartitionType` it stands for.
-        partition: the copied partition; its node names are the program's.
-        work: the program's cost, equal to the type's.
+        key: what it stands for: a partition type's key, or ``KIND/outside``,
+            ``KIND/block/BLOCK``, ``KIND/exposed/NODE`` for work outside partitions.
+        partition: the copied partition (its node names are the program's); None outside.
+        work: the program's cost, equal to what the partition set records for it.
         gm: the program, in captured order (issue and wait after the compute).
         inputs: one spec per placeholder, in order.
-        group_name: the process group the collective was traced on, or None.
+        group_name: the process group its collective was traced on, or None.
     """
 
-    type_key: str
-    partition: Partition
+    key: str
+    partition: Partition | None
     work: PartitionWork
     gm: fx.GraphModule
     inputs: tuple[TensorSpec, ...]
@@ -91,55 +96,74 @@ class PartitionProgram:
         from kareus.runtime.comm_pool import _group_arg
 
         graph = copy.deepcopy(self.gm.graph)
-        by_name = {n.name: n for n in graph.nodes}
+        issues = [n for n in graph.nodes if cost_of(n).op_class == "collective_issue"]
+        waits = [n for n in graph.nodes if cost_of(n).op_class == "collective_wait"]
+        if group_name is None and issues:
+            output = next(n for n in graph.nodes if n.op == "output")
+            gone = {*issues, *waits}
+            output.args = (tuple(a for a in output.args[0] if a not in gone),)
+            for node in (*waits, *issues):
+                graph.erase_node(node)
+        for issue in issues if group_name is not None else ():
+            i = _group_arg(issue)
+            if i is not None:
+                issue.args = (*issue.args[:i], group_name, *issue.args[i + 1 :])
         part = self.partition
-        if part.collective is not None:
-            issue, wait = (by_name[n] for n in part.collective)
+        if part is not None:
             if group_name is None:
-                output = next(n for n in graph.nodes if n.op == "output")
-                output.args = (tuple(a for a in output.args[0] if a not in (issue, wait)),)
-                graph.erase_node(wait)
-                graph.erase_node(issue)
                 part = dataclasses.replace(part, collective=None)
-            else:
-                i = _group_arg(issue)
-                if i is not None:
-                    issue.args = (*issue.args[:i], group_name, *issue.args[i + 1 :])
-        pset = PartitionSet(partitions=[part])
-        share = decision.sm_share if part.collective is not None else None
-        rewrite_schedule(
-            graph,
-            part.instruction,
-            pset,
-            {part.type_key: dataclasses.replace(decision, sm_share=share)},
-            pool,
-        )
+            share = decision.sm_share if part.collective is not None else None
+            rewrite_schedule(
+                graph,
+                part.instruction,
+                PartitionSet(partitions=[part]),
+                {part.type_key: dataclasses.replace(decision, sm_share=share)},
+                pool,
+            )
+        elif pool is not None and decision.sm_share is not None and group_name is not None:
+            pool.regroup([(issue, decision.sm_share) for issue in issues])
         graph.lint()
-        return fx.GraphModule(self.gm, graph, class_name=f"Partition_{part.type_key}")
+        return fx.GraphModule(self.gm, graph, class_name=_class_name(self.key))
 
 
 class ExtractPartitions(GraphPass):
-    """Keep one runnable program per partition type (when ``Config.extract_partitions``)."""
+    """Keep runnable programs of the graph's work (when ``Config.extract_partitions``)."""
 
     name = "extract_partitions"
     graphs = frozenset({"forward", "backward"})
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        """Record ``{type key: PartitionProgram}`` under this pass's name in the findings."""
+        """Record ``{key: PartitionProgram}`` under this pass's name in the findings."""
         pset: PartitionSet | None = ctx.findings.get("cut_partitions")
         if not ctx.config.extract_partitions or pset is None:
             return PassResult(gm, modified=False)
         programs: dict[str, PartitionProgram] = ctx.findings.setdefault(self.name, {})
+        kind, fuse = ctx.graph, ctx.config.fuse_memory_ops
+        wanted: dict[str, tuple[PartitionProgram, PartitionWork]] = {}
         for key, ptype in pset.types.items():
-            if ptype.instruction != ctx.graph or key in programs:
-                continue
-            part = next(p for p in pset.partitions if p.type_key == key)
-            program = extract(gm, part, fuse=ctx.config.fuse_memory_ops)
-            want = PartitionWork(ptype.compute, ptype.collective)
+            if ptype.instruction == kind:
+                part = next(p for p in pset.partitions if p.type_key == key)
+                nodes = [*part.compute, *(part.collective or ())]
+                program = extract(gm, nodes, key, fuse=fuse, partition=part)
+                wanted[key] = program, PartitionWork(ptype.compute, ptype.collective)
+        blockset = ctx.findings.get("find_blocks")
+        spans = blockset.spans.get(kind, {}) if blockset is not None else {}
+        rest, per_block, exposed = outside_nodes(gm.graph, kind, pset, spans)
+        if rest:
+            program = extract(gm, [n.name for n in rest], f"{kind}/outside", fuse=fuse)
+            wanted[program.key] = program, PartitionWork(pset.other[kind])
+        for block, nodes in per_block.items():
+            program = extract(gm, [n.name for n in nodes], f"{kind}/block/{block}", fuse=fuse)
+            wanted[program.key] = program, PartitionWork(pset.block_other[kind][block])
+        for issue in exposed:
+            names = [issue.name, *(u.name for u in issue.users)]
+            program = extract(gm, names, f"{kind}/exposed/{issue.name}", fuse=fuse)
+            wanted[program.key] = program, PartitionWork((), collective_cost(issue))
+        for key, (program, want) in wanted.items():
             if _strip(program.work) != _strip(want):
                 raise ValueError(
-                    f"the extracted program of {key} costs differently from its type: "
-                    "extraction and partition cutting disagree on its nodes"
+                    f"the extracted program of {key} costs differently from what the "
+                    "partition set records: extraction and partition cutting disagree"
                 )
             programs[key] = program
         return PassResult(gm, modified=False)
@@ -152,16 +176,32 @@ def _strip(work: PartitionWork) -> PartitionWork:
     return PartitionWork(ops, coll)
 
 
-def extract(gm: fx.GraphModule, part: Partition, *, fuse: bool) -> PartitionProgram:
-    """Copy one partition of ``gm`` into a program of its own (see the module docstring).
+def _class_name(key: str) -> str:
+    return "Program_" + "".join(c if c.isalnum() else "_" for c in key)
+
+
+def extract(
+    gm: fx.GraphModule,
+    names: list[str],
+    key: str,
+    *,
+    fuse: bool,
+    partition: Partition | None = None,
+) -> PartitionProgram:
+    """Copy nodes of ``gm`` into a program of their own (see the module docstring).
+
+    Args:
+        gm: the graph.
+        names: the nodes, in order: compute, then any collective's issue and wait.
+        key: what the program stands for.
+        fuse: cost runs of memory-bound ops as fused kernels (``Config.fuse_memory_ops``).
+        partition: the partition the nodes are, if they are one.
 
     Raises:
-        ValueError: an input of the partition is not a tensor or a size.
+        ValueError: an input of the nodes is not a tensor or a size.
     """
     by_name = {n.name: n for n in gm.graph.nodes}
-    nodes = [by_name[n] for n in part.compute]
-    if part.collective is not None:
-        nodes += [by_name[n] for n in part.collective]
+    nodes = [by_name[n] for n in names]
     inside = set(nodes)
     graph = fx.Graph()
     env: dict[fx.Node, Any] = {}
@@ -182,24 +222,28 @@ def extract(gm: fx.GraphModule, part: Partition, *, fuse: bool) -> PartitionProg
                 env[arg] = concrete(val) if isinstance(val, torch.SymInt) else val
             else:
                 raise ValueError(
-                    f"partition {part.type_key} reads {arg.name}, which is neither a tensor "
-                    f"nor a size ({type(val).__name__})"
+                    f"program {key} reads {arg.name}, which is neither a tensor nor a size "
+                    f"({type(val).__name__})"
                 )
     for node in nodes:
         env[node] = graph.node_copy(node, lambda a: env[a])
     outputs = [env[n] for n in nodes if any(u not in inside for u in n.users) or not n.users]
     graph.output(tuple(outputs))
-    program = fx.GraphModule(gm, graph, class_name=f"Partition_{part.type_key}")
-    copied = [env[by_name[n]] for n in part.compute]
-    ops = partition_costs(copied, fuse)
-    issue = env[by_name[part.collective[0]]] if part.collective else None
-    work = PartitionWork(ops, collective_cost(issue) if issue is not None else None)
+    program = fx.GraphModule(gm, graph, class_name=_class_name(key))
+    copied = [env[n] for n in nodes]
+    compute = [n for n in copied if cost_of(n).op_class not in _COLLECTIVE]
+    issues = [n for n in copied if cost_of(n).op_class == "collective_issue"]
+    coll = collective_cost(issues[0]) if issues else None
+    work = PartitionWork(partition_costs(compute, fuse), coll)
     group = None
-    if issue is not None:
+    if issues:
         from kareus.runtime.comm_pool import _group_arg
 
-        i = _group_arg(issue)
-        group = issue.args[i] if i is not None else None
+        i = _group_arg(issues[0])
+        group = issues[0].args[i] if i is not None else None
     for n in graph.nodes:  # the specs hold the layouts; fake values must not outlive tracing
         n.meta.pop("val", None)
-    return PartitionProgram(part.type_key, part, work, program, tuple(specs), group)
+    return PartitionProgram(key, partition, work, program, tuple(specs), group)
+
+
+_COLLECTIVE = ("collective_issue", "collective_wait")
