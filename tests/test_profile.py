@@ -68,9 +68,7 @@ def test_work_outside_partitions_has_programs_that_add_up_to_it(traced, one_rank
         for coll in pset.exposed[kind]:
             assert programs[f"{kind}/exposed/{coll.name}"].work.collective == coll
         for program in pieces:  # they run (random inputs: values may be anything)
-            outputs = program.scheduled(Decision(None, None), one_rank)(
-                *program.make_inputs("cpu")
-            )
+            outputs = program.scheduled(Decision(None, None), one_rank)(*program.make_inputs("cpu"))
             assert len(outputs) > 0
 
 
