@@ -11,9 +11,11 @@ through the communicator pool, the clock locked only when permitted (``--lock-cl
 reset after each measurement, also on errors. The ranks agree on repetitions and combine
 their results, so they take the same search decisions and run the same collectives.
 
-Work outside partitions (embedding, head, loss, weight gradients outside partitions,
-collectives that overlap nothing) has no extracted program: the hardware model answers for
-it, and its rows say so.
+The work outside partitions (embedding, head, loss, each block's weight gradients,
+collectives that overlap nothing) is measured the same way, from the pieces the partition
+set counts it in: the traced layers' pieces, and an ordinary layer's again for each layer
+that was counted rather than traced. Work without a program (none in a normal trace) is
+left to the hardware model, and its rows say so.
 
 Writes to ``--out``: ``profiles.jsonl`` (the replay format of
 :class:`~kareus.planner.knobs.ReplayEvaluator`; each row also names the partition type, the
@@ -236,7 +238,7 @@ class ProgramDevice:
 
 
 class _Profiled:
-    """The evaluator of a profile: programs measured, everything else modelled."""
+    """The evaluator of a profile: work with programs measured, anything else modelled."""
 
     def __init__(self, profiler: ProfilerEvaluator, device: ProgramDevice, model: Emulator):
         self.profiler = profiler
