@@ -126,7 +126,10 @@ class ProgramDevice:
         self._measured_j = 0.0
         self.clock_mhz: float | None = None
         self._monitor: Any = None
+        self._epoch: Any = None
         if device.type == "cuda":  # pragma: no cover - needs a CUDA GPU
+            self._epoch = torch.cuda.Event(enable_timing=True)
+            self._epoch.record()
             from zeus.monitor import ZeusMonitor
 
             self._monitor = ZeusMonitor(gpu_indices=[gpu_index], sync_execution_with="torch")
@@ -197,8 +200,13 @@ class ProgramDevice:
             torch.cuda.synchronize(self.device)
 
     def now_s(self) -> float:
-        """Return wall time (read after :meth:`synchronize`)."""
-        return time.perf_counter()
+        """Return the device's time: CUDA events on a GPU, the perf counter on a CPU."""
+        if self._epoch is None:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)  # pragma: no cover - needs a GPU
+        event.record()  # pragma: no cover
+        event.synchronize()  # pragma: no cover
+        return float(self._epoch.elapsed_time(event)) / 1e3  # pragma: no cover
 
     def energy_j(self) -> float:
         """Return the cumulative energy: measured through Zeus, else modelled.

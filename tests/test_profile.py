@@ -17,8 +17,8 @@ from kareus.plan import Plan
 from kareus.testing import free_port
 from kareus.trace import Workload, fake_world, trace_stage
 
-WORK = Workload(model="tiny-4l", tp=2, microbatch_size=4, seq_len=64)
-SMALL = ["--model", "tiny-4l", "--tp", "2", "--microbatch-size", "4", "--seq-len", "64"]
+WORK = Workload(model="tiny", tp=2, microbatch_size=4, seq_len=64)
+SMALL = ["--model", "tiny", "--tp", "2", "--microbatch-size", "4", "--seq-len", "64"]
 
 
 def _names(work):
@@ -31,7 +31,7 @@ def _names(work):
 @pytest.fixture(scope="module")
 def traced():
     with fake_world(2, 1) as groups:
-        return trace_stage(WORK, 0, layers=4, groups=groups, extract=True)
+        return trace_stage(WORK, 0, layers=2, groups=groups, extract=True)
 
 
 @pytest.fixture
@@ -102,6 +102,10 @@ def test_programs_run_in_every_order_with_the_same_results(traced, one_rank):
             assert len(alone(*inputs)) == len(results[0]) - 1
 
 
+# 16 layers, 4 traced: the other 12 layers' work outside partitions runs an ordinary layer's.
+PROFILED = ["--model", "tiny-16l", "--tp", "2", "--microbatch-size", "4", "--seq-len", "64"]
+
+
 def test_profile_and_plan_from_it_across_two_ranks(tmp_path):
     out = tmp_path / "profile"
     env = dict(os.environ, PYTHONPATH=os.getcwd())
@@ -117,7 +121,7 @@ def test_profile_and_plan_from_it_across_two_ranks(tmp_path):
             "-m",
             "kareus",
             "profile",
-            *SMALL,
+            *PROFILED,
             "--clocks",
             "1410,1005",
             "--sm-shares",
@@ -157,7 +161,7 @@ def test_profile_and_plan_from_it_across_two_ranks(tmp_path):
     rc = main(
         [
             "plan",
-            *SMALL,
+            *PROFILED,
             "--sm-shares",
             "4,16",
             "--evaluator",
