@@ -96,6 +96,19 @@ def _workload_options(p: argparse.ArgumentParser) -> None:
         "--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="training dtype"
     )
     p.add_argument(
+        "--recompute",
+        choices=("none", "full", "selective"),
+        default="none",
+        help="activation recompute: full re-runs each layer's forward in its backward "
+        "(collectives included), selective the attention core only",
+    )
+    p.add_argument(
+        "--layers-per-stage",
+        type=_ints,
+        help="decoder layers of each pipeline stage, comma-separated (say 15,13; the first "
+        "stage also holds the embedding, the last the head and loss); default: even",
+    )
+    p.add_argument(
         "--layers-traced",
         type=_layers_traced,
         default=4,
@@ -452,6 +465,8 @@ def _workload(args: argparse.Namespace) -> Any:
         microbatches=args.microbatches,
         dtype=args.dtype,
         schedule=args.schedule,
+        recompute=args.recompute,
+        layers_per_stage=args.layers_per_stage,
     )
 
 

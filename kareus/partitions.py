@@ -134,6 +134,9 @@ class PartitionSet:
             residual tail). Kept per block so that counting repeated layers counts it too.
         exposed: per instruction, collectives that overlap no compute.
         notes: why a graph has no partitions.
+        recompute: per instruction, compute it re-runs for activation recompute (the
+            backward re-running its forward: :meth:`recomputed`); it overlaps nothing.
+        recompute_collectives: per instruction, collectives it re-runs, alone.
     """
 
     partitions: list[Partition] = dataclasses.field(default_factory=list)
@@ -142,6 +145,38 @@ class PartitionSet:
     block_other: dict[str, dict[str, tuple[OpCost, ...]]] = dataclasses.field(default_factory=dict)
     exposed: dict[str, tuple[CollectiveCost, ...]] = dataclasses.field(default_factory=dict)
     notes: dict[str, str] = dataclasses.field(default_factory=dict)
+    recompute: dict[str, tuple[OpCost, ...]] = dataclasses.field(default_factory=dict)
+    recompute_collectives: dict[str, tuple[CollectiveCost, ...]] = dataclasses.field(
+        default_factory=dict
+    )
+
+    def recomputed(self, mode: str) -> PartitionSet:
+        """Return a copy whose backward re-runs forward work, as activation recompute does.
+
+        ``full``: every forward op (partitions and outside them) and every forward
+        collective; ``selective``: the forward's attention ops only; ``none``: nothing. The
+        re-run work is kept apart from the rest (:attr:`recompute`), run without overlap at
+        the backward's clock; applying a mode twice gives the same set.
+        """
+        forward = [p for p in self.partitions if p.instruction == "forward"]
+        ops = tuple(o for p in forward for slot in p.slots for o in slot.ops) + self.outside(
+            "forward"
+        )
+        colls: tuple[CollectiveCost, ...] = ()
+        if mode == "full":
+            overlapped = [self.types[p.type_key].collective for p in forward]
+            colls = tuple(c for c in overlapped if c is not None) + self.exposed.get("forward", ())
+        elif mode == "selective":
+            ops = tuple(o for o in ops if o.op_class == "attention")
+        elif mode == "none":
+            ops = ()
+        else:
+            raise ValueError(f"recompute={mode!r} must be none, full or selective")
+        return dataclasses.replace(
+            self,
+            recompute={"backward": ops} if ops else {},
+            recompute_collectives={"backward": colls} if colls else {},
+        )
 
     def counts(self, instruction: str) -> dict[str, int]:
         """Return how many partitions of each type one ``instruction`` contains."""
@@ -218,5 +253,12 @@ class PartitionSet:
         for instr, colls in self.exposed.items():
             if colls:
                 lines.append(f"{instr}: {len(colls)} collective(s) overlap no compute")
+        for instr, ops in self.recompute.items():
+            flops = sum(o.flops for o in ops)
+            colls = self.recompute_collectives.get(instr, ())
+            lines.append(
+                f"{instr}: re-runs {len(ops)} forward ops ({flops / 1e9:.3f} GFLOP) and "
+                f"{len(colls)} collective(s) for activation recompute, without overlap"
+            )
         lines.extend(f"{instr}: {note}" for instr, note in self.notes.items())
         return "\n".join(lines)

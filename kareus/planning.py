@@ -67,7 +67,17 @@ class WorkloadPlan:
         return _distinct(self.stages)
 
 
-_TRACED_FIELDS = ("model", "config", "tp", "cp", "pp", "microbatch_size", "seq_len", "dtype")
+_TRACED_FIELDS = (
+    "model",
+    "config",
+    "tp",
+    "cp",
+    "pp",
+    "microbatch_size",
+    "seq_len",
+    "dtype",
+    "layers_per_stage",
+)
 """Workload fields the partition sets depend on (the micro-batch count does not)."""
 
 
@@ -136,6 +146,15 @@ def _distinct(stages: Sequence[PartitionSet]) -> list[tuple[int, PartitionSet]]:
     return seen
 
 
+def with_recompute(stages: Sequence[PartitionSet], mode: str) -> list[PartitionSet]:
+    """Return the stages with ``mode``'s activation recompute (identical stages stay shared)."""
+    done: dict[int, PartitionSet] = {}
+    for pset in stages:
+        if id(pset) not in done:
+            done[id(pset)] = pset.recomputed(mode)
+    return [done[id(p)] for p in stages]
+
+
 def planning_steps(stages: Sequence[PartitionSet]) -> int:
     """Return how many progress steps planning these stages reports."""
     return sum(len(p.types) for _, p in _distinct(stages)) + 5
@@ -202,6 +221,7 @@ def plan_workload(
     )
     if on_traced is not None:
         on_traced(stages)
+    stages = with_recompute(stages, work.recompute)
     result = plan_for_gpu(
         stages,
         spec,
@@ -490,7 +510,7 @@ def report_markdown(planned: WorkloadPlan, plot_name: str = "frontier.png") -> s
         "",
     ]
     for i, pset in planned.distinct_stages():
-        per = work.config.num_layers // work.pp
+        per = work.stage_layers()[i]
         lines += [
             f"### stage {i} ({per} layers; traced on fake tensors, repeated layers counted)",
             "",

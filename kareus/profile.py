@@ -52,6 +52,7 @@ from kareus.planner import PlannerSettings
 from kareus.planner.knobs import CountingEvaluator, RecordingEvaluator, _digest, default_clocks
 from kareus.planner.planner import evaluate_options
 from kareus.planner.profiler import ProfilerEvaluator
+from kareus.planning import with_recompute
 from kareus.runtime.clocks import ClockController, ClockError, EmulatedClocks
 from kareus.trace import Workload, trace_programs
 
@@ -99,7 +100,7 @@ class ProgramDevice:
 
     def __init__(
         self,
-        programs: Mapping[str, list[tuple[PartitionProgram, int]]],
+        programs: Mapping[str, list[Piece]],
         groups: Mapping[str, str | None],
         device: torch.device,
         *,
@@ -118,7 +119,7 @@ class ProgramDevice:
         self.gpu_index = gpu_index
         self.seed = seed
         self.pool = job_pool() if dist.is_initialized() else None
-        self._graphs: dict[tuple[str, int | None, int | None], list[tuple[Any, Any, int]]] = {}
+        self._graphs: dict[tuple[str, int | None, int | None], list[tuple[Piece, Any]]] = {}
         self._inputs: collections.OrderedDict[str, list[torch.Tensor]] = collections.OrderedDict()
         self._modelled_j = 0.0
         self._model_cache: dict[tuple[str, Knobs], Estimate] = {}
@@ -158,24 +159,23 @@ class ProgramDevice:
         if graph_key not in self._graphs:
             self._graphs[graph_key] = [
                 (
-                    program,
-                    program.scheduled(
+                    piece,
+                    piece.program.scheduled(
                         Decision(slot, share),
-                        self._group(program),
+                        None if piece.alone else self._group(piece.program),
                         self.pool if share is not None else None,
                     ),
-                    repeat,
                 )
-                for program, repeat in self.programs[key]
+                for piece in self.programs[key]
             ]
         with torch.no_grad():
-            for program, gm, repeat in self._graphs[graph_key]:
-                inputs = self._inputs_of(program)
-                for _ in range(repeat):
+            for piece, gm in self._graphs[graph_key]:
+                inputs = self._inputs_of(piece.program)
+                for _ in range(piece.repeat):
                     gm(*inputs)
         if self.model is not None:
             if (key, knobs) not in self._model_cache:  # outside the timed loop's cost
-                alone = all(self._group(p) is None for p, _r in self.programs[key])
+                alone = all(p.alone or self._group(p.program) is None for p in self.programs[key])
                 ran = PartitionWork(work.ops) if alone else work  # collective left out
                 self._model_cache[(key, knobs)] = self.model.partition(ran, knobs)
             self._modelled_j += self._model_cache[(key, knobs)].dynamic_energy_j
@@ -351,8 +351,13 @@ def profile_workload(
     note = progress if progress is not None and rank == 0 else (lambda _s: None)
     start = time.perf_counter()
     stages, notes, programs = trace_programs(work, layers=layers, progress=note, device=device.type)
+    stages = with_recompute(stages, work.recompute)
     by_work, type_of = _programs_by_work(stages, programs)
-    if not any(p.partition and p.partition.collective for ps in by_work.values() for p, _ in ps):
+    if not any(
+        p.program.partition and p.program.partition.collective
+        for pieces in by_work.values()
+        for p in pieces
+    ):
         raise ValueError(
             f"{work.describe()} has no partition with a collective to measure (TP and CP "
             "1 have none): plan its clocks with `kareus plan`"
@@ -449,47 +454,74 @@ def profile_workload(
     return result
 
 
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A program that runs part of a work: how often, and whether without its collective."""
+
+    program: PartitionProgram
+    repeat: int = 1
+    alone: bool = False  # the compute only: activation recompute re-runs a partition so
+
+
 def _programs_by_work(
     stages: list[PartitionSet], programs: list[dict[str, PartitionProgram]]
-) -> tuple[dict[str, list[tuple[PartitionProgram, int]]], dict[str, str]]:
+) -> tuple[dict[str, list[Piece]], dict[str, str]]:
     """Map the digest of each work planning evaluates to the programs that run it.
 
     Returns:
-        The programs (and repetitions) per work digest, and a name per digest: the type
-        key, or what outside partitions it is.
+        The pieces per work digest, and a name per digest: the type key, or what outside
+        partitions it is.
     """
     from kareus.trace import TEMPLATE_POSITION
 
-    by_work: dict[str, list[tuple[PartitionProgram, int]]] = {}
+    by_work: dict[str, list[Piece]] = {}
     names: dict[str, str] = {}
 
-    def add(work: PartitionWork, pieces: list[PartitionProgram | None], name: str) -> None:
+    def add(work: PartitionWork, pieces: list[Piece | None], name: str) -> None:
         if not pieces or any(p is None for p in pieces):
             return  # nothing extracted for it: the model answers
-        got = tuple(o for p in pieces for o in p.work.ops)  # type: ignore[union-attr]
+        got = tuple(o for p in pieces for o in p.program.work.ops)  # type: ignore[union-attr]
         if _unnamed(got) != _unnamed(work.ops):
             raise RuntimeError(f"the programs of {name} do not add up to its work")
-        counts = collections.Counter(id(p) for p in pieces)
-        unique = {id(p): p for p in pieces}
+        merged: dict[tuple[int, bool], Piece] = {}
+        for p in pieces:
+            assert p is not None
+            k = (id(p.program), p.alone)
+            merged[k] = dataclasses.replace(p, repeat=merged[k].repeat + 1) if k in merged else p
         digest = _digest(work)
-        by_work.setdefault(digest, [(unique[i], n) for i, n in counts.items()])  # type: ignore[misc]
+        by_work.setdefault(digest, list(merged.values()))
         names.setdefault(digest, name)
+
+    def piece(program: PartitionProgram | None, alone: bool = False) -> Piece | None:
+        return Piece(program, alone=alone) if program is not None else None
 
     for si, (pset, progs) in enumerate(zip(stages, programs, strict=True)):
         for key, ptype in pset.types.items():
-            add(PartitionWork(ptype.compute, ptype.collective), [progs.get(key)], f"{si}/{key}")
+            work = PartitionWork(ptype.compute, ptype.collective)
+            add(work, [piece(progs.get(key))], f"{si}/{key}")
+            if ptype.collective is not None:
+                alone = PartitionWork((), ptype.collective)
+                add(alone, [piece(progs.get(f"{key}/collective"))], f"{si}/{key} collective")
+        outside: dict[str, list[Piece | None]] = {}
         for kind in ("forward", "backward"):
             order = list(dict.fromkeys(p.block for p in pset.partitions if p.instruction == kind))
             template = order[TEMPLATE_POSITION] if len(order) > TEMPLATE_POSITION else None
-            pieces = [progs.get(f"{kind}/outside")] if pset.other.get(kind) else []
+            pieces = [piece(progs.get(f"{kind}/outside"))] if pset.other.get(kind) else []
             pieces += [
-                progs.get(f"{kind}/block/{block}", progs.get(f"{kind}/block/{template}"))
+                piece(progs.get(f"{kind}/block/{block}", progs.get(f"{kind}/block/{template}")))
                 for block in pset.block_other.get(kind, {})
             ]
+            outside[kind] = pieces
             add(PartitionWork(pset.outside(kind)), pieces, f"{si}/{kind} outside partitions")
             for coll in pset.exposed.get(kind, ()):
                 program = progs.get(f"{kind}/exposed/{coll.name}")
-                add(PartitionWork((), coll), [program], f"{si}/{kind} collective alone")
+                add(PartitionWork((), coll), [piece(program)], f"{si}/{kind} collective alone")
+        redo = pset.recompute.get("backward", ())
+        if redo and redo == pset.recomputed("full").recompute["backward"]:
+            # Full recompute: each forward partition's compute, then the rest of the forward.
+            forward = [p for p in pset.partitions if p.instruction == "forward"]
+            parts = [piece(progs.get(p.type_key), alone=True) for p in forward]
+            add(PartitionWork(redo), parts + outside["forward"], f"{si}/backward recompute")
     return by_work, names
 
 
@@ -617,7 +649,13 @@ def plan_command(result: ProfileResult, out: str = "DIR") -> str:
     return (
         f"kareus plan --model {w.name} --gpu {result.spec.name} --tp {w.tp} --cp {w.cp} "
         f"--pp {w.pp} --microbatch-size {w.microbatch_size} --seq-len {w.seq_len} "
-        f"--microbatches {w.microbatches} --dtype {w.dtype} --clocks {clocks} "
+        f"--microbatches {w.microbatches} --dtype {w.dtype} --recompute {w.recompute} "
+        + (
+            f"--layers-per-stage {','.join(map(str, w.layers_per_stage))} "
+            if w.layers_per_stage
+            else ""
+        )
+        + f"--clocks {clocks} "
         f"--sm-shares {','.join(str(s) for s in p.sm_shares)}"
         + (" --exhaustive" if p.exhaustive else "")
         + f" --evaluator replay --replay {out}/profiles.jsonl --partitions {out}/partitions.json"

@@ -14,6 +14,7 @@ The fake process group is for tracing only: no collective runs.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
@@ -29,6 +30,9 @@ from kareus.passes.extract_partitions import PartitionProgram
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """Training dtypes by name."""
+
+RECOMPUTE = ("none", "full", "selective")
+"""Activation recompute modes (:attr:`Workload.recompute`)."""
 
 
 class TraceError(KareusError, RuntimeError):
@@ -47,6 +51,10 @@ class Workload:
         microbatches: micro-batches per iteration (per pipeline).
         dtype: ``bf16``, ``fp16`` or ``fp32``.
         schedule: the pipeline schedule, ``1F1B`` or ``GPipe``.
+        recompute: activation recompute: ``none``; ``full`` (each backward re-runs its
+            layers' forward, collectives included); ``selective`` (the attention core only).
+        layers_per_stage: decoder layers of each pipeline stage (say ``(15, 13)``; the first
+            stage also holds the embedding, the last the head and loss); None splits evenly.
     """
 
     model: str | LlamaConfig
@@ -58,6 +66,8 @@ class Workload:
     microbatches: int = 8
     dtype: str = "bf16"
     schedule: str = "1F1B"
+    recompute: str = "none"
+    layers_per_stage: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         from kareus.planner.compose import SCHEDULES
@@ -78,7 +88,25 @@ class Workload:
                 f"microbatch_size={self.microbatch_size}: splitting into two nanobatches "
                 "needs at least 4 sequences per micro-batch"
             )
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={self.recompute!r} must be one of {', '.join(RECOMPUTE)}")
+        split = self.layers_per_stage
+        if split is not None:
+            if len(split) != self.pp or min(split) < 1 or sum(split) != cfg.num_layers:
+                raise ValueError(
+                    f"layers per stage {','.join(map(str, split))} must be {self.pp} positive "
+                    f"counts (one per pipeline stage) adding up to the model's "
+                    f"{cfg.num_layers} layers"
+                )
+            # the layer count is checked against the stages above, not divided by them
+            cfg = dataclasses.replace(cfg, num_layers=self.pp)
         cfg.check_parallel(tp=self.tp, cp=self.cp, pp=self.pp, seq_len=self.seq_len)
+
+    def stage_layers(self) -> tuple[int, ...]:
+        """Return the decoder layers of each pipeline stage."""
+        if self.layers_per_stage is not None:
+            return tuple(self.layers_per_stage)
+        return (self.config.num_layers // self.pp,) * self.pp
 
     @property
     def config(self) -> LlamaConfig:
@@ -96,6 +124,12 @@ class Workload:
             f"{self.name} {self.dtype}, TP {self.tp} x CP {self.cp} x PP {self.pp}, "
             f"{self.microbatches} micro-batches x {self.microbatch_size} x {self.seq_len} tokens"
             + (f", {self.schedule}" if self.pp > 1 else "")
+            + (
+                f", layers {'/'.join(map(str, self.layers_per_stage))}"
+                if self.layers_per_stage
+                else ""
+            )
+            + (f", {self.recompute} recompute" if self.recompute != "none" else "")
         )
 
 
@@ -305,17 +339,22 @@ def trace_programs(
     Returns:
         As :func:`trace`, and per pipeline stage its programs by type key.
     """
-    per_stage = work.config.num_layers // work.pp
-    traced = min(per_stage, max(layers, TEMPLATE_POSITION + 2))
+    per_stage = work.stage_layers()
+    kinds = [0 if s == 0 else work.pp - 1 if s == work.pp - 1 else 1 for s in range(work.pp)]
+    # Layers traced per stage kind: what its smallest stage holds, up to ``layers``.
+    traced: dict[int, int] = {}
+    for k in set(kinds):
+        smallest = min(n for n, j in zip(per_stage, kinds, strict=True) if j == k)
+        traced[k] = min(smallest, max(layers, TEMPLATE_POSITION + 2))
     note = progress or (lambda _s: None)
     by_kind: dict[int, StageTrace] = {}
     notes: list[str] = []
     with fake_world(work.tp, work.cp) as groups:
         for kind in stage_kinds(work.pp):
-            note(f"tracing stage {kind} ({traced} of {per_stage} layers, fake tensors)")
-            _log.info("tracing stage kind %d: %d of %d layers", kind, traced, per_stage)
+            note(f"tracing stage {kind} ({traced[kind]} of {per_stage[kind]} layers, fake tensors)")
+            _log.info("tracing stage kind %d: %d of %d layers", kind, traced[kind], per_stage[kind])
             found = trace_stage(
-                work, kind, layers=traced, groups=groups, extract=extract, device=device
+                work, kind, layers=traced[kind], groups=groups, extract=extract, device=device
             )
             _log.info(
                 "stage kind %d: %d partitions, %d notes",
@@ -323,13 +362,18 @@ def trace_programs(
                 len(found.pset.partitions),
                 len(found.notes),
             )
-            extrapolate(found.pset, traced, per_stage)
             by_kind[kind] = found
             notes.extend(found.notes)
-    stages = [
-        by_kind[0 if s == 0 else work.pp - 1 if s == work.pp - 1 else 1] for s in range(work.pp)
-    ]
-    return [s.pset for s in stages], notes, [s.programs for s in stages]
+    # Each stage counts its own layers from its kind's trace; equal stages share one set.
+    counted: dict[tuple[int, int], PartitionSet] = {}
+    stages: list[PartitionSet] = []
+    for s, kind in enumerate(kinds):
+        if (kind, per_stage[s]) not in counted:
+            pset = copy.deepcopy(by_kind[kind].pset)
+            extrapolate(pset, traced[kind], per_stage[s])
+            counted[(kind, per_stage[s])] = pset
+        stages.append(counted[(kind, per_stage[s])])
+    return stages, notes, [by_kind[k].programs for k in kinds]
 
 
 __all__ = [

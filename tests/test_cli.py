@@ -217,3 +217,37 @@ def test_the_trace_cache_serves_a_traced_workload_and_retraces_when_asked(tmp_pa
     (entry / "partitions.json").write_text("{not json")
     assert plan_workload(work, "a100-40gb").cached is None
     assert plan_workload(work, "a100-40gb").cached == entry
+
+
+def test_uneven_stages_and_full_recompute_are_planned_and_recorded(tmp_path, capsys):
+    args = [
+        "plan",
+        *SMALL,
+        "--pp",
+        "2",
+        "--microbatches",
+        "2",
+        "--layers-per-stage",
+        "3,1",
+        "--recompute",
+        "full",
+        "--quiet",
+        "--out",
+        str(tmp_path),
+    ]
+    assert main(args) == EXIT_OK
+    plan = Plan.load(tmp_path / "plan.json")
+    assert plan.workload["layers_per_stage"] == [3, 1] and plan.workload["recompute"] == "full"
+    assert "layers 3/1, full recompute" in plan.workload["describe"]
+    sets = json.loads((tmp_path / "partitions.json").read_text())
+    # A stage of one layer has nothing repeated to split: its clocks are still planned.
+    for stage, blocks in enumerate((3, 0)):
+        pset = sets["sets"][sets["stages"][stage]]
+        forward = [p for p in pset["partitions"] if p["instruction"] == "forward"]
+        assert len({p["block"] for p in forward}) == blocks
+        assert pset["recompute"]["backward"] and pset["recompute_collectives"]["backward"]
+    report = (tmp_path / "report.md").read_text()
+    assert "### stage 0 (3 layers" in report and "### stage 1 (1 layers" in report
+    bad = ["plan", *SMALL, "--pp", "2", "--layers-per-stage", "3,2", "--quiet"]
+    assert main(bad) == EXIT_BAD_INPUT
+    assert "adding up to the model's 4 layers" in capsys.readouterr().err

@@ -401,3 +401,33 @@ def test_plans_are_the_same_on_a_quiet_and_a_busy_machine():
             hog.terminate()
             hog.join()
     assert busy.to_dict() == quiet.to_dict()
+
+
+def test_full_recompute_adds_each_forward_to_its_backward():
+    pset = megatron_partition_set(
+        hidden=1024, ffn=4096, heads=16, seq=1024, microbatch=4, layers=2, tp=2
+    )
+    full = pset.recomputed("full")
+    forward = [p for p in pset.partitions if p.instruction == "forward"]
+    ops = full.recompute["backward"]
+    in_partitions = [o for p in forward for slot in p.slots for o in slot.ops]
+    assert ops == tuple(in_partitions) + pset.outside("forward")  # every forward op
+    overlapped = sum(1 for p in forward if pset.types[p.type_key].collective)
+    exposed = len(pset.exposed["forward"])
+    assert len(full.recompute_collectives["backward"]) == overlapped + exposed
+    assert full.recomputed("full") == full and full.recomputed("none") == pset  # idempotent
+    selective = pset.recomputed("selective").recompute["backward"]
+    assert selective and {o.op_class for o in selective} == {"attention"}
+    assert "re-runs" in full.to_text()
+    # Megatron-LM's iteration (max clock, no overlap) grows by one forward per micro-batch:
+    # the backward re-runs its forward, collectives included, at the backward's clock.
+    settings = PlannerSettings(sweep_points=3, clocks_mhz=(1410, 1005))
+    parallel = Parallelism(tp=2, pp=1, microbatches=2)
+    plain = plan_for_gpu(pset, SPEC, parallel=parallel, settings=settings)
+    redo = plan_for_gpu(full, SPEC, parallel=parallel, settings=settings)
+    megatron = [plain.frontiers["megatron"][0], redo.frontiers["megatron"][0]]
+    forwards = megatron[0].choices[0::2]  # a chain: forward, backward, forward, backward
+    assert megatron[1].time_s - megatron[0].time_s == pytest.approx(
+        sum(o.time_s for o in forwards), rel=1e-3
+    )
+    assert redo.frontiers["kareus"][-1].energy_j > plain.frontiers["kareus"][-1].energy_j

@@ -102,8 +102,12 @@ def test_programs_run_in_every_order_with_the_same_results(traced, one_rank):
             assert len(alone(*inputs)) == len(results[0]) - 1
 
 
-# 16 layers, 4 traced: the other 12 layers' work outside partitions runs an ordinary layer's.
-PROFILED = ["--model", "tiny-16l", "--tp", "2", "--microbatch-size", "4", "--seq-len", "64"]
+# 16 layers, 4 traced: the other 12 layers' work outside partitions runs an ordinary layer's;
+# under full recompute each backward re-runs its forward, measured from the forward's programs.
+PROFILED = [
+    *("--model", "tiny-16l", "--tp", "2", "--microbatch-size", "4", "--seq-len", "64"),
+    *("--recompute", "full"),
+]
 
 
 def test_profile_and_plan_from_it_across_two_ranks(tmp_path):
@@ -156,6 +160,8 @@ def test_profile_and_plan_from_it_across_two_ranks(tmp_path):
     assert not [r for r in rows if r["time_source"] == "modelled"]
     outside = {r["type"] for r in rows if "outside" in r["type"]}
     assert outside == {"0/forward outside partitions", "0/backward outside partitions"}
+    assert "0/backward recompute" in {r["type"] for r in measured}
+    assert any(r["type"].endswith(" collective") for r in measured)  # re-run collectives
     assert "| 0/forward.1 |" in (out / "profile.md").read_text()
     # Plan from the measurements: the partitions beside the file, its clocks.
     rc = main(

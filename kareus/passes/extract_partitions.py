@@ -59,8 +59,9 @@ class PartitionProgram:
     """A partition type, or a piece of the work outside partitions, as a runnable program.
 
     Attributes:
-        key: what it stands for: a partition type's key, or ``KIND/outside``,
-            ``KIND/block/BLOCK``, ``KIND/exposed/NODE`` for work outside partitions.
+        key: what it stands for: a partition type's key (``KEY/collective``: its
+            collective alone), or ``KIND/outside``, ``KIND/block/BLOCK``,
+            ``KIND/exposed/NODE`` for work outside partitions.
         partition: the copied partition (its node names are the program's); None outside.
         work: the program's cost, equal to what the partition set records for it.
         gm: the program, in captured order (issue and wait after the compute).
@@ -146,6 +147,9 @@ class ExtractPartitions(GraphPass):
                 nodes = [*part.compute, *(part.collective or ())]
                 program = extract(gm, nodes, key, fuse=fuse, partition=part)
                 wanted[key] = program, PartitionWork(ptype.compute, ptype.collective)
+                if part.collective is not None:  # alone: activation recompute re-runs it
+                    alone = extract(gm, list(part.collective), f"{key}/collective", fuse=fuse)
+                    wanted[alone.key] = alone, PartitionWork((), ptype.collective)
         blockset = ctx.findings.get("find_blocks")
         spans = blockset.spans.get(kind, {}) if blockset is not None else {}
         rest, per_block, exposed = outside_nodes(gm.graph, kind, pset, spans)

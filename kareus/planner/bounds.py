@@ -49,6 +49,7 @@ def lower_bound(
         for kind in ("forward", "backward"):
             parts = [p for p in pset.partitions if p.instruction == kind]
             ops = [o for p in parts for s in p.slots for o in s.ops] + list(pset.outside(kind))
+            ops += pset.recompute.get(kind, ())
             bests = [best(o) for o in ops]
             per_instr[(si, kind)] = (sum(t for t, _ in bests), sum(e for _, e in bests))
     iteration = one_f_one_b(pp, microbatches) if pp > 1 else chain(microbatches)

@@ -406,13 +406,18 @@ def _base(
     settings: PlannerSettings,
     static_power_w: float,
 ) -> tuple[float, float]:
-    """Time and dynamic energy of an instruction's work outside partitions at clock f."""
+    """Time and dynamic energy of an instruction's work outside partitions at clock f.
+
+    That is the compute outside partitions, what activation recompute re-runs, and the
+    collectives that overlap nothing.
+    """
     t = e = 0.0
-    other = pset.outside(kind)
-    if other:
-        est = ev.ops(other, f)
-        t, e = est.time_s, est.energy_j - static_power_w * est.time_s
-    for coll in pset.exposed.get(kind, ()):
+    for ops in (pset.outside(kind), pset.recompute.get(kind, ())):
+        if ops:
+            est = ev.ops(ops, f)
+            t += est.time_s
+            e += est.energy_j - static_power_w * est.time_s
+    for coll in pset.exposed.get(kind, ()) + pset.recompute_collectives.get(kind, ()):
         est = ev.partition(
             PartitionWork((), coll), Knobs(f, settings.no_overlap_sm_share, launch_slot=None)
         )
