@@ -123,6 +123,14 @@ def _search_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exhaustive", action="store_true", help="evaluate the whole knob grid")
 
 
+def _output_options(p: argparse.ArgumentParser, default: str, files: str) -> None:
+    """Add ``--out`` (the directory ``files`` go to) and ``--quiet``."""
+    p.add_argument(
+        "--out", type=pathlib.Path, default=pathlib.Path(default), help=f"directory for {files}"
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kareus",
@@ -169,13 +177,7 @@ def _parser() -> argparse.ArgumentParser:
         type=pathlib.Path,
         help="partitions.json of an earlier run of this workload: plan again without tracing",
     )
-    p.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("kareus-out"),
-        help="directory for plan.json, report.md, frontier.png and partitions.json",
-    )
-    p.add_argument("--quiet", action="store_true", help="no progress display")
+    _output_options(p, "kareus-out", "plan.json, report.md, frontier.png and partitions.json")
     p.add_argument(
         "--no-cache",
         action="store_true",
@@ -217,13 +219,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=("cuda", "cpu"),
         help="where the partitions run (default: CUDA when available, else the CPU)",
     )
-    f.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("kareus-profile"),
-        help="directory for profiles.jsonl, partitions.json and profile.md",
-    )
-    f.add_argument("--quiet", action="store_true", help="no progress display")
+    _output_options(f, "kareus-profile", "profiles.jsonl, partitions.json and profile.md")
 
     e = sub.add_parser("explain", help="print a saved plan", formatter_class=_Formatter)
     e.add_argument("plan", type=pathlib.Path, help="a plan.json written by `kareus plan`")
