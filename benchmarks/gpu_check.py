@@ -470,7 +470,7 @@ def step_ops(ctx: Context) -> StepResult:
 def step_profile(ctx: Context) -> StepResult:
     from kareus.planner.knobs import _digest
     from kareus.planner.profiler import ProfilerEvaluator
-    from kareus.profile import ProgramDevice
+    from kareus.profile import Piece, ProgramDevice
     from kareus.runtime.clocks import DryRunClocks
     from kareus.trace import Workload, fake_world, trace_stage
 
@@ -495,7 +495,7 @@ def step_profile(ctx: Context) -> StepResult:
     static = ctx.spec.calibration.static_power_w
     cuda = ctx.device.type == "cuda"
     device = ProgramDevice(
-        {_digest(type_work): [(traced.programs[key], 1)]},
+        {_digest(type_work): [Piece(traced.programs[key])]},
         {"tp": None},  # one GPU: the collective is left out
         ctx.device,
         model=None if cuda else ctx.emulator,
