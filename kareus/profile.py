@@ -47,7 +47,7 @@ from kareus._files import check_output_dir, write_text
 from kareus.costs import Estimate, Knobs, OpCost, PartitionWork
 from kareus.hardware import Emulator, GPUSpec, gpu
 from kareus.partitions import Decision, PartitionSet
-from kareus.passes.extract_partitions import PartitionProgram
+from kareus.passes.extract_partitions import PartitionProgram, unnamed
 from kareus.planner import PlannerSettings
 from kareus.planner.knobs import CountingEvaluator, RecordingEvaluator, _digest, default_clocks
 from kareus.planner.planner import evaluate_options
@@ -481,7 +481,7 @@ def _programs_by_work(
         if not pieces or any(p is None for p in pieces):
             return  # nothing extracted for it: the model answers
         got = tuple(o for p in pieces for o in p.program.work.ops)  # type: ignore[union-attr]
-        if _unnamed(got) != _unnamed(work.ops):
+        if unnamed(PartitionWork(got)) != unnamed(PartitionWork(work.ops)):
             raise RuntimeError(f"the programs of {name} do not add up to its work")
         merged: dict[tuple[int, bool], Piece] = {}
         for p in pieces:
@@ -523,10 +523,6 @@ def _programs_by_work(
             parts = [piece(progs.get(p.type_key), alone=True) for p in forward]
             add(PartitionWork(redo), parts + outside["forward"], f"{si}/backward recompute")
     return by_work, names
-
-
-def _unnamed(ops: tuple[OpCost, ...]) -> tuple[OpCost, ...]:
-    return tuple(dataclasses.replace(o, name="") for o in ops)
 
 
 def _device(name: str | None) -> torch.device:

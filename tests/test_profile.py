@@ -1,6 +1,5 @@
 """Partition programs and `kareus profile`: extraction, measurement over real ranks, replay."""
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -13,19 +12,13 @@ import torch.distributed as dist
 from kareus.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from kareus.costs import PartitionWork
 from kareus.partitions import Decision
+from kareus.passes.extract_partitions import unnamed
 from kareus.plan import Plan
 from kareus.testing import free_port
 from kareus.trace import Workload, fake_world, trace_stage
 
 WORK = Workload(model="tiny", tp=2, microbatch_size=4, seq_len=64)
 SMALL = ["--model", "tiny", "--tp", "2", "--microbatch-size", "4", "--seq-len", "64"]
-
-
-def _names(work):
-    """A work without op names (fused runs are named after their first and last node)."""
-    ops = tuple(dataclasses.replace(o, name="") for o in work.ops)
-    coll = work.collective and dataclasses.replace(work.collective, name="")
-    return PartitionWork(ops, coll)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +42,7 @@ def test_every_type_has_a_program_that_costs_what_the_type_costs(traced):
     for key, ptype in pset.types.items():
         program = programs[key]
         # The emulator costs the type; the profiler runs the program: the same work.
-        assert _names(program.work) == _names(PartitionWork(ptype.compute, ptype.collective))
+        assert unnamed(program.work) == unnamed(PartitionWork(ptype.compute, ptype.collective))
         assert (program.group_name == "tp") == (ptype.collective is not None)
         # Fake tensors do not outlive tracing: the inputs are described by layout.
         assert all("val" not in n.meta for n in program.gm.graph.nodes)
@@ -63,7 +56,7 @@ def test_work_outside_partitions_has_programs_that_add_up_to_it(traced, one_rank
         pieces = [programs[f"{kind}/outside"]] if pset.other[kind] else []
         pieces += [programs[f"{kind}/block/{b}"] for b in pset.block_other[kind]]
         got = tuple(o for p in pieces for o in p.work.ops)
-        assert _names(PartitionWork(got)) == _names(PartitionWork(pset.outside(kind)))
+        assert unnamed(PartitionWork(got)) == unnamed(PartitionWork(pset.outside(kind)))
         assert any(o.op_class == "gemm" for o in got)  # the head; the weight gradients
         for coll in pset.exposed[kind]:
             assert programs[f"{kind}/exposed/{coll.name}"].work.collective == coll

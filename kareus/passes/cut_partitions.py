@@ -290,7 +290,7 @@ def _interleave(
             compute = [n for n in seg.compute]
             coll = collective_cost(overlapped.issue) if overlapped and overlapped.issue else None
             slots = _slots(compute, fuse)
-            costs = partition_costs(compute, fuse)
+            costs = tuple(c for s in slots for c in s.ops)  # partition_costs, slots kept
             sig = _signature(costs, coll)
             if sig not in signatures:
                 key = f"{kind}.{sum(1 for t in pset.types.values() if t.instruction == kind)}"

@@ -164,7 +164,7 @@ class ExtractPartitions(GraphPass):
             program = extract(gm, names, f"{kind}/exposed/{issue.name}", fuse=fuse)
             wanted[program.key] = program, PartitionWork((), collective_cost(issue))
         for key, (program, want) in wanted.items():
-            if _strip(program.work) != _strip(want):
+            if unnamed(program.work) != unnamed(want):
                 raise ValueError(
                     f"the extracted program of {key} costs differently from what the "
                     "partition set records: extraction and partition cutting disagree"
@@ -173,8 +173,8 @@ class ExtractPartitions(GraphPass):
         return PassResult(gm, modified=False)
 
 
-def _strip(work: PartitionWork) -> PartitionWork:
-    """``work`` without op names (a fused run is named after its first and last node)."""
+def unnamed(work: PartitionWork) -> PartitionWork:
+    """Return ``work`` without op names (a fused run is named after its first and last node)."""
     ops = tuple(dataclasses.replace(o, name="") for o in work.ops)
     coll = work.collective and dataclasses.replace(work.collective, name="")
     return PartitionWork(ops, coll)
