@@ -152,6 +152,41 @@ def test_tp_dp_with_sm_share_trains_like_eager(how, net):
         assert f"ranks {mine}: SM share 4" in summary, summary
 
 
+def _pool_in_compiler_state(rank, shares):
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kareus.runtime.comm_pool import CommunicatorPool
+
+    seen = []
+    gather = dist.all_gather_object
+
+    def recording(*args, **kwargs):
+        key = torch._C.DispatchKey.PythonDispatcher
+        seen.append(torch._C._dispatch_tls_is_dispatch_key_included(key))
+        return gather(*args, **kwargs)
+
+    dist.all_gather_object = recording
+    pool = CommunicatorPool()
+    try:
+        # The state a compiler pass runs in: AOTAutograd's fake mode and Python dispatcher.
+        with FakeTensorMode(), enable_python_dispatcher():
+            names = [pool.group_name(dist.group.WORLD.group_name, s) for s in range(1, shares)]
+    finally:
+        dist.all_gather_object = gather
+    return names, seen
+
+
+def test_share_groups_are_created_outside_the_compilers_python_dispatcher():
+    # Under the Python dispatcher a gloo collective deadlocks at random (the caller holds the
+    # GIL waiting for gloo's queue; gloo's worker holds the queue freeing tensors, which needs
+    # the GIL): examples/train_tp.py hung in CI so. Many groups, and the state checked.
+    results = run_ranks(_pool_in_compiler_state, 40, world=2, timeout_s=60)
+    (names, seen), (other, _) = results
+    assert names == other and len(set(names)) == 39
+    assert len(seen) == 39 and not any(seen)
+
+
 def test_tp_cp_dp_on_eight_ranks_trains_like_eager():
     sizes = {"pp": 1, "dp": 2, "cp": 2, "tp": 2}
     results = run_ranks(_tp_dp_cp, sizes, "new_group", TWO_SHARES, "mlp", world=8, timeout_s=300)

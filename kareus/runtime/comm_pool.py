@@ -20,8 +20,10 @@ effect; :meth:`CommunicatorPool.to_text` says so, with what creating them cost.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -50,10 +52,8 @@ class CommunicatorPool:
         ranks = tuple(dist.get_process_group_ranks(base))
         key = (ranks, sm_share)
         if key not in self._groups:
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
             start = time.perf_counter()
-            with unset_fake_temporarily():  # passes run under AOTAutograd's fake mode
+            with _plain_dispatch():
                 self._groups[key] = self._create(list(ranks), sm_share, base, base_name)
             self._cost_s[key] = time.perf_counter() - start
             _log.info(
@@ -153,6 +153,22 @@ class CommunicatorPool:
                 issue.args = tuple(args)
                 changed = True
         return changed
+
+
+@contextlib.contextmanager
+def _plain_dispatch() -> Iterator[None]:
+    """Run real collectives from inside a compiler pass, as eager code runs them.
+
+    Passes run under AOTAutograd's fake mode and its Python dispatcher. Under the latter a
+    gloo collective deadlocks at random: the calling thread holds the GIL (the dispatcher
+    took it) while it waits for gloo's work queue, and gloo's worker holds the queue while
+    it frees the previous collective's tensors, which needs the GIL.
+    """
+    from torch._dispatch.python import no_python_dispatcher
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), no_python_dispatcher():
+        yield
 
 
 def _resolve(name: str) -> Any:
