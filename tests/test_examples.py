@@ -3,6 +3,7 @@
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 
@@ -11,11 +12,30 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _run(*args, tmp_path):
+def _run(*args, tmp_path, timeout_s=240):
+    """Run a command as a user would; on a hang, kill all its processes and show its output.
+
+    The command gets its own session so torchrun's workers die with it (killing torchrun
+    alone leaves them running), and its output so far is part of the failure.
+    """
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return done.stdout
+    proc = subprocess.Popen(
+        args,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"still running after {timeout_s} s:\n{stdout[-2000:]}{stderr[-4000:]}")
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    return stdout
 
 
 def _losses(out):
