@@ -27,10 +27,23 @@ PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
 
 @dataclasses.dataclass(frozen=True)
 class FrontierPoint:
-    """Iteration time and energy of all GPUs of one plan."""
+    """Iteration time and energy of all GPUs of one plan.
+
+    ``lower_bound_j``: the solver's proof that no plan on the same options as fast as this
+    one uses less energy (None where none was proven); the gap to ``energy_j`` is what the
+    limited search may have left.
+    """
 
     time_s: float
     energy_j: float
+    lower_bound_j: float | None = None
+
+    @property
+    def gap(self) -> float | None:
+        """Return the proven optimality gap, a fraction of the energy (None if unproven)."""
+        if self.lower_bound_j is None or self.energy_j <= 0:
+            return None
+        return max(0.0, (self.energy_j - self.lower_bound_j) / self.energy_j)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,6 +106,44 @@ def test_frontier_never_loses_to_a_uniform_clock_plan(schedule):
             assert any(ft <= t + 1e-9 and fe <= e * (1 + 1e-9) for ft, fe in front), (f, p, t, e)
 
 
+def test_least_time_is_exact_and_every_point_carries_a_valid_lower_bound():
+    # Small: CP-SAT proves every solve, so each bound is the brute-force optimum.
+    it = one_f_one_b(2, 2)
+    opts = {g: _tradeoff_options(g, (810, 1200, 1410)) for g in {i.group for i in it.instructions}}
+    comp = Composer(it, opts, static_power_w=20.0, gpus=4)
+    assert comp.solve(minimise="time").time_s == comp.fastest_choice().time_s
+    for p in comp.frontier(5):  # every point proven optimal at its time
+        best = comp.brute_force(p.time_s + 1e-9)
+        assert p.bound_j == pytest.approx(best[0], rel=1e-6) == pytest.approx(p.energy_j)
+    # Large and starved: bounds are loose but never above a plan as fast (the uniform ones
+    # are such plans, enumerated independently of the sweep).
+    it = one_f_one_b(2, 32)
+    freqs = (810, 1005, 1200, 1410)
+    opts = {g: _tradeoff_options(g, freqs) for g in {i.group for i in it.instructions}}
+    comp = Composer(it, opts, static_power_w=20.0, gpus=4, time_limit_s=0.001)
+    front = comp.frontier(6)
+    assert all(p.bound_j is not None and p.bound_j <= p.energy_j for p in front)
+    for u in comp.uniform_plans():
+        for p in front:
+            if u.time_s <= p.time_s:
+                assert p.bound_j <= u.energy_j * (1 + 1e-6), (p, u.time_s, u.energy_j)
+
+
+def test_dominated_options_leave_the_model_but_not_the_uniform_plans():
+    from kareus.planner.compose import _undominated
+
+    a = [Option(1410, "a", 1.0, 5.0), Option(1200, "a", 1.2, 4.0), Option(1005, "a", 1.3, 4.5)]
+    b = [Option(1005, "b", 1.1, 4.4)]  # beats a@1005 but belongs to another profile
+    dup = [Option(1200, "a", 1.2, 4.0)]
+    assert _undominated(a + b + dup) == (a[0], a[1], b[0])
+    it = chain(2)
+    comp = Composer(
+        it, {g: a + b for g in {i.group for i in it.instructions}}, static_power_w=1.0, gpus=1
+    )
+    assert len(comp.uniform_plans()) == 4
+    assert comp.solve().energy_j == pytest.approx(comp.brute_force()[0])
+
+
 def test_one_f_one_b_structure():
     it = one_f_one_b(4, 8)
     assert len(it.instructions) == 4 * 8 * 2
@@ -221,6 +259,14 @@ def test_plan_frontiers_are_monotone_and_baselines_never_beat_kareus(small_plan)
     assert plan.source == "modelled" and "modelled" in plan.to_text()
     assert len(plan.clocks(0)) == 4 and len(plan.clocks(1)) == 4
     assert set(plan.decisions_for(0)) == {"forward.a", "forward.b", "backward.a", "backward.b"}
+    # Every kareus point is bounded by kareus's own solves, and no bound exceeds a plan as
+    # fast: the baselines' points are such plans (a baseline's own bound would not be).
+    assert all(p.lower_bound_j is not None for p in plan.frontier)
+    for p in plan.frontier:
+        for b in (b for pts in plan.baselines.values() for b in pts):
+            if b.time_s <= p.time_s:
+                assert p.lower_bound_j <= b.energy_j * (1 + 1e-6)
+    assert plan.chosen.gap is not None and plan.chosen.gap <= 0.01
 
 
 def test_plan_round_trips_through_json(small_plan, tmp_path):

@@ -29,6 +29,11 @@ WALL_CLOCK_GUARD_S = 600.0
 against a hung machine (a solve it stops reports it in its status)."""
 
 
+REFINE_GAP = 0.005
+"""A frontier point whose proven gap exceeds this fraction of its energy (or the solver's gap
+limit, if larger) is solved again at its own time (once)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Option:
     """One way to run an instruction: its clock, profile, time and dynamic energy."""
@@ -138,12 +143,42 @@ def _check_sizes(name: str, stages: int, microbatches: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Solution:
-    """One composed plan: an option per instruction, the iteration time and energy."""
+    """One composed plan: an option per instruction, the iteration time and energy.
+
+    ``bound_j`` is CP-SAT's proof that no plan on the same options within ``within_s``
+    (any time when None) uses less energy; it is None for plans that no solve produced.
+    """
 
     choices: tuple[Option, ...]
     time_s: float
     energy_j: float
     status: str
+    within_s: float | None = None
+    bound_j: float | None = None
+
+
+def _undominated(options: Sequence[Option]) -> tuple[Option, ...]:
+    """Return ``options`` without those another option of the same profile dominates."""
+    keep = []
+    for o in options:
+        beaten = any(
+            p.profile == o.profile
+            and p.time_s <= o.time_s
+            and p.dynamic_energy_j <= o.dynamic_energy_j
+            and (p.time_s, p.dynamic_energy_j) != (o.time_s, o.dynamic_energy_j)
+            for p in options
+        )
+        if not beaten:
+            keep.append(o)
+    # Of exact duplicates within a profile, the first stays.
+    seen: set[tuple[str, float, float]] = set()
+    out = []
+    for o in keep:
+        key = (o.profile, o.time_s, o.dynamic_energy_j)
+        if key not in seen:
+            seen.add(key)
+            out.append(o)
+    return tuple(out)
 
 
 def makespan(iteration: Iteration, durations: Sequence[float]) -> float:
@@ -173,6 +208,8 @@ class Composer:
         time_limit_s: CP-SAT deterministic work limit per solve, per 64 instructions of the
             iteration (deterministic time units: the result never depends on machine load).
         workers: CP-SAT search workers, interleaved in one thread when more than one.
+        gap_limit: a solve stops once its plan is proven within this fraction of the least
+            energy (deterministic: the proof, not the clock, decides).
     """
 
     def __init__(
@@ -186,18 +223,25 @@ class Composer:
         time_limit_s: float = 10.0,
         workers: int = 1,
         seed: int = 0,
+        gap_limit: float = 0.0,
     ) -> None:
         self.it = iteration
         self.options = {g: tuple(o) for g, o in options.items()}
         for instr in iteration.instructions:
             if not self.options.get(instr.group):
                 raise KareusError(f"no options for stage {instr.stage} {instr.kind}")
+        # For CP-SAT, each option dominated within its profile (another is no slower and no
+        # more energy-hungry) is dropped: it can only tie. The full lists serve the
+        # uniform-clock plans.
+        self.model_options = {g: _undominated(o) for g, o in self.options.items()}
         self.static_w = static_power_w
         self.gpus = gpus
         self.per_stage = gpus_per_stage
         self.time_limit_s = time_limit_s
         self.workers = workers
         self.seed = seed
+        self.gap_limit = gap_limit
+        self.solves: list[Solution] = []  # every solve of the last frontier() sweep
 
     def evaluate(self, choices: Sequence[Option]) -> tuple[float, float]:
         """Return (iteration time, energy of all GPUs) of one choice per instruction."""
@@ -212,28 +256,38 @@ class Composer:
         minimise: str = "energy",
         hint: Solution | None = None,
     ) -> Solution:
-        """Solve for least energy under ``bound_s`` (or least time with ``minimise="time"``).
+        """Solve for least energy under ``bound_s``; with ``minimise="time"``, least time first.
 
-        ``hint`` (an earlier solution) warm-starts the search.
+        The least time is exact without a search (every instruction's fastest option is
+        feasible together and no choice finishes sooner), so a least-time solve is the
+        least-energy solve bounded by it. ``hint`` (an earlier solution) warm-starts the
+        search. The solution records CP-SAT's proven lower bound on the energy.
 
         Raises:
             KareusError: no plan meets the bound.
         """
         from ortools.sat.python import cp_model
 
+        opts = [self.model_options[i.group] for i in self.it.instructions]
+        us = [[round(o.time_s * 1e6) for o in row] for row in opts]
+        bound_us = None if bound_s is None else int(bound_s * 1e6)
+        if minimise == "time":
+            bound_us = round(makespan(self.it, [min(d) for d in us]))
+            bound_s = self.fastest_choice().time_s
+        elif minimise != "energy":
+            raise KareusError(f"minimise must be 'energy' or 'time', got {minimise!r}")
         m = cp_model.CpModel()
-        us = [[round(o.time_s * 1e6) for o in self.options[i.group]] for i in self.it.instructions]
         horizon = sum(max(d) for d in us) + 1
         x = [[m.new_bool_var(f"x{i}_{k}") for k in range(len(us[i]))] for i in range(len(us))]
         groups = sorted({i.group for i in self.it.instructions})
-        profiles = {g: sorted({o.profile for o in self.options[g]}) for g in groups}
+        profiles = {g: sorted({o.profile for o in self.model_options[g]}) for g in groups}
         y = {g: {p: m.new_bool_var(f"y{g}_{p}") for p in profiles[g]} for g in groups}
         for g in groups:
             m.add_exactly_one(y[g].values())
         start, end = [], []
         for i, instr in enumerate(self.it.instructions):
             m.add_exactly_one(x[i])
-            for k, opt in enumerate(self.options[instr.group]):
+            for k, opt in enumerate(opts[i]):
                 m.add_implication(x[i][k], y[instr.group][opt.profile])
             s = m.new_int_var(0, horizon, f"s{i}")
             e = m.new_int_var(0, horizon, f"e{i}")
@@ -245,21 +299,18 @@ class Composer:
         t = m.new_int_var(0, horizon, "T")
         for e in end:
             m.add(t >= e)
-        if bound_s is not None:
-            m.add(t <= int(bound_s * 1e6))
+        if bound_us is not None:
+            m.add(t <= bound_us)
         dyn = sum(
             round(o.dynamic_energy_j * 1e6 * self.per_stage) * x[i][k]
-            for i, instr in enumerate(self.it.instructions)
-            for k, o in enumerate(self.options[instr.group])
+            for i in range(len(opts))
+            for k, o in enumerate(opts[i])
         )
         static_w = round(self.static_w * self.gpus)  # W x us = uJ
-        if minimise == "time":
-            m.minimize(t * (10**6) + dyn)  # least time, then least energy
-        else:
-            m.minimize(dyn + static_w * t)
+        m.minimize(dyn + static_w * t)
         if hint is not None:
-            for i, instr in enumerate(self.it.instructions):
-                for k, o in enumerate(self.options[instr.group]):
+            for i in range(len(opts)):
+                for k, o in enumerate(opts[i]):
                     m.add_hint(x[i][k], o == hint.choices[i])
         solver = cp_model.CpSolver()
         # Deterministic: the search is interleaved in one thread and stopped by CP-SAT's
@@ -269,21 +320,25 @@ class Composer:
         solver.parameters.num_workers = self.workers
         solver.parameters.interleave_search = self.workers > 1
         solver.parameters.random_seed = self.seed
+        solver.parameters.relative_gap_limit = self.gap_limit
         limit = self.time_limit_s * max(1.0, len(self.it.instructions) / 64)
         solver.parameters.max_deterministic_time = limit
         solver.parameters.max_time_in_seconds = WALL_CLOCK_GUARD_S
         status = solver.solve(m)
         _log.debug(
-            "CP-SAT %s: bound %s, %s after %.2f deterministic units",
-            "least energy" if bound_s is not None else "solve",
-            "none" if bound_s is None else f"{bound_s:.6f} s",
+            "CP-SAT least energy within %s: %s after %.2f deterministic units",
+            "any time" if bound_s is None else f"{bound_s:.6f} s",
             solver.status_name(status),
             solver.deterministic_time,
         )
+        # CP-SAT's objective bound is in its integer units (us, uJ, whole watts): converted,
+        # it bounds the energy up to that rounding, so it is capped at the plan it proves.
+        proven = solver.best_objective_bound / 1e6
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             if hint is not None and (bound_s is None or hint.time_s <= bound_s + 1e-9):
-                # Out of time before CP-SAT proved anything: the hint is still a valid plan.
-                return dataclasses.replace(hint, status="HINT")
+                # Out of time before CP-SAT found a plan: the hint is still a valid plan.
+                bound = min(proven, hint.energy_j) if status == cp_model.UNKNOWN else None
+                return dataclasses.replace(hint, status="HINT", within_s=bound_s, bound_j=bound)
             within = f"within {bound_s:.6f} s " if bound_s is not None else ""
             raise KareusError(
                 f"CP-SAT found no plan {within}within its work limit ({limit:.1f} "
@@ -291,11 +346,12 @@ class Composer:
                 f"(status {solver.status_name(status)})"
             )
         choices = tuple(
-            self.options[instr.group][next(k for k, v in enumerate(x[i]) if solver.value(v))]
-            for i, instr in enumerate(self.it.instructions)
+            opts[i][next(k for k, v in enumerate(x[i]) if solver.value(v))]
+            for i in range(len(opts))
         )
         time_s, energy_j = self.evaluate(choices)
-        return Solution(choices, time_s, energy_j, solver.status_name(status))
+        bound = min(proven, energy_j)  # OPTIMAL means within gap_limit, not exact
+        return Solution(choices, time_s, energy_j, solver.status_name(status), bound_s, bound)
 
     def fastest_choice(self) -> Solution:
         """Every instruction's fastest option (least energy among equals): a feasible start."""
@@ -322,13 +378,20 @@ class Composer:
             out.append(Solution(choices, time_s, energy_j, "UNIFORM"))
         return out
 
-    def frontier(self, points: int = 8) -> list[Solution]:
+    def frontier(self, points: int = 8, anchors: Sequence[float] = ()) -> list[Solution]:
         """Sweep the time bound from the fastest plan to the least-energy plan.
+
+        ``anchors`` are further time bounds to solve at (the times other plans are compared
+        at, such as a baseline's fastest time), so that those comparisons read a solved
+        point instead of the nearest point of the sweep.
 
         Each solve is warm-started from the best plan known to meet its bound (the previous
         point, or a uniform-clock plan), and the uniform-clock plans join the candidates: a
         solve stopped by its work limit can return no worse than they are, so no point of
-        the frontier is ever above a uniform-clock plan.
+        the frontier is ever above a uniform-clock plan. Each point's ``bound_j`` is the
+        best proven lower bound on the energy of any plan as fast as it (from every solve of
+        the sweep, kept in :attr:`solves`); the gap between the two is what the limited
+        search may have left.
         """
         from kareus.planner.pareto import pareto_front
 
@@ -345,10 +408,43 @@ class Composer:
         frugal = self.solve(hint=best_within(None, known))
         known.append(frugal)
         lo, hi = fastest.time_s, frugal.time_s
-        for k in range(1, points - 1):  # from fast to slow
-            bound = lo + (hi - lo) * k / (points - 1) + 1e-6
+        sweep = [lo + (hi - lo) * k / (points - 1) + 1e-6 for k in range(1, points - 1)]
+        sweep += [a + 1e-6 for a in anchors if lo < a < hi]
+        for bound in sorted(sweep):  # from fast to slow
             known.append(self.solve(bound_s=bound, hint=best_within(bound, known)))
-        return pareto_front(known, key=lambda s: (s.time_s, s.energy_j))
+        # A point between two bounds of the sweep (often a uniform-clock plan) is proven
+        # only by the next slower bound: solve at its own time once, so that it is either
+        # improved or proven (with its gap printed).
+        front = pareto_front(known, key=lambda s: (s.time_s, s.energy_j))
+        solves = [s for s in known if s.status != "UNIFORM"]
+        loose = max(REFINE_GAP, self.gap_limit)
+        for p, proven in zip(front, self.lower_bounds(front, solves), strict=True):
+            if proven is None or p.energy_j - proven > loose * p.energy_j:
+                known.append(self.solve(bound_s=p.time_s + 1e-6, hint=p))
+        self.solves = [s for s in known if s.status != "UNIFORM"]
+        front = pareto_front(known, key=lambda s: (s.time_s, s.energy_j))
+        bounds = self.lower_bounds(front, self.solves)
+        return [
+            dataclasses.replace(p, within_s=p.time_s, bound_j=b)
+            for p, b in zip(front, bounds, strict=True)
+        ]
+
+    @staticmethod
+    def lower_bounds(points: Sequence[Solution], solves: Sequence[Solution]) -> list[float | None]:
+        """Return, per point, the best proven lower bound on the energy at its time or less.
+
+        A solve within ``B`` proves a bound for every point no slower than ``B``; the tightest
+        is that of the solve with the smallest such ``B``. None where no solve covers a point.
+        """
+        out: list[float | None] = []
+        for p in points:
+            covering = [
+                s.bound_j
+                for s in solves
+                if s.bound_j is not None and (s.within_s is None or p.time_s <= s.within_s + 1e-9)
+            ]
+            out.append(min(max(covering), p.energy_j) if covering else None)
+        return out
 
     def brute_force(self, bound_s: float | None = None) -> tuple[float, float] | None:
         """Least (energy, time) under ``bound_s`` by enumeration (small instances only)."""

@@ -44,6 +44,8 @@ class PlannerSettings:
             limit of work, not of wall-clock time, so plans never depend on machine load.
         solver_workers: CP-SAT workers; more than one are interleaved in one thread (that
             keeps the search deterministic).
+        solver_gap_limit: a solve stops once its plan is proven within this fraction of
+            the least energy at its time bound (each point's proven gap is reported).
     """
 
     clocks_mhz: tuple[float, ...] | None = None
@@ -52,9 +54,10 @@ class PlannerSettings:
     default_sm_share: int = 16
     exhaustive: bool = False
     budget_fraction: float = 0.2
-    sweep_points: int = 8
+    sweep_points: int = 10
     solver_time_limit_s: float = 1.0
     solver_workers: int = 1
+    solver_gap_limit: float = 0.005
 
 
 _SOLVED = ("OPTIMAL", "FEASIBLE", "HINT")
@@ -91,6 +94,7 @@ class PlanningResult:
     frontiers: dict[str, list[Solution]]
     evaluations: int
     grid_size: int
+    settings: PlannerSettings = PlannerSettings()
 
 
 def plan_iteration(
@@ -159,6 +163,7 @@ def plan_iteration(
         "kareus": lambda o: True,
     }
     frontiers: dict[str, list[Solution]] = {}
+    comps: dict[str, Composer] = {}
     for method, keep in restrict.items():
         note(f"composing {method}")
         sub = {g: [o for o in opts if keep(o)] for g, opts in options.items()}
@@ -170,18 +175,31 @@ def plan_iteration(
             gpus_per_stage=parallel.gpus_per_stage,
             time_limit_s=settings.solver_time_limit_s,
             workers=settings.solver_workers,
+            gap_limit=settings.solver_gap_limit,
         )
+        comps[method] = comp
+        # kareus (composed last) is also solved at each baseline's fastest time and at the
+        # policy's deadline: the times it is compared and selected at.
+        anchors = [min(s.time_s for s in sols) for sols in frontiers.values()]
+        anchors += [deadline_s] if deadline_s is not None else []
         frontiers[method] = (
             [comp.solve(minimise="time")]
             if method == "megatron"
-            else comp.frontier(settings.sweep_points)
+            else comp.frontier(settings.sweep_points, anchors if method == "kareus" else ())
         )
 
     # Every baseline plan is also a kareus plan (its options are a subset of kareus's): a
     # point CP-SAT missed within its time limit must not make kareus look worse.
-    frontiers["kareus"] = pareto_front(
+    # Its lower bounds are those kareus's own solves proved (a baseline's hold for its
+    # options only).
+    merged = pareto_front(
         [s for sols in frontiers.values() for s in sols], key=lambda s: (s.time_s, s.energy_j)
     )
+    bounds = Composer.lower_bounds(merged, comps["kareus"].solves)
+    frontiers["kareus"] = [
+        dataclasses.replace(s, within_s=s.time_s, bound_j=b)
+        for s, b in zip(merged, bounds, strict=True)
+    ]
 
     # Select and write the plan.
     chosen = select(
@@ -227,14 +245,12 @@ def plan_iteration(
             "pp": parallel.pp,
             "microbatches": parallel.microbatches,
         },
-        frontier=tuple(FrontierPoint(s.time_s, s.energy_j) for s in frontiers["kareus"]),
-        chosen=FrontierPoint(chosen.time_s, chosen.energy_j),
+        frontier=tuple(_point(s) for s in frontiers["kareus"]),
+        chosen=_point(chosen),
         schedule=schedule,
         decisions=decisions,
         baselines={
-            m: tuple(FrontierPoint(s.time_s, s.energy_j) for s in sols)
-            for m, sols in frontiers.items()
-            if m != "kareus"
+            m: tuple(_point(s) for s in sols) for m, sols in frontiers.items() if m != "kareus"
         },
         evaluations={
             "search": searched,
@@ -251,7 +267,11 @@ def plan_iteration(
         static_power_w=static_power_w,
         workload=dict(workload or {}),
     )
-    return PlanningResult(plan, searches, frontiers, ev.evaluations, grid)
+    return PlanningResult(plan, searches, frontiers, ev.evaluations, grid, settings)
+
+
+def _point(s: Solution) -> FrontierPoint:
+    return FrontierPoint(s.time_s, s.energy_j, s.bound_j)
 
 
 @dataclasses.dataclass
