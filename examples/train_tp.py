@@ -4,10 +4,11 @@ Each rank holds half of every layer (Megatron-style); kareus splits the layers i
 nanobatches, overlaps each all-reduce with the other nanobatch's compute, and plans clocks
 and overlap for the named GPU type with its hardware model (figures modelled).
 
-Run: torchrun --nproc-per-node 2 examples/train_tp.py [--steps N] [--gpu a100-40gb]
+Run: torchrun --nproc-per-node 2 examples/train_tp.py [--steps N] [--layers N] [--gpu a100-40gb]
 """
 
 import argparse
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ from kareus.models import PRESETS, Llama
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--steps", type=int, default=4)
+parser.add_argument("--layers", type=int, default=4, help="decoder layers (tiny Llama)")
 parser.add_argument("--gpu", default="a100-40gb", help="GPU type to plan for")
 args = parser.parse_args()
 
@@ -25,7 +27,8 @@ torch.set_num_threads(1)
 rank = dist.get_rank()
 try:
     torch.manual_seed(0)  # the same initial weights on every rank
-    model = Llama(PRESETS["tiny-4l"], tp_group=dist.group.WORLD)
+    config = dataclasses.replace(PRESETS["tiny-4l"], num_layers=args.layers)
+    model = Llama(config, tp_group=dist.group.WORLD)
     energy = []
     model = kareus.compile(model, gpu=args.gpu, on_iteration=energy.append)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -60,7 +60,7 @@ def test_train_hf_model(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_tensor_parallel_example_under_torchrun(tmp_path):
-    out = _torchrun(2, "examples/train_tp.py", "--steps", "2", tmp_path=tmp_path)
+    out = _torchrun(2, "examples/train_tp.py", "--steps", "2", "--layers", "2", tmp_path=tmp_path)
     assert len(_losses(out)) == 2
     assert "all_reduce" in out and "(modelled)" in out
 
