@@ -194,9 +194,15 @@ class Plan:
             head += f"\nworkload: {self.workload['describe']}"
         front = render_table(
             f"kareus frontier ({src})",
-            ("#", "iteration time s", "energy J", "chosen"),
+            ("#", "iteration time s", "energy J", "proven gap", "chosen"),
             [
-                (i, f"{p.time_s:.6f}", f"{p.energy_j:.3f}", "<-" if p == self.chosen else "")
+                (
+                    i,
+                    f"{p.time_s:.6f}",
+                    f"{p.energy_j:.3f}",
+                    "n/a" if p.gap is None else f"{100 * p.gap:.1f} %",
+                    "<-" if p == self.chosen else "",
+                )
                 for i, p in enumerate(self.frontier)
             ],
         )

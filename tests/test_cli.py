@@ -40,6 +40,18 @@ def test_plan_writes_plan_report_plot_and_partitions(planned, capsys):
     assert "modelled" in report and "frontier.png" in report
     assert report.count("| chosen |") == 1  # in kareus's frontier only
     assert "| per micro-batch |" in report and "## Hardware model" in report
+    # The saving split over clocks, default overlap and the joint choice, at one time; kareus
+    # (whose options include every baseline's) is never above a baseline there.
+    ladder = report.split("## Where the saving comes from")[1].split("## Overlap decisions")[0]
+    energies = [
+        float(row.split("|")[2])
+        for row in ladder.splitlines()
+        if row.startswith("| ") and row.split("|")[2].strip()[:1].isdigit()
+    ]
+    assert len(energies) == 4 and energies[3] <= min(energies[:3]) * (1 + 1e-9)
+    assert "overlap decisions" in ladder.split("|")[-1]  # which ones differ, or that none do
+    assert "| proven gap |" in report and "The solver proved" in report
+    assert all(p.lower_bound_j is not None for p in plan.frontier)
     assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     sets = json.loads((out / "partitions.json").read_text())["sets"]
     kinds = {t["collective"]["kind"] for s in sets for t in s["types"].values() if t["collective"]}
