@@ -88,9 +88,17 @@ def _workload_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration")
     p.add_argument(
         "--schedule",
-        choices=("1F1B", "GPipe"),
+        choices=("1F1B", "GPipe", "Interleaved1F1B"),
         default="1F1B",
         help="pipeline schedule, as torch.distributed.pipelining runs it",
+    )
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stages per pipeline rank with --schedule Interleaved1F1B (the model is split "
+        "into PP x N stages; default 2)",
     )
     p.add_argument(
         "--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="training dtype"
@@ -403,7 +411,7 @@ def _plan(args: argparse.Namespace) -> int:
         progress.start("planning", planning_steps(stages))
 
     with _Progress(enabled=not args.quiet) as progress:
-        progress.start("tracing", len(stage_kinds(work.pp)))
+        progress.start("tracing", len(stage_kinds(work.stages)))
         planned = plan_workload(
             work,
             args.gpu,
@@ -463,6 +471,13 @@ def _workload(args: argparse.Namespace) -> Any:
         schedule=args.schedule,
         recompute=args.recompute,
         layers_per_stage=args.layers_per_stage,
+        virtual_stages=(
+            args.virtual_stages
+            if args.virtual_stages is not None
+            else 2
+            if args.schedule == "Interleaved1F1B"
+            else 1
+        ),
     )
 
 
@@ -494,7 +509,7 @@ def _profile(args: argparse.Namespace) -> int:
     from kareus.trace import stage_kinds
 
     with _Progress(enabled=rank0 and not args.quiet) as progress:
-        progress.start("tracing", len(stage_kinds(work.pp)))
+        progress.start("tracing", len(stage_kinds(work.stages)))
         result = profile_workload(
             work,
             args.gpu,

@@ -77,6 +77,7 @@ _TRACED_FIELDS = (
     "seq_len",
     "dtype",
     "layers_per_stage",
+    "virtual_stages",
 )
 """Workload fields the partition sets depend on (the micro-batch count does not)."""
 
@@ -127,10 +128,12 @@ def load_stages(work: Workload, path: str | pathlib.Path) -> list[PartitionSet]:
             f"holds {len(sets)} set(s)"
         )
     want = workload_record(work)
+    # A field a file predates holds its default (virtual_stages came after the first files).
+    defaults = {f.name: f.default for f in dataclasses.fields(Workload)}
     diff = [
-        f"{k} {saved.get(k)!r} != {want.get(k)!r}"
+        f"{k} {saved.get(k, defaults.get(k))!r} != {want.get(k)!r}"
         for k in _TRACED_FIELDS
-        if saved.get(k) != want.get(k)
+        if saved.get(k, defaults.get(k)) != want.get(k)
     ]
     if diff:
         raise PartitionsFileError(f"{path} was traced for another workload: {', '.join(diff)}")
@@ -230,6 +233,7 @@ def plan_workload(
             tp=work.tp,
             cp=work.cp,
             pp=work.pp,
+            virtual_stages=work.virtual_stages,
             microbatches=work.microbatches,
             schedule=work.schedule,
         ),

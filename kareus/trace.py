@@ -50,7 +50,10 @@ class Workload:
         seq_len: tokens per sequence (split across the context-parallel ranks).
         microbatches: micro-batches per iteration (per pipeline).
         dtype: ``bf16``, ``fp16`` or ``fp32``.
-        schedule: the pipeline schedule, ``1F1B`` or ``GPipe``.
+        schedule: the pipeline schedule, ``1F1B``, ``GPipe`` or ``Interleaved1F1B``.
+        virtual_stages: stages per pipeline rank (2 or more with ``Interleaved1F1B``, whose
+            model is split into ``pp * virtual_stages`` stages, stage ``v * pp + r`` on rank
+            ``r``; else 1).
         recompute: activation recompute: ``none``; ``full`` (each backward re-runs its
             layers' forward, collectives included); ``selective`` (the attention core only).
         layers_per_stage: decoder layers of each pipeline stage (say ``(15, 13)``; the first
@@ -68,15 +71,18 @@ class Workload:
     schedule: str = "1F1B"
     recompute: str = "none"
     layers_per_stage: tuple[int, ...] | None = None
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         from kareus.planner.compose import SCHEDULES
 
         cfg = self.config  # raises on an unknown preset
         if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
+        if (self.schedule == "Interleaved1F1B") != (self.virtual_stages > 1):
             raise ValueError(
-                f"schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)} (kareus "
-                "does not plan interleaved 1F1B yet)"
+                f"schedule={self.schedule!r} with virtual_stages={self.virtual_stages}: "
+                "Interleaved1F1B needs 2 or more stages per rank, the other schedules 1"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
@@ -92,21 +98,26 @@ class Workload:
             raise ValueError(f"recompute={self.recompute!r} must be one of {', '.join(RECOMPUTE)}")
         split = self.layers_per_stage
         if split is not None:
-            if len(split) != self.pp or min(split) < 1 or sum(split) != cfg.num_layers:
+            if len(split) != self.stages or min(split) < 1 or sum(split) != cfg.num_layers:
                 raise ValueError(
-                    f"layers per stage {','.join(map(str, split))} must be {self.pp} positive "
+                    f"layers per stage {','.join(map(str, split))} must be {self.stages} positive "
                     f"counts (one per pipeline stage) adding up to the model's "
                     f"{cfg.num_layers} layers"
                 )
             # the layer count is checked against the stages above, not divided by them
-            cfg = dataclasses.replace(cfg, num_layers=self.pp)
-        cfg.check_parallel(tp=self.tp, cp=self.cp, pp=self.pp, seq_len=self.seq_len)
+            cfg = dataclasses.replace(cfg, num_layers=self.stages)
+        cfg.check_parallel(tp=self.tp, cp=self.cp, pp=self.stages, seq_len=self.seq_len)
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages: ranks times stages per rank."""
+        return self.pp * self.virtual_stages
 
     def stage_layers(self) -> tuple[int, ...]:
         """Return the decoder layers of each pipeline stage."""
         if self.layers_per_stage is not None:
             return tuple(self.layers_per_stage)
-        return (self.config.num_layers // self.pp,) * self.pp
+        return (self.config.num_layers // self.stages,) * self.stages
 
     @property
     def config(self) -> LlamaConfig:
@@ -124,6 +135,7 @@ class Workload:
             f"{self.name} {self.dtype}, TP {self.tp} x CP {self.cp} x PP {self.pp}, "
             f"{self.microbatches} micro-batches x {self.microbatch_size} x {self.seq_len} tokens"
             + (f", {self.schedule}" if self.pp > 1 else "")
+            + (f" ({self.virtual_stages} stages per rank)" if self.virtual_stages > 1 else "")
             + (
                 f", layers {'/'.join(map(str, self.layers_per_stage))}"
                 if self.layers_per_stage
@@ -205,7 +217,7 @@ def trace_stage(
     import kareus
     from kareus.api import find_backend
 
-    cfg = dataclasses.replace(work.config, num_layers=layers * work.pp)
+    cfg = dataclasses.replace(work.config, num_layers=layers * work.stages)
     tp_group, cp_group = groups
     dtype = DTYPES[work.dtype]
     local_seq = work.seq_len // work.cp
@@ -216,7 +228,7 @@ def trace_stage(
         default = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = Llama(cfg, tp_group, cp_group, stage=(stage, work.pp))
+            model = Llama(cfg, tp_group, cp_group, stage=(stage, work.stages))
         finally:
             torch.set_default_dtype(default)
         shape = (work.microbatch_size, local_seq)
@@ -340,7 +352,8 @@ def trace_programs(
         As :func:`trace`, and per pipeline stage its programs by type key.
     """
     per_stage = work.stage_layers()
-    kinds = [0 if s == 0 else work.pp - 1 if s == work.pp - 1 else 1 for s in range(work.pp)]
+    last = work.stages - 1
+    kinds = [0 if s == 0 else last if s == last else 1 for s in range(work.stages)]
     # Layers traced per stage kind: what its smallest stage holds, up to ``layers``.
     traced: dict[int, int] = {}
     for k in set(kinds):
@@ -350,7 +363,7 @@ def trace_programs(
     by_kind: dict[int, StageTrace] = {}
     notes: list[str] = []
     with fake_world(work.tp, work.cp) as groups:
-        for kind in stage_kinds(work.pp):
+        for kind in stage_kinds(work.stages):
             note(f"tracing stage {kind} ({traced[kind]} of {per_stage[kind]} layers, fake tensors)")
             _log.info("tracing stage kind %d: %d of %d layers", kind, traced[kind], per_stage[kind])
             found = trace_stage(

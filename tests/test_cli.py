@@ -110,6 +110,16 @@ def test_explain_prints_a_saved_plan_through_the_entry_point(planned):
             "--energy-budget must be a positive number of joules",
         ),
         (["plan", "--model", "tiny", "--evaluator", "replay"], EXIT_BAD_INPUT, "--replay FILE"),
+        (
+            ["plan", "--model", "tiny", "--pp", "2", "--virtual-stages", "2"],
+            EXIT_BAD_INPUT,
+            "Interleaved1F1B needs 2 or more stages per rank",
+        ),
+        (
+            ["plan", "--model", "llama3.2-3b", "--pp", "4", "--schedule", "Interleaved1F1B"],
+            EXIT_BAD_INPUT,
+            "num_layers=28 is not divisible by the pipeline-parallel size 8",
+        ),
         (["explain", "/no/such/plan.json"], EXIT_BAD_INPUT, "cannot read the kareus plan"),
     ],
 )

@@ -219,4 +219,12 @@ def test_pipeline_schedules_get_each_instruction_its_clock(run_name, plan_name, 
 
 
 def test_interleaved_1f1b_two_stages_per_rank_share_one_runtime():
-    _check(run_ranks(_run_pipeline, "Interleaved1F1B", "Interleaved1F1B", 2, world=2), False)
+    from kareus.planner.compose import interleaved_one_f_one_b
+
+    results = run_ranks(_run_pipeline, "Interleaved1F1B", "Interleaved1F1B", 2, world=2)
+    _check(results, False)
+    # The composer's DAG orders each stage's instructions as the schedule torch ran did.
+    composed = {s: [] for s in range(4)}
+    for i in interleaved_one_f_one_b(2, MICRO, 2).instructions:
+        composed[i.stage].append((i.kind, i.microbatch))
+    assert composed == results[0][5]

@@ -204,6 +204,28 @@ def test_gpipe_structure_and_a_gpipe_plan():
         )
 
 
+def test_interleaved_1f1b_is_planned_over_every_virtual_stage():
+    from kareus.planner.compose import interleaved_one_f_one_b
+
+    it = interleaved_one_f_one_b(2, 4, 2)
+    assert len(it.instructions) == 4 * 4 * 2  # stages x micro-batches x (F, B)
+    # Unit durations on 2 ranks: 16 instructions each, and fewer bubbles than 1F1B over the
+    # same 4 stages' work on 2 ranks would have (each rank runs two stages' instructions).
+    assert makespan(it, [1.0] * 32) < makespan(one_f_one_b(2, 4), [2.0] * 16)
+    pset = megatron_partition_set(hidden=1024, ffn=4096, heads=16, seq=1024, microbatch=4,
+                                  layers=1, tp=2)  # fmt: skip
+    parallel = Parallelism(tp=2, pp=2, microbatches=4, schedule="Interleaved1F1B", virtual_stages=2)
+    settings = PlannerSettings(sweep_points=3, clocks_mhz=(1410, 1005))
+    plan = plan_for_gpu(pset, SPEC, parallel=parallel, settings=settings).plan
+    assert plan.pipeline_schedule == "Interleaved1F1B" and plan.parallel["virtual_stages"] == 2
+    assert sorted({s.stage for s in plan.schedule}) == [0, 1, 2, 3]
+    assert is_monotone([(p.time_s, p.energy_j) for p in plan.frontier])
+    with pytest.raises(KareusError, match="2 or more stages per rank"):
+        plan_for_gpu(pset, SPEC, parallel=Parallelism(pp=2, schedule="Interleaved1F1B"))
+    with pytest.raises(KareusError, match="multiple of the rounds"):
+        interleaved_one_f_one_b(2, 5, 2)
+
+
 @pytest.mark.parametrize("which", ["attention", "mlp-backward"])
 def test_search_reaches_exhaustive_hypervolume_with_a_fifth_of_the_grid(which):
     if which == "attention":

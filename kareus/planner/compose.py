@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kareus.errors import KareusError
 
@@ -103,27 +103,80 @@ def gpipe(stages: int, microbatches: int) -> Iteration:
     return pipeline([list(seq) for _ in range(stages)])
 
 
-SCHEDULES = {"1F1B": one_f_one_b, "GPipe": gpipe}
-"""The pipeline schedules the composer builds, by the names plans record."""
+def interleaved_one_f_one_b(ranks: int, microbatches: int, virtual: int = 2) -> Iteration:
+    """Return interleaved 1F1B: ``virtual`` stages per rank, stage ``v * ranks + r`` on rank r.
+
+    Each rank's order is the one ``torch.distributed.pipelining.ScheduleInterleaved1F1B``
+    computes (its own function is called), so the DAG is what torch runs.
+
+    Raises:
+        KareusError: sizes torch's schedule does not accept.
+    """
+    _check_sizes("Interleaved 1F1B", ranks, microbatches)
+    if virtual < 2:
+        raise KareusError(f"Interleaved 1F1B needs 2 or more stages per rank, got {virtual}")
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    rounds = max(1, microbatches // ranks)
+    if microbatches % rounds:
+        raise KareusError(
+            f"Interleaved 1F1B needs the micro-batches ({microbatches}) to be a multiple of "
+            f"the rounds ({rounds} = micro-batches // ranks), as torch's schedule does"
+        )
+    state = SimpleNamespace(
+        n_local_stages=virtual,
+        pp_group_size=ranks,
+        microbatches_per_round=microbatches // rounds,
+        _n_microbatches=microbatches,
+    )
+    kinds = {"F": "forward", "B": "backward"}
+    orders: list[list[tuple[int, str, int]]] = []
+    for r in range(ranks):
+        actions = ScheduleInterleaved1F1B._calculate_single_rank_operations(state, r)  # type: ignore[arg-type]
+        orders.append(
+            [
+                (a.stage_index, kinds[a.computation_type.value], int(a.microbatch_index or 0))
+                for a in actions
+                if a is not None and a.computation_type.value in kinds
+            ]
+        )
+    return _dag(orders, ranks * virtual)
+
+
+SCHEDULES: dict[str, Callable[..., Iteration]] = {
+    "1F1B": one_f_one_b,
+    "GPipe": gpipe,
+    "Interleaved1F1B": interleaved_one_f_one_b,
+}
+"""The pipeline schedules the composer builds, by the names plans record. Each takes
+(ranks, micro-batches) and, for the interleaved one, the stages per rank."""
 
 
 def pipeline(orders: Sequence[Sequence[tuple[str, int]]]) -> Iteration:
-    """Return the DAG of a pipeline whose stage ``s`` runs ``orders[s]`` in that order.
+    """Return the DAG of a pipeline whose stage ``s`` runs ``orders[s]`` in that order."""
+    return _dag([[(s, k, m) for k, m in order] for s, order in enumerate(orders)], len(orders))
 
-    Edges: each stage's order; a micro-batch's forward from stage to stage, its backward
-    back; and, on the last stage, a micro-batch's backward after its forward.
+
+def _dag(rank_orders: Sequence[Sequence[tuple[int, str, int]]], stages: int) -> Iteration:
+    """Return the DAG of ``stages`` stages whose rank ``r`` runs ``rank_orders[r]`` in order.
+
+    Items are (stage, kind, micro-batch). Edges: each rank's order; a micro-batch's forward
+    from stage to stage, its backward back; and, on the last stage, a micro-batch's backward
+    after its forward.
     """
     instrs: list[Instruction] = []
     index: dict[tuple[int, str, int], int] = {}
     edges: set[tuple[int, int]] = set()
-    for s, order in enumerate(orders):
+    for order in rank_orders:
         ids = []
-        for kind, m in order:
+        for s, kind, m in order:
             index[(s, kind, m)] = len(instrs)
             ids.append(len(instrs))
             instrs.append(Instruction(s, kind, m))
         edges.update(itertools.pairwise(ids))
-    last = len(orders) - 1
+    last = stages - 1
     for (s, kind, m), i in index.items():
         if kind == "forward" and s < last:
             edges.add((i, index[(s + 1, "forward", m)]))

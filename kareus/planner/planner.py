@@ -17,7 +17,13 @@ from kareus.errors import KareusError
 from kareus.hardware import Emulator, GPUSpec
 from kareus.partitions import Decision, PartitionSet
 from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
-from kareus.planner.compose import SCHEDULES, Composer, Option, Solution, chain
+from kareus.planner.compose import (
+    SCHEDULES,
+    Composer,
+    Option,
+    Solution,
+    chain,
+)
 from kareus.planner.knobs import CountingEvaluator, KnobSpace, Setting, default_clocks, knobs_of
 from kareus.planner.pareto import pareto_front
 from kareus.planner.search import SearchResult, exhaustive, search
@@ -73,6 +79,12 @@ class Parallelism:
     microbatches: int = 1
     cp: int = 1
     schedule: str = "1F1B"  # the pipeline schedule: a key of compose.SCHEDULES
+    virtual_stages: int = 1  # stages per pipeline rank (Interleaved1F1B: 2 or more)
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages: ranks times stages per rank (stage ``v * pp + r`` on rank r)."""
+        return self.pp * self.virtual_stages
 
     @property
     def gpus_per_stage(self) -> int:
@@ -81,7 +93,7 @@ class Parallelism:
 
     @property
     def gpus(self) -> int:
-        """GPUs of one pipeline replica."""
+        """GPUs of one pipeline replica (its ranks, not its stages)."""
         return self.gpus_per_stage * self.pp
 
 
@@ -139,9 +151,14 @@ def plan_iteration(
         raise KareusError(
             f"unknown pipeline schedule {parallel.schedule!r}: kareus plans {sorted(SCHEDULES)}"
         )
-    stages = list(psets) if isinstance(psets, Sequence) else [psets] * parallel.pp
-    if len(stages) != parallel.pp:
-        stages = [stages[0]] * parallel.pp
+    if (parallel.schedule == "Interleaved1F1B") != (parallel.virtual_stages > 1):
+        raise KareusError(
+            f"schedule {parallel.schedule} with {parallel.virtual_stages} stage(s) per rank: "
+            "Interleaved1F1B needs 2 or more stages per rank, the other schedules one"
+        )
+    stages = list(psets) if isinstance(psets, Sequence) else [psets] * parallel.stages
+    if len(stages) != parallel.stages:
+        stages = [stages[0]] * parallel.stages
     ev = CountingEvaluator(evaluator)
     freqs = tuple(settings.clocks_mhz or default_clocks(clocks_mhz))
     note = progress or (lambda _step: None)
@@ -151,7 +168,11 @@ def plan_iteration(
     iteration = (
         chain(parallel.microbatches)  # one stage under 1F1B: forward, backward, forward...
         if parallel.pp == 1 and parallel.schedule == "1F1B"
-        else SCHEDULES[parallel.schedule](parallel.pp, parallel.microbatches)
+        else SCHEDULES[parallel.schedule](
+            parallel.pp,
+            parallel.microbatches,
+            *((parallel.virtual_stages,) if parallel.virtual_stages > 1 else ()),
+        )
     )
 
     # Compose every method on the same options.
@@ -244,6 +265,7 @@ def plan_iteration(
             "cp": parallel.cp,
             "pp": parallel.pp,
             "microbatches": parallel.microbatches,
+            **({"virtual_stages": parallel.virtual_stages} if parallel.virtual_stages > 1 else {}),
         },
         frontier=tuple(_point(s) for s in frontiers["kareus"]),
         chosen=_point(chosen),
