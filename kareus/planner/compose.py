@@ -294,7 +294,15 @@ class Composer:
         self.workers = workers
         self.seed = seed
         self.gap_limit = gap_limit
-        self.solves: list[Solution] = []  # every solve of the last frontier() sweep
+        self.solves: list[Solution] = []  # every solve since the last frontier() began
+
+    @property
+    def time_slack_s(self) -> float:
+        """How far the model's integer microseconds may put a plan's time off.
+
+        Half a microsecond per instruction: plans closer in time than this are equally fast.
+        """
+        return 0.5e-6 * len(self.it.instructions)
 
     def evaluate(self, choices: Sequence[Option]) -> tuple[float, float]:
         """Return (iteration time, energy of all GPUs) of one choice per instruction."""
@@ -391,7 +399,9 @@ class Composer:
             if hint is not None and (bound_s is None or hint.time_s <= bound_s + 1e-9):
                 # Out of time before CP-SAT found a plan: the hint is still a valid plan.
                 bound = min(proven, hint.energy_j) if status == cp_model.UNKNOWN else None
-                return dataclasses.replace(hint, status="HINT", within_s=bound_s, bound_j=bound)
+                found = dataclasses.replace(hint, status="HINT", within_s=bound_s, bound_j=bound)
+                self.solves.append(found)
+                return found
             within = f"within {bound_s:.6f} s " if bound_s is not None else ""
             raise KareusError(
                 f"CP-SAT found no plan {within}within its work limit ({limit:.1f} "
@@ -404,7 +414,9 @@ class Composer:
         )
         time_s, energy_j = self.evaluate(choices)
         bound = min(proven, energy_j)  # OPTIMAL means within gap_limit, not exact
-        return Solution(choices, time_s, energy_j, solver.status_name(status), bound_s, bound)
+        found = Solution(choices, time_s, energy_j, solver.status_name(status), bound_s, bound)
+        self.solves.append(found)
+        return found
 
     def fastest_choice(self) -> Solution:
         """Every instruction's fastest option (least energy among equals): a feasible start."""
@@ -446,9 +458,8 @@ class Composer:
         the sweep, kept in :attr:`solves`); the gap between the two is what the limited
         search may have left.
         """
-        from kareus.planner.pareto import pareto_front
-
         uniform = self.uniform_plans()
+        self.solves = []
 
         def best_within(bound: float | None, known: Sequence[Solution]) -> Solution | None:
             fits = [s for s in known if bound is None or s.time_s <= bound + 1e-9]
@@ -465,17 +476,26 @@ class Composer:
         sweep += [a + 1e-6 for a in anchors if lo < a < hi]
         for bound in sorted(sweep):  # from fast to slow
             known.append(self.solve(bound_s=bound, hint=best_within(bound, known)))
-        # A point between two bounds of the sweep (often a uniform-clock plan) is proven
-        # only by the next slower bound: solve at its own time once, so that it is either
-        # improved or proven (with its gap printed).
-        front = pareto_front(known, key=lambda s: (s.time_s, s.energy_j))
-        solves = [s for s in known if s.status != "UNIFORM"]
+        return self.prove(known)
+
+    def prove(self, candidates: Sequence[Solution]) -> list[Solution]:
+        """Return the front of ``candidates``, each point with its proven lower bound.
+
+        A point between two time bounds already solved (a uniform-clock plan, or another
+        method's plan on a subset of these options) is covered only by the next slower bound:
+        it is solved once at its own time, so that it is either improved or proven; then
+        every point gets the best bound of all solves so far (:attr:`solves`).
+        """
+        from kareus.planner.pareto import pareto_front
+
+        known = list(candidates)
+        slack = self.time_slack_s
+        front = pareto_front(known, key=lambda s: (s.time_s, s.energy_j), time_slack=slack)
         loose = max(REFINE_GAP, self.gap_limit)
-        for p, proven in zip(front, self.lower_bounds(front, solves), strict=True):
+        for p, proven in zip(front, self.lower_bounds(front, self.solves), strict=True):
             if proven is None or p.energy_j - proven > loose * p.energy_j:
                 known.append(self.solve(bound_s=p.time_s + 1e-6, hint=p))
-        self.solves = [s for s in known if s.status != "UNIFORM"]
-        front = pareto_front(known, key=lambda s: (s.time_s, s.energy_j))
+        front = pareto_front(known, key=lambda s: (s.time_s, s.energy_j), time_slack=slack)
         bounds = self.lower_bounds(front, self.solves)
         return [
             dataclasses.replace(p, within_s=p.time_s, bound_j=b)

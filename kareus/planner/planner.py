@@ -25,7 +25,6 @@ from kareus.planner.compose import (
     chain,
 )
 from kareus.planner.knobs import CountingEvaluator, KnobSpace, Setting, default_clocks, knobs_of
-from kareus.planner.pareto import pareto_front
 from kareus.planner.search import SearchResult, exhaustive, search
 from kareus.planner.select import select
 
@@ -64,10 +63,6 @@ class PlannerSettings:
     solver_time_limit_s: float = 1.0
     solver_workers: int = 1
     solver_gap_limit: float = 0.005
-
-
-_SOLVED = ("OPTIMAL", "FEASIBLE", "HINT")
-"""Statuses of frontier points that came out of a CP-SAT solve (not a uniform-clock plan)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -212,15 +207,9 @@ def plan_iteration(
     # Every baseline plan is also a kareus plan (its options are a subset of kareus's): a
     # point CP-SAT missed within its time limit must not make kareus look worse.
     # Its lower bounds are those kareus's own solves proved (a baseline's hold for its
-    # options only).
-    merged = pareto_front(
-        [s for sols in frontiers.values() for s in sols], key=lambda s: (s.time_s, s.energy_j)
-    )
-    bounds = Composer.lower_bounds(merged, comps["kareus"].solves)
-    frontiers["kareus"] = [
-        dataclasses.replace(s, within_s=s.time_s, bound_j=b)
-        for s, b in zip(merged, bounds, strict=True)
-    ]
+    # options only); a baseline point left on it between kareus's bounds is solved at its
+    # time by kareus's composer, so that it is improved or proven.
+    frontiers["kareus"] = comps["kareus"].prove([s for sols in frontiers.values() for s in sols])
 
     # Select and write the plan.
     chosen = select(
@@ -278,11 +267,10 @@ def plan_iteration(
             "search": searched,
             "total": ev.evaluations,
             "grid": grid,
-            "solves": sum(s.status in _SOLVED for sols in frontiers.values() for s in sols),
+            "solves": sum(len(c.solves) for c in comps.values()),
+            # OPTIMAL: proven within the gap limit; the others stopped at the work limit
             "solves_not_proven_optimal": sum(
-                s.status in _SOLVED and s.status != "OPTIMAL"
-                for sols in frontiers.values()
-                for s in sols
+                s.status != "OPTIMAL" for c in comps.values() for s in c.solves
             ),
         },
         skip_reasons=tuple(skip_reasons),
