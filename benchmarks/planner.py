@@ -7,14 +7,15 @@
    frontiers of kareus and the baselines. The partition set is built from the shapes
    (kareus.testing.megatron_partition_set); all times and energies are modelled.
 
-3. The composer at scale (``--scale``): Llama 3.3 70B shapes (80 layers, hidden 8192, TP 8,
-   micro-batches of 8 x 4096), PP 8 x 16 and PP 16 x 64 micro-batches (2,048 instructions),
+3. The composer at scale (``--scale [8x16,16x64]``): Llama 3.3 70B shapes (80 layers, hidden
+   8192, TP 8, micro-batches of 8 x 4096), PP 8 x 16 by default, PP 16 x 64 (2,048
+   instructions) on request,
    from partition sets built from the shapes (no tracing): planning wall time (measured),
    frontier points, the largest proven gap and the chosen point's, kareus's least energy
    against the best uniform-clock plan (every instruction at one clock and one overlap
    setting), and solves not proven within the gap limit.
 
-Run: python benchmarks/planner.py [--gpu a100-sxm4-40gb] [--scale]
+Run: python benchmarks/planner.py [--gpu a100-sxm4-40gb] [--scale [PPxM,...]]
 """
 
 import argparse
@@ -48,13 +49,13 @@ def search_quality(spec, pset):
         print(f"  {name:26} {full.evaluations:5} {got.evaluations:9} {share:6.1%} {hv:10.4%}")
 
 
-def at_scale(spec):
-    """Plan 70B shapes at PP 8 x 16 and PP 16 x 64; print the composer's figures."""
+def at_scale(spec, configs):
+    """Plan 70B shapes at each (PP, micro-batches) of ``configs``; print the figures."""
     from kareus.planner.compose import Composer, one_f_one_b
     from kareus.planner.knobs import CountingEvaluator
     from kareus.planner.planner import PlannerSettings, evaluate_options
 
-    for pp, micro in ((8, 16), (16, 64)):
+    for pp, micro in configs:
         pset = megatron_partition_set(
             hidden=8192, ffn=28672, heads=64, seq=4096, microbatch=8, layers=80 // pp, tp=8
         )
@@ -88,11 +89,18 @@ def at_scale(spec):
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--gpu", default="a100-sxm4-40gb")
-    parser.add_argument("--scale", action="store_true", help="only the composer at 70B scale")
+    parser.add_argument(
+        "--scale",
+        nargs="?",
+        const="8x16",
+        metavar="PPxM,...",
+        help="only the composer at 70B scale, for these PP x micro-batch sizes (default 8x16; "
+        "16x64 is 2,048 instructions and takes far longer)",
+    )
     args = parser.parse_args()
     spec = gpu(args.gpu)
     if args.scale:
-        at_scale(spec)
+        at_scale(spec, [tuple(map(int, c.split("x"))) for c in args.scale.split(",")])
         return
     pset = megatron_partition_set(
         hidden=3072, ffn=8192, heads=24, seq=4096, microbatch=8, layers=14, tp=8
