@@ -206,6 +206,41 @@ def test_gpipe_structure_and_a_gpipe_plan():
         )
 
 
+def test_interleaved_order_is_torchs():
+    # The planner may not import torch; its port of ScheduleInterleaved1F1B's order is
+    # checked here against torch's own computation over many sizes.
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    from kareus.planner.compose import interleaved_order
+
+    kinds = {"F": "forward", "B": "backward"}
+    checked = 0
+    for ranks in (1, 2, 3, 4, 8):
+        for virtual in (2, 3, 4):
+            for micro in range(1, 33):
+                rounds = max(1, micro // ranks)
+                if micro % rounds:
+                    continue
+                state = SimpleNamespace(
+                    n_local_stages=virtual,
+                    pp_group_size=ranks,
+                    microbatches_per_round=micro // rounds,
+                    _n_microbatches=micro,
+                )
+                for r in range(ranks):
+                    actions = ScheduleInterleaved1F1B._calculate_single_rank_operations(state, r)
+                    want = [
+                        (a.stage_index, kinds[a.computation_type.value], a.microbatch_index)
+                        for a in actions
+                        if a is not None and a.computation_type.value in kinds
+                    ]
+                    assert interleaved_order(r, ranks, virtual, micro) == want, (ranks, virtual)
+                    checked += 1
+    assert checked > 1000
+
+
 def test_interleaved_1f1b_is_planned_over_every_virtual_stage():
     from kareus.planner.compose import interleaved_one_f_one_b
 

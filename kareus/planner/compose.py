@@ -107,7 +107,7 @@ def interleaved_one_f_one_b(ranks: int, microbatches: int, virtual: int = 2) -> 
     """Return interleaved 1F1B: ``virtual`` stages per rank, stage ``v * ranks + r`` on rank r.
 
     Each rank's order is the one ``torch.distributed.pipelining.ScheduleInterleaved1F1B``
-    computes (its own function is called), so the DAG is what torch runs.
+    computes (:func:`interleaved_order`), so the DAG is what torch runs.
 
     Raises:
         KareusError: sizes torch's schedule does not accept.
@@ -115,34 +115,51 @@ def interleaved_one_f_one_b(ranks: int, microbatches: int, virtual: int = 2) -> 
     _check_sizes("Interleaved 1F1B", ranks, microbatches)
     if virtual < 2:
         raise KareusError(f"Interleaved 1F1B needs 2 or more stages per rank, got {virtual}")
-    from types import SimpleNamespace
-
-    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
-
     rounds = max(1, microbatches // ranks)
     if microbatches % rounds:
         raise KareusError(
             f"Interleaved 1F1B needs the micro-batches ({microbatches}) to be a multiple of "
             f"the rounds ({rounds} = micro-batches // ranks), as torch's schedule does"
         )
-    state = SimpleNamespace(
-        n_local_stages=virtual,
-        pp_group_size=ranks,
-        microbatches_per_round=microbatches // rounds,
-        _n_microbatches=microbatches,
-    )
-    kinds = {"F": "forward", "B": "backward"}
-    orders: list[list[tuple[int, str, int]]] = []
-    for r in range(ranks):
-        actions = ScheduleInterleaved1F1B._calculate_single_rank_operations(state, r)  # type: ignore[arg-type]
-        orders.append(
-            [
-                (a.stage_index, kinds[a.computation_type.value], int(a.microbatch_index or 0))
-                for a in actions
-                if a is not None and a.computation_type.value in kinds
-            ]
-        )
+    orders = [interleaved_order(r, ranks, virtual, microbatches) for r in range(ranks)]
     return _dag(orders, ranks * virtual)
+
+
+def interleaved_order(
+    rank: int, ranks: int, virtual: int, microbatches: int
+) -> list[tuple[int, str, int]]:
+    """Return rank ``rank``'s (stage, kind, micro-batch) order under interleaved 1F1B.
+
+    The algorithm of torch's ``ScheduleInterleaved1F1B`` (depth first, micro-batches in
+    rounds of ``microbatches // max(1, microbatches // ranks)``): warm-up forwards, then a
+    forward and a backward per step, then the remaining backwards. The tests check it
+    against torch's own computation and against the order a real run takes.
+    """
+    rounds = max(1, microbatches // ranks)
+    per_round = microbatches // rounds
+    warmup = min((virtual - 1) * per_round + 2 * (ranks - 1 - rank), microbatches * virtual)
+    steady = microbatches * virtual - warmup
+
+    def forward_stage(step: int) -> int:
+        return ((step // per_round) % virtual) * ranks + rank
+
+    def backward_stage(step: int) -> int:
+        return (virtual - 1 - ((step - warmup) // per_round) % virtual) * ranks + rank
+
+    done: dict[tuple[int, str], int] = {}
+    order: list[tuple[int, str, int]] = []
+
+    def run(stage: int, kind: str) -> None:
+        m = done.get((stage, kind), 0)
+        done[(stage, kind)] = m + 1
+        order.append((stage, kind, m))
+
+    for step in range(warmup + steady + warmup):
+        if step < warmup + steady:
+            run(forward_stage(step), "forward")
+        if step >= warmup:
+            run(backward_stage(step), "backward")
+    return order
 
 
 SCHEDULES: dict[str, Callable[..., Iteration]] = {
