@@ -408,14 +408,13 @@ def contribution_lines(plan: Plan, default_sm_share: int) -> list[str]:
         ("overlap decisions and clocks chosen together (kareus)", least_at_ref("kareus")),
     ]
     rows = [("Megatron-LM: max clock, no overlap", f"{mega.energy_j:.1f}", "", "")]
-    prev: float | None = mega.energy_j
+    prev = mega.energy_j
     for label, energy in steps:
         if energy is None:
             rows.append((label, "no plan as fast", "n/a", ""))
             continue
-        saved = "" if prev is None else f"{prev - energy:.1f}"
-        share = "" if prev is None else f"{100 * (prev - energy) / mega.energy_j:.1f} %"
-        rows.append((label, f"{energy:.1f}", saved, share))
+        share = f"{100 * (prev - energy) / mega.energy_j:.1f} %"
+        rows.append((label, f"{energy:.1f}", f"{prev - energy:.1f}", share))
         prev = energy
     lines = [
         f"Each method's least energy at {t_ref:.4f} s or faster (the slower of the chosen "

@@ -646,6 +646,8 @@ def plan_command(result: ProfileResult, out: str = "DIR") -> str:
         f"kareus plan --model {w.name} --gpu {result.spec.name} --tp {w.tp} --cp {w.cp} "
         f"--pp {w.pp} --microbatch-size {w.microbatch_size} --seq-len {w.seq_len} "
         f"--microbatches {w.microbatches} --dtype {w.dtype} --recompute {w.recompute} "
+        + (f"--schedule {w.schedule} " if w.schedule != "1F1B" else "")
+        + (f"--virtual-stages {w.virtual_stages} " if w.virtual_stages > 1 else "")
         + (
             f"--layers-per-stage {','.join(map(str, w.layers_per_stage))} "
             if w.layers_per_stage

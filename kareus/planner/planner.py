@@ -17,13 +17,7 @@ from kareus.errors import KareusError
 from kareus.hardware import Emulator, GPUSpec
 from kareus.partitions import Decision, PartitionSet
 from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
-from kareus.planner.compose import (
-    SCHEDULES,
-    Composer,
-    Option,
-    Solution,
-    chain,
-)
+from kareus.planner.compose import SCHEDULES, Composer, Option, Solution, chain
 from kareus.planner.knobs import CountingEvaluator, KnobSpace, Setting, default_clocks, knobs_of
 from kareus.planner.search import SearchResult, exhaustive, search
 from kareus.planner.select import select
