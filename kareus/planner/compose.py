@@ -313,14 +313,6 @@ class Composer:
         self.gap_limit = gap_limit
         self.solves: list[Solution] = []  # every solve since the last frontier() began
 
-    @property
-    def time_slack_s(self) -> float:
-        """How far the model's integer microseconds may put a plan's time off.
-
-        Half a microsecond per instruction: plans closer in time than this are equally fast.
-        """
-        return 0.5e-6 * len(self.it.instructions)
-
     def evaluate(self, choices: Sequence[Option]) -> tuple[float, float]:
         """Return (iteration time, energy of all GPUs) of one choice per instruction."""
         t = makespan(self.it, [c.time_s for c in choices])
@@ -501,18 +493,20 @@ class Composer:
         A point between two time bounds already solved (a uniform-clock plan, or another
         method's plan on a subset of these options) is covered only by the next slower bound:
         it is solved once at its own time, so that it is either improved or proven; then
-        every point gets the best bound of all solves so far (:attr:`solves`).
+        every point gets the best bound of all solves so far (:attr:`solves`). A point kept
+        beside a plan a hair slower (by the model's rounding of times to microseconds) but
+        much cheaper keeps its large gap: the report shows it rather than hiding the point
+        (it may be the one an iso-time comparison needs).
         """
         from kareus.planner.pareto import pareto_front
 
         known = list(candidates)
-        slack = self.time_slack_s
-        front = pareto_front(known, key=lambda s: (s.time_s, s.energy_j), time_slack=slack)
+        front = pareto_front(known, key=lambda s: (s.time_s, s.energy_j))
         loose = max(REFINE_GAP, self.gap_limit)
         for p, proven in zip(front, self.lower_bounds(front, self.solves), strict=True):
             if proven is None or p.energy_j - proven > loose * p.energy_j:
                 known.append(self.solve(bound_s=p.time_s + 1e-6, hint=p))
-        front = pareto_front(known, key=lambda s: (s.time_s, s.energy_j), time_slack=slack)
+        front = pareto_front(known, key=lambda s: (s.time_s, s.energy_j))
         bounds = self.lower_bounds(front, self.solves)
         return [
             dataclasses.replace(p, within_s=p.time_s, bound_j=b)

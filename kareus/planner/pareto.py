@@ -13,14 +13,10 @@ TIME_TOLERANCE = 1e-4
 instruction, so equal plans may differ by a few microseconds."""
 
 
-def pareto_front(
-    items: Iterable[T], key: Callable[[T], tuple[float, float]], time_slack: float = 0.0
-) -> list[T]:
+def pareto_front(items: Iterable[T], key: Callable[[T], tuple[float, float]]) -> list[T]:
     """Return the items no other item beats in both time and energy, fastest first.
 
-    Of items with equal (time, energy) the first is kept. With ``time_slack`` (seconds), an
-    item is also dropped when one at most that much slower uses less energy: times that
-    differ by less than the composer's rounding are equal.
+    Of items with equal (time, energy) the first is kept.
     """
     ordered = sorted(items, key=key)
     front: list[T] = []
@@ -30,12 +26,6 @@ def pareto_front(
         if e < best_energy:
             front.append(item)
             best_energy = e
-    if time_slack > 0:
-        front = [
-            p
-            for i, p in enumerate(front)
-            if not any(key(q)[0] <= key(p)[0] + time_slack for q in front[i + 1 :])
-        ]
     return front
 
 
