@@ -8,6 +8,8 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "torch==${KAREUS_TORCH_VERSION:-2.13.0}"
-.venv/bin/python -m pip install -q -e ".[dev,hf]"
+# --no-compile: no byte-compiling every installed module up front (torch alone is thousands
+# of files); Python compiles what it imports, once, on first use.
+.venv/bin/python -m pip install -q --no-compile "torch==${KAREUS_TORCH_VERSION:-2.13.0}"
+.venv/bin/python -m pip install -q --no-compile -e ".[dev,hf]"
 echo "kareus set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
