@@ -8,8 +8,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-# --no-compile: no byte-compiling every installed module up front (torch alone is thousands
-# of files); Python compiles what it imports, once, on first use.
-.venv/bin/python -m pip install -q --no-compile "torch==${KAREUS_TORCH_VERSION:-2.13.0}"
-.venv/bin/python -m pip install -q --no-compile -e ".[dev,hf]"
+# pip byte-compiles what it installs: keep it so. Where PYTHONDONTWRITEBYTECODE is set (as on
+# these machines) nothing else writes .pyc files, and without them every process, every
+# test's ranks included, would compile torch's modules from source (tried: CI went past 15 min).
+.venv/bin/python -m pip install -q "torch==${KAREUS_TORCH_VERSION:-2.13.0}"
+.venv/bin/python -m pip install -q -e ".[dev,hf]"
 echo "kareus set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
