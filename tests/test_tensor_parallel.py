@@ -155,23 +155,6 @@ def test_graph_without_collectives_has_no_partitions():
     assert sched and not any(r.modified for r in sched)
 
 
-def _sleepy_ratio(rank):
-    import sys
-
-    sys.path.insert(0, "benchmarks")
-    from overlap_sleep import measure
-
-    return measure(rank, steps=3, ms=20.0, width=1 << 18)
-
-
-@pytest.mark.slow
-def test_scheduled_graph_overlaps_collectives_with_compute():
-    # Compute sleeps (cores free), so gloo's all-reduces can run during it; the benchmark
-    # benchmarks/overlap_sleep.py prints the ratio. Only a loose bound is asserted here.
-    times = run_ranks(_sleepy_ratio)[0]
-    assert times["overlap"] < 0.95 * times["no overlap"], times
-
-
 class _DTLayer(torch.nn.Module):
     def __init__(self, dim=16):
         super().__init__()
