@@ -1,17 +1,22 @@
-"""kareus's modelled pipelines against the reference A100 pipeline plans (figures are printed).
+"""kareus's hardware model against the reference A100 pipeline plans, plan by plan (printed).
 
 The reference (``shared/data/a100_llama_pipeline_plans``, next to the repository): Llama 3.2
 3B on 16 A100-SXM4-40GB, PP 2 with 15/13 layers, 8 micro-batches, synchronous 1F1B, bf16,
-full activation recompute, clocks 900-1410 MHz in 30 MHz steps; the Perseus and
-nanobatching + Perseus frontiers predicted from instruction profiles measured in situ. For each
-of its configurations kareus traces and plans the same workload on its A100 model (the same
-clocks, the same recompute and stage split) and the script prints, per method, the fastest
-and the least-energy plan side by side: iteration time and energy of one GPU per stage (the
-reference's unit: kareus's energy of one pipeline divided by TP x CP), and kareus / reference.
-kareus's figures are **modelled**; the reference's are the artifact's planner predictions from
+full activation recompute; 85 per-instruction clock plans (Perseus, and nanobatching +
+Perseus) with the iteration time and energy the research artifact predicted for each from
+instruction profiles measured in situ. Each plan's clocks are priced by ``kareus evaluate``
+(:func:`kareus.evaluate.evaluate_clock_plans`) on kareus's A100 model — the same workload,
+recompute, stage split, clocks and 1F1B order; ``megatron`` for the Perseus plans,
+``nanobatch`` for the nanobatching ones — and compared with the reference: per
+configuration and method, the median and largest absolute error of time and of energy (one
+GPU per stage, the reference's unit), and the Spearman correlation of the plans by energy;
+then the same over all plans, and the partition data set's errors
+(``a100_fwd_attention_tp2``, as ``hardware_fidelity.py`` computes them).
+
+kareus's figures are **modelled**; the reference's are the artifact's predictions from
 **measured** profiles.
 
-Run: python benchmarks/pipeline_fidelity.py [--recompute full|none] [--configs N]
+Run: python benchmarks/pipeline_fidelity.py [--recompute full|none|selective] [--configs N]
 """
 
 from __future__ import annotations
@@ -20,30 +25,70 @@ import argparse
 import collections
 import csv
 import statistics
+import sys
 import time
 
-from kareus.hardware.calibrate import shared_data_dir
-from kareus.planner import PlannerSettings
-from kareus.planning import plan_workload
+from scipy.stats import spearmanr
+
+from kareus.evaluate import ClockPlan, evaluate_clock_plans
+from kareus.hardware import gpu
+from kareus.hardware.calibrate import (
+    DEFAULT_DATA,
+    load_rows,
+    predict,
+    shared_data_dir,
+    shipped_slowdown,
+)
 from kareus.trace import Workload
 
-METHODS = {"perseus": "perseus", "nanobatch_perseus": "nanobatch+perseus"}
+METHODS = {"perseus": "megatron", "nanobatch_perseus": "nanobatch"}
+"""The reference's methods, and the ``evaluate`` method that runs each plan's graphs."""
+
+CONFIG = ("tp", "cp", "pp", "microbatch_size", "seq_len", "microbatches")
 
 
-def reference() -> dict[tuple, dict[str, list[tuple[float, float]]]]:
-    """Per configuration and method, the (time, energy) of every reference plan."""
+def reference() -> dict[tuple, dict[str, dict[str, tuple[ClockPlan, float, float]]]]:
+    """Per configuration, method and plan id: the plan's clocks and its (time, energy)."""
     path = shared_data_dir() / "a100_llama_pipeline_plans" / "plans.csv"
-    plans: dict[tuple, dict[str, set[tuple[float, float]]]] = collections.defaultdict(
-        lambda: collections.defaultdict(set)
+    rows: dict[tuple, dict[str, dict[str, list[dict[str, str]]]]] = collections.defaultdict(
+        lambda: collections.defaultdict(lambda: collections.defaultdict(list))
     )
     with path.open() as fh:
         for row in csv.DictReader(fh):
-            key = tuple(
-                int(row[k])
-                for k in ("tp", "cp", "pp", "microbatch_size", "seq_len", "microbatches")
-            )
-            plans[key][row["method"]].add((float(row["plan_time_s"]), float(row["plan_energy_j"])))
-    return {k: {m: sorted(v) for m, v in by.items()} for k, by in plans.items()}
+            key = tuple(int(row[k]) for k in CONFIG)
+            rows[key][row["method"]][row["plan_id"]].append(row)
+    out: dict[tuple, dict[str, dict[str, tuple[ClockPlan, float, float]]]] = {}
+    for key, by_method in rows.items():
+        out[key] = {}
+        for method, plans in by_method.items():
+            out[key][method] = {}
+            for plan_id, plan_rows in plans.items():
+                stages = sorted({int(r["stage"]) for r in plan_rows})
+                freqs = tuple(
+                    tuple(
+                        float(r["freq_mhz"])
+                        for r in sorted(plan_rows, key=lambda r: int(r["position"]))
+                        if int(r["stage"]) == s
+                    )
+                    for s in stages
+                )
+                first = plan_rows[0]
+                out[key][method][plan_id] = (
+                    ClockPlan(plan_id, freqs),
+                    float(first["plan_time_s"]),
+                    float(first["plan_energy_j"]),
+                )
+    return out
+
+
+def _errors(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    """Median and largest |ours / reference - 1|, in %."""
+    errs = [abs(ours / ref - 1) * 100 for ours, ref in pairs]
+    return statistics.median(errs), max(errs)
+
+
+def _rho(pairs: list[tuple[float, float]]) -> float:
+    return float(spearmanr([p[0] for p in pairs], [p[1] for p in pairs]).statistic)
 
 
 def main() -> None:
@@ -51,9 +96,10 @@ def main() -> None:
     parser.add_argument("--recompute", default="full", choices=("none", "full", "selective"))
     parser.add_argument("--configs", type=int, help="only the first N configurations")
     args = parser.parse_args()
-    clocks = tuple(range(1410, 899, -30))  # the reference's 18 clocks
-    ratios: dict[str, list[float]] = collections.defaultdict(list)
-    rows = []
+    all_t: list[tuple[float, float]] = []
+    all_e: list[tuple[float, float]] = []
+    table = []
+    rhos = []
     for key, by_method in list(reference().items())[: args.configs]:
         tp, cp, pp, mbs, seq, micro = key
         work = Workload(
@@ -68,68 +114,90 @@ def main() -> None:
             layers_per_stage=(15, 13),
         )
         start = time.perf_counter()
-        planned = plan_workload(
-            work, "a100-40gb", settings=PlannerSettings(clocks_mhz=clocks), policy="min_energy"
-        )
-        wall = time.perf_counter() - start
-        per_column = tp * cp  # the reference counts one GPU per stage
+        config_e: list[tuple[float, float]] = []
         for ref_method, method in METHODS.items():
-            ref = by_method.get(ref_method)
-            if not ref:
+            plans = by_method.get(ref_method, {})
+            if not plans:
                 continue
-            ours = sorted(
-                (s.time_s, s.energy_j / per_column) for s in planned.result.frontiers[method]
+            result = evaluate_clock_plans(
+                work, "a100-40gb", [p for p, _, _ in plans.values()], method=method
             )
-            fastest_ref, fastest = ref[0], ours[0]
-            frugal_ref = min(ref, key=lambda p: p[1])
-            frugal = min(ours, key=lambda p: p[1])
-            r = {
-                "fastest T": fastest[0] / fastest_ref[0],
-                "fastest E": fastest[1] / fastest_ref[1],
-                "least E": frugal[1] / frugal_ref[1],
-            }
-            for k, v in r.items():
-                ratios[k].append(v)
-            rows.append(
+            t_pairs, e_pairs = [], []
+            for cost in result.plans:
+                _, ref_t, ref_e = plans[cost.plan_id]
+                t_pairs.append((cost.time_s, ref_t))
+                e_pairs.append((cost.energy_per_gpu_column_j, ref_e))
+            all_t += t_pairs
+            all_e += e_pairs
+            config_e += e_pairs
+            (tm, tx), (em, ex) = _errors(t_pairs), _errors(e_pairs)
+            rho = _rho(e_pairs)
+            rhos.append(rho)
+            ratio_t = statistics.median(o / r for o, r in t_pairs)
+            ratio_e = statistics.median(o / r for o, r in e_pairs)
+            table.append(
                 (
                     f"TP{tp} CP{cp} mbs{mbs} seq{seq}",
-                    method,
-                    f"{fastest_ref[0]:.3f} s / {fastest_ref[1]:.0f} J",
-                    f"{fastest[0]:.3f} s / {fastest[1]:.0f} J",
-                    f"{r['fastest T']:.3f}",
-                    f"{r['fastest E']:.3f}",
-                    f"{frugal_ref[1]:.0f} J",
-                    f"{frugal[1]:.0f} J",
-                    f"{r['least E']:.3f}",
-                    f"{wall:.0f} s",
+                    ref_method,
+                    str(len(t_pairs)),
+                    f"{tm:.1f} / {tx:.1f}",
+                    f"{ratio_t:.3f}",
+                    f"{em:.1f} / {ex:.1f}",
+                    f"{ratio_e:.3f}",
+                    f"{rho:.2f}",
                 )
             )
-        print(f"planned {work.describe()} in {wall:.0f} s (measured wall time)", flush=True)
+        table.append(
+            (
+                f"TP{tp} CP{cp} mbs{mbs} seq{seq}",
+                "both",
+                str(len(config_e)),
+                "",
+                "",
+                "",
+                "",
+                f"{_rho(config_e):.2f}",
+            )
+        )
+        wall = time.perf_counter() - start
+        print(f"priced {work.describe()} in {wall:.0f} s (measured wall time)", file=sys.stderr)
     header = (
         "config",
         "method",
-        "reference fastest",
-        "kareus fastest",
-        "T ratio",
-        "E ratio",
-        "ref least E",
-        "kareus least E",
-        "least-E ratio",
-        "trace+plan",
+        "plans",
+        "time |err| % median / max",
+        "time ratio (median)",
+        "energy |err| % median / max",
+        "energy ratio (median)",
+        "Spearman (energy)",
     )
     print(
-        f"\nrecompute {args.recompute}; kareus modelled, reference predicted from measured profiles"
+        f"\nreference A100 pipeline plans, recompute {args.recompute}: kareus modelled, "
+        "reference predicted from measured profiles"
     )
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for row in rows:
+    for row in table:
         print("| " + " | ".join(row) + " |")
+    (tm, tx), (em, ex) = _errors(all_t), _errors(all_e)
     print(
-        "\nmedian kareus / reference: "
-        + ", ".join(
-            f"{k} {statistics.median(v):.3f} (range {min(v):.3f}-{max(v):.3f})"
-            for k, v in ratios.items()
-        )
+        f"\nall {len(all_t)} plans: time |error| median {tm:.1f} %, max {tx:.1f} %; energy "
+        f"|error| median {em:.1f} %, max {ex:.1f} %; Spearman by energy within each "
+        f"(configuration, method): min {min(rhos):.2f}, median {statistics.median(rhos):.2f}"
+    )
+    rows = load_rows(DEFAULT_DATA)
+    pred = predict(gpu("a100-sxm4-40gb"), rows, compute_slowdown=shipped_slowdown())
+    pt = [(p[0], r.time_s) for r, p in zip(rows, pred, strict=True)]
+    pe = [(p[1], r.energy_j) for r, p in zip(rows, pred, strict=True)]
+    (ptm, ptx), (pem, pex) = _errors(pt), _errors(pe)
+    print(
+        f"partition data ({DEFAULT_DATA.parent.name}, {len(rows)} measured configurations): "
+        f"time |error| median {ptm:.1f} %, max {ptx:.1f} %; energy |error| median {pem:.1f} "
+        f"%, max {pex:.1f} %; Spearman by energy {_rho(pe):.2f}"
+    )
+    print(
+        "targets (issue 15): pipeline plans median <= 10 %, max <= 20 % for time and energy, "
+        "Spearman >= 0.9; partition data median <= 10 %"
     )
 
 

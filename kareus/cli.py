@@ -2,6 +2,7 @@ r"""The ``kareus`` command line.
 
     kareus plan --model llama3.2-3b --gpu a100-40gb --tp 8 --pp 2 --microbatch-size 8 \\
         --seq-len 4096 --microbatches 8 --select iso_time --out kareus-out
+    kareus evaluate --model llama3.2-3b --tp 8 --pp 2 --recompute full --clocks plans.csv
     kareus explain kareus-out/plan.json
     kareus list
 
@@ -229,6 +230,46 @@ def _parser() -> argparse.ArgumentParser:
     )
     _output_options(f, "kareus-profile", "profiles.jsonl, partitions.json and profile.md")
 
+    v = sub.add_parser(
+        "evaluate",
+        formatter_class=_Formatter,
+        help="predict the time and energy of given per-instruction clock plans (no planning)",
+        description="Trace the workload once and price each clock plan of a file: a CSV with "
+        "columns plan_id,stage,position,kind,microbatch,freq_mhz (position: index in the "
+        "stage's order under --schedule; other columns ignored, microbatch optional), or a "
+        "Perseus / Zeus frequency file (a Python list per stage of (instruction, MHz) pairs). "
+        "Energy is of every GPU of one pipeline, and of one GPU per stage (/ TP x CP).",
+    )
+    _workload_options(v)
+    v.add_argument(
+        "--clocks",
+        type=pathlib.Path,
+        required=True,
+        metavar="FILE",
+        help="the clock plans: a .csv, or a Perseus frequency file (.py)",
+    )
+    v.add_argument(
+        "--method",
+        choices=("megatron", "nanobatch"),
+        default="megatron",
+        help="megatron: no nanobatching or overlap; nanobatch: two nanobatches, each "
+        "collective launched at its partition's start",
+    )
+    v.add_argument(
+        "--replay",
+        type=pathlib.Path,
+        help="price from measured partitions (profiles.jsonl of `kareus profile`) instead of "
+        "the hardware model",
+    )
+    v.add_argument(
+        "--partitions",
+        type=pathlib.Path,
+        help="partitions.json of an earlier run of this workload: no tracing",
+    )
+    v.add_argument("--json", action="store_true", help="print one JSON object to stdout")
+    v.add_argument("--no-cache", action="store_true", help="trace again; do not write the cache")
+    v.add_argument("--quiet", action="store_true", help="no progress display")
+
     e = sub.add_parser("explain", help="print a saved plan", formatter_class=_Formatter)
     e.add_argument("plan", type=pathlib.Path, help="a plan.json written by `kareus plan`")
 
@@ -278,6 +319,8 @@ def _run(args: argparse.Namespace) -> int:
             return _plan(args)
         if args.command == "profile":
             return _profile(args)
+        if args.command == "evaluate":
+            return _evaluate(args)
         if args.command == "explain":
             return _explain(args.plan)
         if args.command == "restore-clocks":
@@ -453,6 +496,64 @@ def _plan(args: argparse.Namespace) -> int:
     paths = write_outputs(planned, args.out)
     print("\nwrote " + ", ".join(str(p) for p in paths.values()))
     print(f"report: {paths['report']}  |  show the plan again: kareus explain {paths['plan']}")
+    return EXIT_OK
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    import json
+
+    from kareus._table import render_table
+    from kareus.evaluate import evaluate_clock_plans, read_clock_plans
+    from kareus.hardware import gpu
+    from kareus.planner import ReplayEvaluator
+    from kareus.trace import stage_kinds
+
+    spec = gpu(args.gpu)
+    work = _workload(args)
+    clocks = spec.clocks_mhz()
+    plans = read_clock_plans(args.clocks, work, (min(clocks), max(clocks)))  # before tracing
+    evaluator = ReplayEvaluator(args.replay) if args.replay is not None else None
+    if args.replay is not None and args.partitions is None:
+        beside = args.replay.parent / "partitions.json"
+        args.partitions = beside if beside.is_file() else None
+    print(
+        f"kareus evaluate: {len(plans)} clock plan(s) of {args.clocks} for {work.describe()} "
+        f"on {spec.name}, method {args.method}",
+        file=sys.stderr if args.json else sys.stdout,
+        flush=True,
+    )
+    with _Progress(enabled=not args.quiet) as progress:
+        progress.start("tracing", len(stage_kinds(work.stages)))
+        result = evaluate_clock_plans(
+            work,
+            args.gpu,
+            plans,
+            method=args.method,
+            evaluator=evaluator,
+            layers=args.layers_traced,
+            partitions=args.partitions,
+            cache=not args.no_cache,
+            progress=progress.step,
+        )
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return EXIT_OK
+    per = work.tp * work.cp
+    print(
+        render_table(
+            f"clock plans ({result.source}, {result.gpu}, method {result.method})",
+            ("plan", "time s", "energy J (pipeline)", f"energy J per GPU column (/ {per})"),
+            [
+                (
+                    p.plan_id,
+                    f"{p.time_s:.4f}",
+                    f"{p.energy_j:.1f}",
+                    f"{p.energy_per_gpu_column_j:.1f}",
+                )
+                for p in result.plans
+            ],
+        )
+    )
     return EXIT_OK
 
 

@@ -202,19 +202,9 @@ def plan_workload(
     """
     spec = gpu(gpu_name)
     start = time.perf_counter()
-    notes: list[str] = []
-    entry = trace_cache_dir() / _cache_key(work, layers) if cache else None
-    cached = None
-    if partitions is not None:
-        stages = load_stages(work, partitions)
-        _log.info("read %d pipeline stages' partitions from %s", len(stages), partitions)
-    elif entry is not None and (found := _read_cache(work, entry)) is not None:
-        (stages, notes), cached = found, entry
-        _log.info("partitions from the trace cache: %s", entry)
-    else:
-        stages, notes = trace(work, layers=layers, progress=progress)
-        if entry is not None:
-            _write_cache(work, stages, notes, entry)
+    stages, notes, cached = traced_stages(
+        work, layers=layers, partitions=partitions, cache=cache, progress=progress
+    )
     traced = time.perf_counter()
     _log.info(
         "%d partitions over %d stages; planning on %s",
@@ -264,6 +254,34 @@ def plan_workload(
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         cached,
     )
+
+
+def traced_stages(
+    work: Workload,
+    *,
+    layers: int = 4,
+    partitions: str | pathlib.Path | None = None,
+    cache: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[list[PartitionSet], list[str], pathlib.Path | None]:
+    """Return each pipeline stage's partition set, the passes' notes and the cache entry read.
+
+    From ``partitions`` (an earlier run's ``partitions.json``) if given, else from the trace
+    cache, else by tracing (and writing the cache). The sets are as traced: activation
+    recompute is not applied (:func:`with_recompute`).
+    """
+    if partitions is not None:
+        stages = load_stages(work, partitions)
+        _log.info("read %d pipeline stages' partitions from %s", len(stages), partitions)
+        return stages, [], None
+    entry = trace_cache_dir() / _cache_key(work, layers) if cache else None
+    if entry is not None and (found := _read_cache(work, entry)) is not None:
+        _log.info("partitions from the trace cache: %s", entry)
+        return found[0], found[1], entry
+    stages, notes = trace(work, layers=layers, progress=progress)
+    if entry is not None:
+        _write_cache(work, stages, notes, entry)
+    return stages, notes, None
 
 
 def trace_cache_dir() -> pathlib.Path:

@@ -315,20 +315,13 @@ def evaluate_options(
 
     # Per partition type: the frontier over the knob space.
     searches: dict[str, SearchResult] = {}
-    works: dict[str, PartitionWork] = {}
-    spaces: dict[str, KnobSpace] = {}
     for si, pset in enumerate(stages):
         for key, ptype in pset.types.items():
             name = f"{si}/{key}"
             if stages.index(pset) != si:  # the same set as an earlier stage
                 searches[name] = searches[f"{stages.index(pset)}/{key}"]
-                works[name], spaces[name] = (
-                    works[f"{stages.index(pset)}/{key}"],
-                    spaces[f"{stages.index(pset)}/{key}"],
-                )
                 continue
             note(f"searching {name}")
-            work = PartitionWork(ptype.compute, ptype.collective)
             space = KnobSpace(
                 freqs,
                 settings.sm_shares,
@@ -337,35 +330,89 @@ def evaluate_options(
             )
             fn = exhaustive if settings.exhaustive else search
             kwargs = {} if settings.exhaustive else {"budget_fraction": settings.budget_fraction}
+            work = PartitionWork(ptype.compute, ptype.collective)
             searches[name] = fn(work, space, ev, **kwargs)  # type: ignore[operator]
-            works[name], spaces[name] = work, space
     grid = sum(r.grid_size for n, r in searches.items() if n.startswith("0/"))
     searched = ev.evaluations
 
-    # Options per (stage, kind): clock x decision profile.
     note("building instruction options")
+    profiles_by_group = default_profiles(stages, settings)
+    for (si, kind), profiles in profiles_by_group.items():
+        for name, prof in _searched_profiles(si, kind, stages[si], searches).items():
+            if prof not in profiles.values():  # a profile is tried once, by its first name
+                profiles[name] = prof
+    options = instruction_options(stages, ev, freqs, static_power_w, settings, profiles_by_group)
+    return Evaluated(searches, options, profiles_by_group, grid, searched)
+
+
+def default_profiles(
+    stages: Sequence[PartitionSet], settings: PlannerSettings
+) -> dict[tuple[int, str], dict[str, dict[str, Pair]]]:
+    """Return each (stage, kind)'s two fixed decision profiles (no search needed).
+
+    ``no-overlap``: every collective alone, as Megatron-LM and Perseus run; ``nanobatch``:
+    each collective launched at its partition's start on the default communicator.
+    """
+    out: dict[tuple[int, str], dict[str, dict[str, Pair]]] = {}
+    for si, pset in enumerate(stages):
+        for kind in ("forward", "backward"):
+            with_coll = [
+                k
+                for k, t in pset.types.items()
+                if t.instruction == kind and t.collective is not None
+            ]
+            out[(si, kind)] = {
+                "no-overlap": {k: (None, None) for k in with_coll},
+                "nanobatch": {k: (0, settings.default_sm_share) for k in with_coll},
+            }
+    return out
+
+
+def instruction_options(
+    stages: Sequence[PartitionSet],
+    ev: CountingEvaluator,
+    freqs: Sequence[float],
+    static_power_w: float,
+    settings: PlannerSettings,
+    profiles: dict[tuple[int, str], dict[str, dict[str, Pair]]],
+) -> dict[tuple[int, str], list[Option]]:
+    """Each (stage, kind)'s options: every clock of ``freqs`` x every decision profile.
+
+    An option's time and dynamic energy are those of the work outside partitions (with what
+    activation recompute re-runs) plus each partition type's, under the profile's (slot,
+    SM share), times the type's count in the instruction.
+    """
     options: dict[tuple[int, str], list[Option]] = {}
-    profiles_by_group: dict[tuple[int, str], dict[str, dict[str, Pair]]] = {}
     for si, pset in enumerate(stages):
         for kind in ("forward", "backward"):
             counts = pset.counts(kind)
             types = [k for k in pset.types if pset.types[k].instruction == kind]
-            profiles = _profiles(si, types, pset, searches, settings)
-            profiles_by_group[(si, kind)] = profiles
+            spaces = {
+                key: KnobSpace(
+                    tuple(freqs),
+                    settings.sm_shares,
+                    len(pset.types[key].slot_labels) if pset.types[key].collective else 0,
+                    settings.no_overlap_sm_share,
+                )
+                for key in types
+            }
+            works = {
+                key: PartitionWork(pset.types[key].compute, pset.types[key].collective)
+                for key in types
+            }
             opts = []
             for f in freqs:
                 base_t, base_e = _base(pset, kind, f, ev, settings, static_power_w)
-                for pname, pairs in profiles.items():
+                for pname, pairs in profiles[(si, kind)].items():
                     t, e = base_t, base_e
                     for key in types:
-                        name = f"{si}/{key}"
                         pair = pairs[key] if pset.types[key].collective else (None, None)
-                        est = ev.partition(works[name], knobs_of(Setting(f, *pair), spaces[name]))
+                        est = ev.partition(works[key], knobs_of(Setting(f, *pair), spaces[key]))
                         t += counts.get(key, 0) * est.time_s
                         e += counts.get(key, 0) * (est.energy_j - static_power_w * est.time_s)
                     opts.append(Option(f, pname, t, e))
             options[(si, kind)] = opts
-    return Evaluated(searches, options, profiles_by_group, grid, searched)
+    return options
 
 
 def plan_for_gpu(
@@ -388,23 +435,18 @@ def plan_for_gpu(
     )
 
 
-def _profiles(
-    stage: int,
-    types: list[str],
-    pset: PartitionSet,
-    searches: dict[str, SearchResult],
-    settings: PlannerSettings,
+def _searched_profiles(
+    stage: int, kind: str, pset: PartitionSet, searches: dict[str, SearchResult]
 ) -> dict[str, dict[str, Pair]]:
-    """Candidate decision profiles (one (slot, share) per type) for one stage and kind.
+    """Decision profiles (one (slot, share) per type) the searches suggest for one group.
 
-    Per type, the pairs on its frontier that are fastest and most frugal at the top,
-    middle and bottom of the clock grid; plus nanobatching's default and no overlap.
+    Per type, the pairs on its frontier that are fastest and most frugal at the top, middle
+    and bottom of the clock grid (the fixed profiles, :func:`default_profiles`, come first).
     """
-    with_coll = [k for k in types if pset.types[k].collective is not None]
-    profiles: dict[str, dict[str, Pair]] = {
-        "no-overlap": {k: (None, None) for k in with_coll},
-        "nanobatch": {k: (0, settings.default_sm_share) for k in with_coll},
-    }
+    with_coll = [
+        k for k, t in pset.types.items() if t.instruction == kind and t.collective is not None
+    ]
+    profiles: dict[str, dict[str, Pair]] = {}
     for label in ("fast", "frugal"):
         for where in ("top", "mid", "low"):
             prof: dict[str, Pair] = {}
@@ -417,8 +459,7 @@ def _profiles(
                     at, key=(lambda p: p.time_s) if label == "fast" else (lambda p: p.energy_j)
                 )
                 prof[key] = best.setting.pair
-            if prof not in profiles.values():
-                profiles[f"{label}@{where}"] = prof
+            profiles[f"{label}@{where}"] = prof
     return profiles
 
 

@@ -1,0 +1,175 @@
+"""`kareus evaluate`: pricing given per-instruction clock plans without planning."""
+
+import csv
+import json
+import pathlib
+
+import pytest
+
+from kareus.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from kareus.evaluate import (
+    ClockPlan,
+    ClockPlanError,
+    evaluate_clock_plans,
+    read_clock_plans,
+    stage_orders,
+)
+from kareus.hardware.calibrate import shared_data_dir
+from kareus.planner import PlannerSettings
+from kareus.planning import plan_workload
+from kareus.trace import Workload
+
+WORK = Workload(
+    model="tiny-4l", tp=2, pp=2, microbatch_size=4, seq_len=32, microbatches=4, recompute="full"
+)
+ARGS = ["--model", "tiny-4l", "--tp", "2", "--pp", "2", "--microbatch-size", "4"]
+ARGS += ["--seq-len", "32", "--microbatches", "4", "--recompute", "full", "--quiet"]
+A100 = (210.0, 1410.0)
+
+
+def uniform(plan_id: str, mhz: float, work: Workload = WORK) -> ClockPlan:
+    return ClockPlan(plan_id, tuple(tuple(mhz for _ in o) for o in stage_orders(work)))
+
+
+def write_csv(path: pathlib.Path, plans: list[ClockPlan], work: Workload = WORK) -> pathlib.Path:
+    orders = stage_orders(work)
+    with path.open("w", newline="") as fh:
+        out = csv.writer(fh)
+        out.writerow(["plan_id", "stage", "position", "kind", "microbatch", "freq_mhz", "note"])
+        for plan in plans:
+            for s, order in enumerate(orders):
+                for p, instr in enumerate(order):
+                    freq = plan.freqs_mhz[s][p]
+                    out.writerow([plan.plan_id, s, p, instr.kind, instr.microbatch, freq, "x"])
+    return path
+
+
+def test_max_clocks_price_as_the_planners_megatron_plan():
+    """Two paths to one figure: the planner's Megatron-LM point (every instruction at the
+    highest clock, no overlap) and evaluate's price of the all-highest-clock plan."""
+    settings = PlannerSettings(clocks_mhz=(1410, 1005), sweep_points=2)
+    planned = plan_workload(WORK, "a100-40gb", settings=settings, policy="min_energy")
+    (megatron,) = planned.plan.baselines["megatron"]
+    result = evaluate_clock_plans(WORK, "a100-40gb", [uniform("max", 1410)])
+    (cost,) = result.plans
+    assert result.source == "modelled" and result.method == "megatron"
+    assert cost.time_s == pytest.approx(megatron.time_s, rel=1e-9)
+    assert cost.energy_j == pytest.approx(megatron.energy_j, rel=1e-9)
+    assert cost.energy_per_gpu_column_j == pytest.approx(cost.energy_j / 2)
+
+
+def test_clock_plans_price_as_the_physics_says():
+    slow, fast = uniform("slow", 1005), uniform("fast", 1410)
+    # Stage 0's first forward at a low clock: stage 1 waits for it, so the iteration is slower.
+    first = uniform("first-slow", 1410)
+    first = ClockPlan("first-slow", ((900.0, *first.freqs_mhz[0][1:]), first.freqs_mhz[1]))
+    costs = {
+        p.plan_id: p for p in evaluate_clock_plans(WORK, "a100-40gb", [slow, fast, first]).plans
+    }
+    assert costs["slow"].time_s > costs["first-slow"].time_s > costs["fast"].time_s
+    over = evaluate_clock_plans(WORK, "a100-40gb", [fast], method="nanobatch").plans[0]
+    assert over.time_s < costs["fast"].time_s  # overlap hides part of the collectives
+
+
+def test_a_perseus_frequency_file_prices_as_its_csv(tmp_path):
+    orders = stage_orders(WORK)
+    freqs = [[1410 - 15 * ((s + p) % 7) for p in range(len(o))] for s, o in enumerate(orders)]
+    pairs = [
+        [(instr.kind, f) for instr, f in zip(o, fs, strict=True)]
+        for o, fs in zip(orders, freqs, strict=True)
+    ]
+    py = tmp_path / "freqs_pipeline_00042.py"
+    py.write_text(repr(pairs) + "\n# Iteration 42 total cost: 1.0\n")
+    plan = ClockPlan("freqs_pipeline_00042", tuple(tuple(map(float, f)) for f in freqs))
+    assert read_clock_plans(py, WORK, A100) == [plan]
+    from_py = evaluate_clock_plans(WORK, "a100-40gb", py).plans
+    from_csv = evaluate_clock_plans(WORK, "a100-40gb", write_csv(tmp_path / "p.csv", [plan]))
+    assert from_py == from_csv.plans
+
+
+def test_json_output_is_one_object_with_every_plan(tmp_path, capsys):
+    path = write_csv(tmp_path / "plans.csv", [uniform("a", 1410), uniform("b", 1200)])
+    assert main(["evaluate", *ARGS, "--clocks", str(path), "--json"]) == EXIT_OK
+    data = json.loads(capsys.readouterr().out)
+    assert data["source"] == "modelled" and [p["plan_id"] for p in data["plans"]] == ["a", "b"]
+    for p in data["plans"]:
+        assert p["energy_per_gpu_column_j"] == pytest.approx(p["energy_j"] / 2)
+    assert main(["evaluate", *ARGS, "--clocks", str(path)]) == EXIT_OK
+    table = capsys.readouterr().out
+    assert "clock plans (modelled" in table and "│ b " in table
+
+
+def test_the_reference_pipeline_plans_read_as_they_are(tmp_path):
+    """The shared data's plans.csv, filtered to one configuration and method, is a clocks
+    file: its positions follow 1F1B and each of its plans covers all 32 instructions."""
+    source = shared_data_dir() / "a100_llama_pipeline_plans" / "plans.csv"
+    with source.open() as fh:
+        rows = list(csv.DictReader(fh))
+    keep = [
+        r
+        for r in rows
+        if (r["tp"], r["cp"], r["seq_len"], r["method"]) == ("8", "1", "4096", "perseus")
+    ]
+    path = tmp_path / "perseus.csv"
+    with path.open("w", newline="") as fh:
+        out = csv.DictWriter(fh, fieldnames=list(keep[0]))
+        out.writeheader()
+        out.writerows(keep)
+    work = Workload(model="llama3.2-3b", tp=8, pp=2, microbatches=8, recompute="full")
+    plans = read_clock_plans(path, work, A100)
+    assert len(plans) == len({r["plan_id"] for r in keep}) == 10
+    assert all(len(p.freqs_mhz[0]) == len(p.freqs_mhz[1]) == 16 for p in plans)
+    with pytest.raises(ClockPlanError, match=r"line \d+: a plan for another configuration: "):
+        read_clock_plans(source, work, A100)  # unfiltered: other configurations' rows
+
+
+def _edit(rows: list[list[str]], line: int, column: int, value: str) -> list[list[str]]:
+    rows = [list(r) for r in rows]
+    rows[line - 1][column] = value
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda r: [[c for i, c in enumerate(row) if i != 4] for row in r], None),
+        (lambda r: [[c for i, c in enumerate(row) if i != 5] for row in r], "missing column"),
+        (lambda r: _edit(r, 3, 3, "recompute"), "line 3: unknown kind 'recompute'"),
+        (lambda r: _edit(r, 4, 5, "1500"), "line 4: clock 1500 MHz is outside"),
+        (lambda r: _edit(r, 2, 3, "backward"), "line 2: stage 0 position 0 runs the forward"),
+        (lambda r: _edit(r, 5, 4, "3"), "line 5: stage 0 position 3 runs the forward of micro"),
+        (lambda r: _edit(r, 6, 2, "40"), "line 6: stage 0 runs 8 instructions"),
+        (lambda r: _edit(r, 6, 1, "7"), "line 6: stage 7 does not exist"),
+        (lambda r: _edit(r, 6, 2, "x"), "line 6: stage, position and microbatch must be"),
+        (lambda r: r[:-3], "plan a has no clock for stage 1 position(s) 5-7"),
+        (lambda r: [*r, r[1]], "gives stage 0 position 0 a clock twice"),
+    ],
+)
+def test_bad_clocks_files_exit_2_naming_the_row(tmp_path, capsys, change, message):
+    good = write_csv(tmp_path / "good.csv", [uniform("a", 1410)])
+    rows = list(csv.reader(good.read_text().splitlines()))
+    path = tmp_path / "bad.csv"
+    with path.open("w", newline="") as fh:
+        csv.writer(fh).writerows(change(rows))
+    if message is None:  # without the optional microbatch column the file is fine
+        assert len(read_clock_plans(path, WORK, A100)) == 1
+        return
+    assert main(["evaluate", *ARGS, "--clocks", str(path)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[[('forward', 1410)]]", "the frequency file has 1 stage(s), the pipeline 2"),
+        ("{'a': 1}", "a list of per-stage lists"),
+        ("not a plan", "neither a clocks CSV"),
+        ("[[('forward', 'fast')], []]", "the clock 'fast' is not a number"),
+    ],
+)
+def test_bad_frequency_files_say_what_is_wrong(tmp_path, text, message):
+    path = tmp_path / "freqs.py"
+    path.write_text(text)
+    with pytest.raises(ClockPlanError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        read_clock_plans(path, WORK, A100)
