@@ -9,7 +9,7 @@ Every figure it returns is *modelled* (``Estimate.source == "modelled"``). The m
 - **Collective time**: the bus traffic of the algorithm (an all-reduce moves 2(p-1)/p of
   the tensor, all-gather and reduce-scatter (p-1)/p), copied by the collective's SMs at a
   rate that scales with their number and the clock, and carried by the link at its
-  achieved bandwidth (the two stages add up), plus latency.
+  achieved bandwidth: a pipeline, whose rate is the slower stage's; plus latency.
 - **Overlap**: a partition is simulated as a timeline. Compute ops run in order; the
   collective starts at its launch slot. While both run, compute has N-n SMs and the memory
   bandwidth the collective leaves, and the collective slows with the memory-boundness of
@@ -95,9 +95,10 @@ class Emulator:
         per_sm = cal.comm_gbs_per_sm * 1e9 * freq_mhz / self.spec.clock_max_mhz
         per_sm *= (knobs.threads_per_block / 1024) ** cal.comm_thread_exponent
         link = self.spec.interconnect.bandwidth_gbs * 1e9 * cal.comm_link_efficiency
-        # Each byte is copied by the collective's SMs and carried by the link; for one kernel
-        # these stages add up (1/rate = 1/link + 1/SM copy rate) rather than overlap.
-        rate = 1.0 / (1.0 / link + 1.0 / (knobs.sm_share * per_sm))
+        # The collective's SMs copy the bytes into the link, which carries them: the two run
+        # as a pipeline, so the slower one sets the rate (NCCL's bus bandwidth grows with
+        # its channels until the link saturates).
+        rate = min(link, knobs.sm_share * per_sm)
         return rate / (1.0 + cal.contention * mem_boundness)
 
     def collective_time(self, coll: CollectiveCost, knobs: Knobs) -> float:
