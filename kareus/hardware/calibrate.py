@@ -133,7 +133,6 @@ def load_rows(path: pathlib.Path, freq_mhz: float = 1410) -> list[Row]:
 FREE = (
     ("comm_gbs_per_sm", 0.5, 50.0),
     ("comm_thread_exponent", 0.0, 2.0),
-    ("comm_link_efficiency", 0.02, 1.0),
     ("comm_hbm_bytes_per_byte", 0.5, 6.0),
     ("contention", 0.0, 3.0),
     ("static_power_w", 40.0, 150.0),

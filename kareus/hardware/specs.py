@@ -50,6 +50,13 @@ PRIORS = {
         "back-to-back kernel launches cost a few microseconds each (Zhang et al., "
         "'Understanding the Overheads of Launching CUDA Kernels', ICPP 2019 poster: 2-5 us)"
     ),
+    "comm_link_efficiency": (
+        "NCCL all-reduce reaches a bus bandwidth of about 230 GB/s of NVLink 3's 300 GB/s per "
+        "direction on 8 A100-SXM4 (nccl-tests all_reduce_perf on DGX A100, large messages; "
+        "NVIDIA DGX A100 user guide and NCCL performance reports): 0.77. The measured "
+        "partition cannot identify it: its collective never reaches the link (20 SMs copy "
+        "about 130 GB/s)"
+    ),
     "comm_latency_us": (
         "none beyond the link's: NCCL's small-message all-reduce latency on NVLink is the "
         "interconnect's latency_us (nccl-tests)"
@@ -128,7 +135,7 @@ class Calibration:
     comm_gbs_per_sm: float = 10.0
     comm_thread_exponent: float = 1.0
     comm_latency_us: float = 0.0
-    comm_link_efficiency: float = 0.75
+    comm_link_efficiency: float = 0.77
     comm_hbm_bytes_per_byte: float = 3.0
     contention: float = 0.3
     static_power_w: float = 85.0
