@@ -46,6 +46,10 @@ METHODS = {"perseus": "megatron", "nanobatch_perseus": "nanobatch"}
 
 CONFIG = ("tp", "cp", "pp", "microbatch_size", "seq_len", "microbatches")
 
+FLAGGED = ((4, 2, 2, 8, 8192, 8), "perseus")
+"""The plan set the data's README flags: its frontier spans 2.2x in time, more than the
+clock range allows, so the profile behind it may be off at low clocks."""
+
 
 def reference() -> dict[tuple, dict[str, dict[str, tuple[ClockPlan, float, float]]]]:
     """Per configuration, method and plan id: the plan's clocks and its (time, energy)."""
@@ -98,6 +102,9 @@ def main() -> None:
     args = parser.parse_args()
     all_t: list[tuple[float, float]] = []
     all_e: list[tuple[float, float]] = []
+    rest_t: list[tuple[float, float]] = []
+    rest_e: list[tuple[float, float]] = []
+    rest_rhos: list[float] = []
     table = []
     rhos = []
     for key, by_method in list(reference().items())[: args.configs]:
@@ -133,6 +140,10 @@ def main() -> None:
             (tm, tx), (em, ex) = _errors(t_pairs), _errors(e_pairs)
             rho = _rho(e_pairs)
             rhos.append(rho)
+            if (key, ref_method) != FLAGGED:
+                rest_t += t_pairs
+                rest_e += e_pairs
+                rest_rhos.append(rho)
             ratio_t = statistics.median(o / r for o, r in t_pairs)
             ratio_e = statistics.median(o / r for o, r in e_pairs)
             table.append(
@@ -184,6 +195,13 @@ def main() -> None:
         f"\nall {len(all_t)} plans: time |error| median {tm:.1f} %, max {tx:.1f} %; energy "
         f"|error| median {em:.1f} %, max {ex:.1f} %; Spearman by energy within each "
         f"(configuration, method): min {min(rhos):.2f}, median {statistics.median(rhos):.2f}"
+    )
+    (tm, tx), (em, ex) = _errors(rest_t), _errors(rest_e)
+    print(
+        f"without the plan set the data's README flags (Perseus TP4 CP2 mbs8 seq8192), "
+        f"{len(rest_t)} plans: time |error| median {tm:.1f} %, max {tx:.1f} %; energy |error| "
+        f"median {em:.1f} %, max {ex:.1f} %; Spearman min {min(rest_rhos):.2f}, median "
+        f"{statistics.median(rest_rhos):.2f}"
     )
     rows = load_rows(DEFAULT_DATA)
     pred = predict(gpu("a100-sxm4-40gb"), rows, compute_slowdown=shipped_slowdown())

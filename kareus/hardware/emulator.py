@@ -29,7 +29,6 @@ from kareus.costs import CollectiveCost, Estimate, Knobs, OpCost, PartitionWork
 from kareus.hardware.specs import GPUSpec
 
 _MEM_SAT_SM_FRACTION = 0.35  # SMs needed to saturate memory bandwidth, as a fraction of all
-_MEM_SAT_CLOCK_FRACTION = 0.45  # below this fraction of max clock, memory-bound ops slow
 _MIN_BW_LEFT = 0.15  # compute keeps at least this share of memory bandwidth
 
 
@@ -78,7 +77,7 @@ class Emulator:
             eff = cal.eff_gemm if op.op_class == "gemm" else cal.eff_attention
         t_compute = op.flops / (peak * speed * sm_frac * eff)
         bw = spec.memory_bandwidth_gbs * 1e9 * cal.eff_memory * bw_fraction
-        bw *= min(1.0, sm_frac / _MEM_SAT_SM_FRACTION) * min(1.0, speed / _MEM_SAT_CLOCK_FRACTION)
+        bw *= min(1.0, sm_frac / _MEM_SAT_SM_FRACTION) * min(1.0, speed / cal.mem_clock_knee)
         t_memory = op.bytes / bw
         t_kernel = max(t_compute, t_memory)
         total = t_kernel + cal.launch_overhead_us * 1e-6

@@ -30,6 +30,12 @@ _VF = (
     "(DVFS measurements of NVIDIA GPUs: Mei et al., 'A survey and measurement study of GPU "
     "DVFS on energy conservation', 2017); not published per GPU by NVIDIA"
 )
+_VF_A100 = (
+    f"{_VF}. A100 floor 0.65: least squares on the log energies of the 85 reference A100 "
+    "pipeline plans (shared/data/a100_llama_pipeline_plans, priced by `kareus evaluate`; "
+    "grid 0.55-0.70 in steps of 0.05: 0.65 best; the old 0.70 has a 39 % larger squared "
+    "error), within Ampere's core-voltage range of about 0.65-1.08 V"
+)
 
 
 PRIORS = {
@@ -56,6 +62,12 @@ PRIORS = {
         "NVIDIA DGX A100 user guide and NCCL performance reports): 0.77. The measured "
         "partition cannot identify it: its collective never reaches the link (20 SMs copy "
         "about 130 GB/s)"
+    ),
+    "mem_clock_knee": (
+        "assumption: memory-bound kernels keep HBM saturated down to about half the maximum SM "
+        "clock. Checked on the reference A100 pipeline plans: 1.0 (memory-bound ops slowing "
+        "with any clock cut) fits the TP 8 plans' times best but worsens the held-out CP 2 "
+        "plans' (time |error| median 7.3 -> 9.8 %), so 0.45 stays"
     ),
     "comm_latency_us": (
         "none beyond the link's: NCCL's small-message all-reduce latency on NVLink is the "
@@ -112,6 +124,8 @@ class Calibration:
         eff_gemm: achieved fraction of the tensor-core peak for GEMMs.
         eff_attention: achieved fraction of the peak for fused attention.
         eff_memory: achieved fraction of memory bandwidth for memory-bound ops.
+        mem_clock_knee: fraction of the maximum SM clock below which memory-bound ops slow
+            in proportion to the clock (the SMs no longer issue loads fast enough).
         launch_overhead_us: fixed cost per kernel.
         comm_gbs_per_sm: bytes a collective moves per second per SM at the maximum clock,
             with 1024-thread CTAs.
@@ -131,6 +145,7 @@ class Calibration:
     eff_gemm: float = 0.75
     eff_attention: float = 0.65
     eff_memory: float = 0.85
+    mem_clock_knee: float = 0.45
     launch_overhead_us: float = 4.0
     comm_gbs_per_sm: float = 10.0
     comm_thread_exponent: float = 1.0
@@ -231,13 +246,13 @@ def _a100(name: str, memory_gb: float, bandwidth_gbs: float, bw_source: str) -> 
         tdp_w=400.0,
         interconnect=NVLINK3,
         vf_knee=0.55,
-        v_floor=0.70,
+        v_floor=0.65,
         sources={
             "sm_count, peak_tflops, peak_clock_mhz, tdp_w": _DATASHEET_A100,
             "clocks": _SMI,
             "memory_bandwidth_gbs": bw_source,
             "static_power_w": _STATIC_A100,
-            "vf_knee, v_floor": _VF,
+            "vf_knee, v_floor": _VF_A100,
         },
     )
 
