@@ -14,7 +14,10 @@ Every time and energy is modelled (the emulator); wall times are measured. Sanit
 fail the run (exit 1): no baseline point below kareus's frontier, every frontier monotone,
 kareus never worse than Perseus at iso-time, no plan below the lower bound.
 
-Run: python benchmarks/compare.py [--quick] [--out DIR] [--jobs 2] [--reuse]
+The matrix runs the reference A100 pipelines' setup: full activation recompute, PP 2 split
+15/13 (``--recompute`` changes the first).
+
+Run: python benchmarks/compare.py [--quick] [--out DIR] [--jobs 2] [--reuse] [--gpus G,...]
 (writes compare-out/; ``--update-results`` runs the full matrix into the committed
 ``benchmarks/results``)
 """
@@ -39,12 +42,30 @@ PARALLEL = ((8, 1), (4, 2))  # (TP, CP)
 MICROBATCH = (8, 16)
 SEQ = (4096, 8192)
 PP, MICROBATCHES = 2, 8
+REFERENCE_SPLIT = (15, 13)  # the reference A100 pipelines' stages (embedding + 15, 13 + head)
+RECOMPUTE = "full"  # the reference A100 pipelines' activation recompute
 AT_SCALE = {"model": "llama3.3-70b", "tp": 8, "cp": 1, "pp": 8, "microbatch_size": 8,
             "seq_len": 4096, "microbatches": 16}  # fmt: skip
 
 
-def matrix(quick: bool) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
-    """(workload fields, GPU types) to run."""
+def matrix(
+    quick: bool, recompute: str = RECOMPUTE, gpus: tuple[str, ...] | None = None
+) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
+    """(workload fields, GPU types) to run: the reference setup (``recompute``; PP 2 with
+    the 15/13 split of the reference A100 pipelines), on ``gpus`` if given."""
+    runs = _matrix(quick)
+    out = []
+    for fields, on in runs:
+        fields = {**fields, "recompute": recompute}
+        if fields["pp"] == PP:
+            fields["layers_per_stage"] = REFERENCE_SPLIT
+        on = tuple(g for g in on if gpus is None or g in gpus)
+        if on:
+            out.append((fields, on))
+    return out
+
+
+def _matrix(quick: bool) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
     if quick:
         base = {"pp": PP, "microbatches": MICROBATCHES, "microbatch_size": 8, "seq_len": 4096}
         return [
@@ -76,7 +97,7 @@ def workload_key(w: dict[str, Any]) -> str:
     """A short file-name-safe name of a workload."""
     return (
         f"{w['model']}_tp{w['tp']}cp{w['cp']}pp{w['pp']}_mb{w['microbatch_size']}"
-        f"_s{w['seq_len']}_m{w['microbatches']}"
+        f"_s{w['seq_len']}_m{w['microbatches']}_r{w.get('recompute', 'none')}"
     )
 
 
@@ -241,6 +262,8 @@ def markdown(rows: list[dict[str, Any]], total_s: float, command: str) -> str:
         config = (
             f"{w['model']} TP{w['tp']} CP{w['cp']} PP{w['pp']} mb{w['microbatch_size']} "
             f"seq{w['seq_len']} x{w['microbatches']}"
+            + (f" {'/'.join(map(str, w['layers_per_stage']))}" if w.get("layers_per_stage") else "")
+            + (f" rc-{w['recompute']}" if w.get("recompute", "none") != "none" else "")
         )
         for m in row["methods"]:
             lines.append(
@@ -280,8 +303,15 @@ def main() -> int:
     )
     parser.add_argument("--jobs", type=int, default=2, help="workloads traced in parallel")
     parser.add_argument("--reuse", action="store_true", help="reuse traced partition sets")
+    parser.add_argument(
+        "--recompute",
+        default=RECOMPUTE,
+        choices=("none", "full", "selective"),
+        help="activation recompute of every workload (default: the reference pipelines')",
+    )
+    parser.add_argument("--gpus", help="only these GPU types, comma-separated (say a100-40gb)")
     args = parser.parse_args()
-    if args.update_results and args.quick:
+    if args.update_results and (args.quick or args.gpus or args.recompute != RECOMPUTE):
         parser.error("--update-results replaces the committed results: run the full matrix")
     if args.out is None:
         args.out = RESULTS if args.update_results else pathlib.Path("compare-out")
@@ -291,7 +321,7 @@ def main() -> int:
     from kareus.planner.plot import plot_frontiers
 
     start = time.perf_counter()
-    runs = matrix(args.quick)
+    runs = matrix(args.quick, args.recompute, tuple(args.gpus.split(",")) if args.gpus else None)
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     ctx = __import__("multiprocessing").get_context("spawn")
@@ -320,9 +350,7 @@ def main() -> int:
             Plan.from_dict(row["plan"]), args.out / "plots" / f"{row['key']}_{row['gpu_key']}.png"
         )
     total = time.perf_counter() - start
-    command = "python benchmarks/compare.py" + (
-        " --quick" if args.quick else " --update-results" if args.update_results else ""
-    )
+    command = " ".join(["python benchmarks/compare.py", *sys.argv[1:]])
     (args.out / "results.md").write_text(markdown(rows, total, command))
     for row in rows:
         del row["plan"]  # plotted; the frontiers stay
