@@ -365,6 +365,14 @@ def evaluate_clock_plans(
                 f"plan {plan.plan_id}: {[len(f) for f in plan.freqs_mhz]} clocks per stage, "
                 f"the schedule runs {[len(o) for o in orders]}"
             )
+        outside = [
+            f for column in plan.freqs_mhz for f in column if not min(clocks) <= f <= max(clocks)
+        ]
+        if outside:
+            raise ClockPlanError(
+                f"plan {plan.plan_id}: clock {outside[0]:g} MHz is outside the GPU's range "
+                f"({min(clocks)}-{max(clocks)} MHz)"
+            )
     stages, _, _ = traced_stages(
         work, layers=layers, partitions=partitions, cache=cache, progress=progress
     )

@@ -88,6 +88,14 @@ def test_a_perseus_frequency_file_prices_as_its_csv(tmp_path):
     assert from_py == from_csv.plans
 
 
+def test_plans_built_in_python_are_checked_as_files_are():
+    with pytest.raises(ClockPlanError, match="clock 2000 MHz is outside"):
+        evaluate_clock_plans(WORK, "a100-40gb", [uniform("hot", 2000)])
+    short = ClockPlan("short", ((1410.0,), (1410.0,)))
+    with pytest.raises(ClockPlanError, match="clocks per stage, the schedule runs"):
+        evaluate_clock_plans(WORK, "a100-40gb", [short])
+
+
 def test_json_output_is_one_object_with_every_plan(tmp_path, capsys):
     path = write_csv(tmp_path / "plans.csv", [uniform("a", 1410), uniform("b", 1200)])
     assert main(["evaluate", *ARGS, "--clocks", str(path), "--json"]) == EXIT_OK
