@@ -220,7 +220,13 @@ def _costs(items):
 
 
 def test_the_trace_cache_serves_a_traced_workload_and_retraces_when_asked(tmp_path, monkeypatch):
-    from kareus.planning import _cache_key, plan_workload, trace_cache_dir
+    from kareus.planner import PlannerSettings
+    from kareus.planning import _cache_key, trace_cache_dir
+    from kareus.planning import plan_workload as plan_fully
+
+    def plan_workload(*args, **kwargs):  # what is cached is the trace: plan it cheaply
+        settings = PlannerSettings(clocks_mhz=(1410, 1005), sweep_points=2)
+        return plan_fully(*args, settings=settings, **kwargs)
 
     monkeypatch.setenv("KAREUS_CACHE_DIR", str(tmp_path / "cache"))
     work = Workload(model="tiny-4l", tp=2, microbatch_size=4, seq_len=32, microbatches=2)
