@@ -235,8 +235,9 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
         help="predict the time and energy of given per-instruction clock plans (no planning)",
         description="Trace the workload once and price each clock plan of a file: a CSV with "
-        "columns plan_id,stage,position,kind,microbatch,freq_mhz (position: index in the "
-        "stage's order under --schedule; other columns ignored, microbatch optional), or a "
+        "columns plan_id,stage,position,kind,microbatch,freq_mhz (stage: the pipeline rank; "
+        "position: index in its order under --schedule; other columns ignored, microbatch "
+        "optional), or a "
         "Perseus / Zeus frequency file (a Python list per stage of (instruction, MHz) pairs). "
         "Energy is of every GPU of one pipeline, and of one GPU per stage (/ TP x CP).",
     )

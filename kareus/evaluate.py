@@ -2,8 +2,9 @@
 
 A *clock plan* gives each instruction of one iteration (one forward or backward of one
 micro-batch on one pipeline stage) an SM clock. This module reads clock plans — kareus's
-CSV (``plan_id,stage,position,kind,microbatch,freq_mhz``; ``position`` is the index in the
-stage's order under the workload's pipeline schedule, other columns are ignored) or a
+CSV (``plan_id,stage,position,kind,microbatch,freq_mhz``; ``stage`` is the pipeline rank,
+``position`` the index in its order under the workload's pipeline schedule; other columns
+are ignored) or a
 Perseus / Zeus pipeline-frequency-optimizer frequency file (a Python literal: per stage, the
 ``(instruction, MHz)`` pairs in order) — checks each row against the schedule, and predicts
 the iteration time and energy of every plan from the workload's traced partition sets on

@@ -132,6 +132,18 @@ def test_the_reference_pipeline_plans_read_as_they_are(tmp_path):
         read_clock_plans(source, work, A100)  # unfiltered: other configurations' rows
 
 
+def test_under_interleaved_1f1b_a_stage_row_is_a_pipeline_rank(tmp_path):
+    """A rank runs two model stages; its rows count its instructions in the order it runs."""
+    work = Workload(
+        model="tiny-4l", pp=2, schedule="Interleaved1F1B", virtual_stages=2, microbatches=4
+    )
+    orders = stage_orders(work)
+    assert [len(o) for o in orders] == [16, 16]  # 2 stages x (F, B) x 4 micro-batches
+    assert {i.stage for i in orders[0]} == {0, 2} and {i.stage for i in orders[1]} == {1, 3}
+    plan = uniform("i", 1200, work)
+    assert read_clock_plans(write_csv(tmp_path / "i.csv", [plan], work), work, A100) == [plan]
+
+
 def _edit(rows: list[list[str]], line: int, column: int, value: str) -> list[list[str]]:
     rows = [list(r) for r in rows]
     rows[line - 1][column] = value
