@@ -4,14 +4,13 @@ A *clock plan* gives each instruction of one iteration (one forward or backward 
 micro-batch on one pipeline stage) an SM clock. This module reads clock plans — kareus's
 CSV (``plan_id,stage,position,kind,microbatch,freq_mhz``; ``stage`` is the pipeline rank,
 ``position`` the index in its order under the workload's pipeline schedule; other columns
-are ignored) or a
-Perseus / Zeus pipeline-frequency-optimizer frequency file (a Python literal: per stage, the
-``(instruction, MHz)`` pairs in order) — checks each row against the schedule, and predicts
-the iteration time and energy of every plan from the workload's traced partition sets on
-one evaluator (the GPU's hardware model unless another is given), with each collective run
-as the method says: ``megatron`` (no nanobatching or overlap) or ``nanobatch`` (two
-nanobatches, each collective launched at its partition's start on the default
-communicator). The workload is traced once for all plans.
+are ignored) or a Perseus / Zeus pipeline-frequency-optimizer frequency file (a Python
+literal: per stage, the ``(instruction, MHz)`` pairs in order) — checks each row against
+the schedule, and predicts the iteration time and energy of every plan from the workload's
+traced partition sets on one evaluator (the GPU's hardware model unless another is given),
+with each collective run as the method says: ``megatron`` (no nanobatching or overlap) or
+``nanobatch`` (two nanobatches, each collective launched at its partition's start on the
+default communicator). The workload is traced once for all plans.
 """
 
 from __future__ import annotations
