@@ -33,8 +33,9 @@ _VF = (
 _VF_A100 = (
     f"{_VF}. A100 floor 0.65: least squares on the log energies of the 85 reference A100 "
     "pipeline plans (shared/data/a100_llama_pipeline_plans, priced by `kareus evaluate`; "
-    "grid 0.55-0.70 in steps of 0.05: 0.65 best; the old 0.70 has a 39 % larger squared "
-    "error), within Ampere's core-voltage range of about 0.65-1.08 V"
+    "grid 0.55-0.70 in steps of 0.05 by `python benchmarks/pipeline_fidelity.py "
+    "--fit-voltage-floor`: 0.65 best; the old 0.70 has a 39 % larger squared error), "
+    "within Ampere's core-voltage range of about 0.65-1.08 V"
 )
 
 
