@@ -434,9 +434,8 @@ def _plan(args: argparse.Namespace) -> int:
         evaluator = ReplayEvaluator(args.replay)
         if args.clocks is None:  # the clocks it was recorded at (one, if not locked)
             settings = dataclasses.replace(settings, clocks_mhz=evaluator.clocks())
-        beside = args.replay.parent / "partitions.json"
-        if args.partitions is None and beside.is_file():
-            args.partitions = beside  # the partitions the recording belongs to
+        if args.partitions is None and (beside := _partitions_beside(args.replay)):
+            args.partitions = beside
             print(f"partitions from {beside}, recorded with {args.replay}")
     else:
         evaluator = Emulator(spec)
@@ -515,8 +514,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     plans = read_clock_plans(args.clocks, work, (min(clocks), max(clocks)))  # before tracing
     evaluator = ReplayEvaluator(args.replay) if args.replay is not None else None
     if args.replay is not None and args.partitions is None:
-        beside = args.replay.parent / "partitions.json"
-        args.partitions = beside if beside.is_file() else None
+        args.partitions = _partitions_beside(args.replay)
     print(
         f"kareus evaluate: {len(plans)} clock plan(s) of {args.clocks} for {work.describe()} "
         f"on {spec.name}, method {args.method}",
@@ -556,6 +554,12 @@ def _evaluate(args: argparse.Namespace) -> int:
         )
     )
     return EXIT_OK
+
+
+def _partitions_beside(replay: pathlib.Path) -> pathlib.Path | None:
+    """Return the partitions.json a recording was made with (written next to it), if any."""
+    beside = replay.parent / "partitions.json"
+    return beside if beside.is_file() else None
 
 
 def _workload(args: argparse.Namespace) -> Any:

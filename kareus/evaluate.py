@@ -26,9 +26,14 @@ from collections.abc import Callable, Sequence
 from kareus.costs import Evaluator
 from kareus.errors import KareusError
 from kareus.hardware import Emulator, gpu
-from kareus.planner.compose import SCHEDULES, Composer, Instruction, Iteration, Option, chain
+from kareus.planner.compose import Composer, Instruction, Iteration, Option, schedule_iteration
 from kareus.planner.knobs import CountingEvaluator
-from kareus.planner.planner import PlannerSettings, default_profiles, instruction_options
+from kareus.planner.planner import (
+    Parallelism,
+    PlannerSettings,
+    default_profiles,
+    instruction_options,
+)
 from kareus.trace import Workload
 
 PROFILES = {"megatron": "no-overlap", "nanobatch": "nanobatch"}
@@ -94,12 +99,8 @@ class Evaluation:
         }
 
 
-def iteration_of(work: Workload) -> Iteration:
-    """Return the DAG of one iteration of ``work`` under its pipeline schedule."""
-    if work.pp == 1 and work.schedule == "1F1B":
-        return chain(work.microbatches)
-    extra = (work.virtual_stages,) if work.virtual_stages > 1 else ()
-    return SCHEDULES[work.schedule](work.pp, work.microbatches, *extra)
+def _iteration(work: Workload) -> Iteration:
+    return schedule_iteration(work.schedule, work.pp, work.microbatches, work.virtual_stages)
 
 
 def stage_orders(work: Workload) -> list[list[Instruction]]:
@@ -110,7 +111,7 @@ def stage_orders(work: Workload) -> list[list[Instruction]]:
     the schedule is interleaved).
     """
     orders: list[list[Instruction]] = [[] for _ in range(work.pp)]
-    for instr in iteration_of(work).instructions:
+    for instr in _iteration(work).instructions:
         orders[instr.stage % work.pp].append(instr)
     return orders
 
@@ -377,8 +378,6 @@ def evaluate_clock_plans(
         work, layers=layers, partitions=partitions, cache=cache, progress=progress
     )
     stages = with_recompute(stages, work.recompute)
-    if len(stages) != work.pp * work.virtual_stages:
-        stages = [stages[0]] * (work.pp * work.virtual_stages)
     settings = PlannerSettings()
     profile = PROFILES[method]
     profiles = {
@@ -391,13 +390,14 @@ def evaluate_clock_plans(
     ev = CountingEvaluator(inner)
     options = instruction_options(stages, ev, freqs, static_w, settings, profiles)
     by_clock = {group: {o.freq_mhz: o for o in opts} for group, opts in options.items()}
-    iteration = iteration_of(work)
+    iteration = _iteration(work)
+    parallel = Parallelism(tp=work.tp, cp=work.cp, pp=work.pp)
     composer = Composer(
         iteration,
         options,
         static_power_w=static_w,
-        gpus=work.tp * work.cp * work.pp,
-        gpus_per_stage=work.tp * work.cp,
+        gpus=parallel.gpus,
+        gpus_per_stage=parallel.gpus_per_stage,
     )
     position = {
         instr: (rank, p) for rank, order in enumerate(orders) for p, instr in enumerate(order)
@@ -409,5 +409,6 @@ def evaluate_clock_plans(
             rank, p = position[instr]
             choices.append(by_clock[instr.group][plan.freqs_mhz[rank][p]])
         time_s, energy_j = composer.evaluate(choices)
-        out.append(PlanCost(plan.plan_id, time_s, energy_j, energy_j / (work.tp * work.cp)))
+        per_column = energy_j / parallel.gpus_per_stage
+        out.append(PlanCost(plan.plan_id, time_s, energy_j, per_column))
     return Evaluation(tuple(out), str(getattr(inner, "source", "modelled")), method, spec.name)

@@ -204,6 +204,18 @@ def _dag(rank_orders: Sequence[Sequence[tuple[int, str, int]]], stages: int) -> 
     return Iteration(tuple(instrs), tuple(sorted(edges)))
 
 
+def schedule_iteration(schedule: str, ranks: int, microbatches: int, virtual: int = 1) -> Iteration:
+    """Return the DAG of one iteration under ``schedule`` (a key of :data:`SCHEDULES`).
+
+    One rank under 1F1B is a chain (forward, backward, forward...: gradient accumulation);
+    ``virtual`` is the stages per rank of ``Interleaved1F1B``.
+    """
+    if ranks == 1 and schedule == "1F1B":
+        return chain(microbatches)
+    extra = (virtual,) if virtual > 1 else ()
+    return SCHEDULES[schedule](ranks, microbatches, *extra)
+
+
 def _check_sizes(name: str, stages: int, microbatches: int) -> None:
     if stages < 1 or microbatches < 1:
         raise KareusError(

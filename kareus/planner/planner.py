@@ -17,7 +17,13 @@ from kareus.errors import KareusError
 from kareus.hardware import Emulator, GPUSpec
 from kareus.partitions import Decision, PartitionSet
 from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
-from kareus.planner.compose import SCHEDULES, Composer, Option, Solution, chain
+from kareus.planner.compose import (
+    SCHEDULES,
+    Composer,
+    Option,
+    Solution,
+    schedule_iteration,
+)
 from kareus.planner.knobs import CountingEvaluator, KnobSpace, Setting, default_clocks, knobs_of
 from kareus.planner.search import SearchResult, exhaustive, search
 from kareus.planner.select import select
@@ -154,14 +160,8 @@ def plan_iteration(
     evaluated = evaluate_options(stages, ev, freqs, static_power_w, settings, note)
     options, profiles_by_group = evaluated.options, evaluated.profiles
     searches, grid, searched = evaluated.searches, evaluated.grid, evaluated.searched
-    iteration = (
-        chain(parallel.microbatches)  # one stage under 1F1B: forward, backward, forward...
-        if parallel.pp == 1 and parallel.schedule == "1F1B"
-        else SCHEDULES[parallel.schedule](
-            parallel.pp,
-            parallel.microbatches,
-            *((parallel.virtual_stages,) if parallel.virtual_stages > 1 else ()),
-        )
+    iteration = schedule_iteration(
+        parallel.schedule, parallel.pp, parallel.microbatches, parallel.virtual_stages
     )
 
     # Compose every method on the same options.
