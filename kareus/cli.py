@@ -162,7 +162,8 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
         help="trace a model configuration, plan it, print the frontiers, write plan and report",
         description="Trace a preset at scale on fake tensors, search clocks x SM shares x "
-        "launch points per partition type, compose the iteration with CP-SAT, and compare "
+        "launch points per partition type, compose the iteration (linear relaxation, then "
+        "CP-SAT where the relaxation leaves a gap), and compare "
         "kareus with Megatron-LM, Perseus and nanobatching + Perseus on the same evaluator.",
     )
     _workload_options(p)

@@ -571,7 +571,8 @@ def report_markdown(planned: WorkloadPlan, plot_name: str = "frontier.png") -> s
     ]
     lines += [
         "Proven gap: how far each point's energy may be above the least energy of any plan as "
-        "fast, on the same options (CP-SAT's proven lower bound); 0.0 % is proven optimal.",
+        "fast, on the same options (the better of the linear relaxation's and CP-SAT's proven "
+        "lower bounds); 0.0 % is proven optimal.",
         "",
     ]
     methods: dict[str, Sequence[FrontierPoint]] = {"kareus": plan.frontier, **plan.baselines}
@@ -655,9 +656,10 @@ def report_markdown(planned: WorkloadPlan, plot_name: str = "frontier.png") -> s
         f"- tracing: {planned.trace_s:.1f} s; planning: {planned.plan_s:.1f} s; peak memory "
         f"{planned.peak_rss_mib:.0f} MiB",
         f"- evaluations: {ev.get('search', 0)} in the search of a {ev.get('grid', 0)}-setting "
-        f"grid, {ev.get('total', 0)} in all; {ev.get('solves', 0)} CP-SAT solves "
-        f"({ev.get('solves_not_proven_optimal', 0)} not proven within "
-        f"{100 * planned.result.settings.solver_gap_limit:g} % of optimal in their work limit; "
+        f"grid, {ev.get('total', 0)} in all; {ev.get('solves', 0)} solves of the composition "
+        f"(linear relaxation; {ev.get('cp_sat_solves', 0)} searched further by CP-SAT; "
+        f"{ev.get('solves_not_proven_optimal', 0)} not proven within "
+        f"{100 * planned.result.settings.solver_gap_limit:g} % of optimal; "
         "each point's proven gap is in *Frontiers*)",
         "",
         'Apply the plan: `model = kareus.compile(model, plan="plan.json", stage=STAGE)`.',

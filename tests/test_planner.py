@@ -9,9 +9,21 @@ from kareus.hardware.calibrate import attention_partition
 from kareus.partitions import PartitionSet
 from kareus.plan import Plan
 from kareus.planner.compose import Composer, Option, chain, gpipe, makespan, one_f_one_b, pipeline
-from kareus.planner.knobs import KnobSpace, RecordingEvaluator, ReplayEvaluator, default_clocks
+from kareus.planner.knobs import (
+    CountingEvaluator,
+    KnobSpace,
+    RecordingEvaluator,
+    ReplayEvaluator,
+    default_clocks,
+)
 from kareus.planner.pareto import hypervolume, hypervolume_share, is_monotone, pareto_front
-from kareus.planner.planner import Parallelism, PlannerSettings, plan_for_gpu, plan_iteration
+from kareus.planner.planner import (
+    Parallelism,
+    PlannerSettings,
+    evaluate_options,
+    plan_for_gpu,
+    plan_iteration,
+)
 from kareus.planner.search import exhaustive, search
 from kareus.planner.select import InfeasiblePlanError, select
 from kareus.testing import megatron_partition_set
@@ -127,6 +139,75 @@ def test_least_time_is_exact_and_every_point_carries_a_valid_lower_bound():
         for p in front:
             if u.time_s <= p.time_s:
                 assert p.bound_j <= u.energy_j * (1 + 1e-6), (p, u.time_s, u.energy_j)
+
+
+def test_lower_hull_keeps_the_convex_decreasing_options():
+    from kareus.planner.relax import lower_hull
+
+    opts = [
+        Option(1410, "a", 1.0, 10.0),
+        Option(1300, "a", 1.1, 8.0),
+        Option(1200, "a", 1.2, 7.5),  # above the segment 1.1-1.3: a mix is cheaper
+        Option(1100, "a", 1.3, 5.0),
+        Option(1000, "a", 1.5, 4.0),
+        Option(900, "a", 1.7, 4.0),  # slower, no cheaper
+    ]
+    assert [o.freq_mhz for o in lower_hull(opts)] == [1410, 1300, 1100, 1000]
+
+
+@pytest.mark.parametrize("kind", ["chain", "1f1b", "gpipe"])
+def test_relaxation_bounds_the_optimum_and_rounds_to_a_plan_within_the_bound(kind):
+    # Two profiles whose hulls cross, so that groups can mix them in the relaxation.
+    from kareus.planner.relax import relax
+
+    it = {"chain": chain(3), "1f1b": one_f_one_b(2, 2), "gpipe": gpipe(2, 2)}[kind]
+    freqs = (810, 1005, 1200, 1410) if kind == "chain" else (810, 1200, 1410)
+    opts = {g: _tradeoff_options(g, freqs) for g in {i.group for i in it.instructions}}
+    comp = Composer(it, opts, static_power_w=20.0, gpus=2)
+    fastest = comp.fastest_choice().time_s
+    slowest = max(u.time_s for u in comp.uniform_plans())
+    for frac in (0.0, 0.15, 0.4, 0.7, 1.0, None):
+        bound = None if frac is None else fastest + frac * (slowest - fastest)
+        best = comp.brute_force(bound)
+        got = relax(
+            it, comp.model_options, static_power_w=20.0, gpus=2, gpus_per_stage=1, bound_s=bound
+        )
+        assert got is not None and got.choices is not None
+        t, e = comp.evaluate(got.choices)
+        assert bound is None or t <= bound + 1e-9
+        assert got.bound_j <= best[0] <= e * (1 + 1e-12), (frac, got.bound_j, best, e)
+        pairs = zip(it.instructions, got.choices, strict=True)
+        assert len({(i.group, c.profile) for i, c in pairs}) == len(opts)  # a profile per group
+    with pytest.raises(KareusError, match="no plan runs within"):
+        comp.solve(bound_s=0.5 * fastest)
+
+
+def test_70b_pipeline_is_proven_by_the_relaxation_without_search():
+    # Llama 3.3 70B shapes, PP 8 x 16 micro-batches (256 instructions) on the modelled
+    # A100, with CP-SAT starved: every frontier point still carries a proof within the gap
+    # limit, from the relaxation's bound and rounded plan alone. (On made-up options with
+    # coarse clocks the integer optimum can lie percents above the relaxation; CP-SAT then
+    # searches, within its work limit.)
+    pset = megatron_partition_set(
+        hidden=8192, ffn=28672, heads=64, seq=4096, microbatch=8, layers=10, tp=8
+    )
+    settings = PlannerSettings(solver_time_limit_s=0.001)
+    plan = plan_for_gpu(
+        pset, SPEC, parallel=Parallelism(tp=8, pp=8, microbatches=16), settings=settings
+    ).plan
+    assert len(plan.frontier) >= 10
+    assert all(p.gap is not None and 0 <= p.gap <= 0.005 for p in plan.frontier)
+    assert plan.evaluations["solves_not_proven_optimal"] == 0
+    assert plan.evaluations["cp_sat_solves"] == 0
+    # never above the best plan at one clock and one overlap setting
+    static = SPEC.calibration.static_power_w
+    ev = CountingEvaluator(Emulator(SPEC))
+    opts = evaluate_options([pset] * 8, ev, default_clocks(SPEC.clocks_mhz()), static, settings)
+    comp = Composer(
+        one_f_one_b(8, 16), opts.options, static_power_w=static, gpus=64, gpus_per_stage=8
+    )
+    uniform = min(u.energy_j for u in comp.uniform_plans())
+    assert min(p.energy_j for p in plan.frontier) <= uniform
 
 
 def test_dominated_options_leave_the_model_but_not_the_uniform_plans():
@@ -487,8 +568,13 @@ def test_plans_are_the_same_on_a_quiet_and_a_busy_machine():
             pset,
             SPEC,
             parallel=Parallelism(tp=2, pp=4, microbatches=8),
+            # gap limit 0: the relaxation proves nothing, so every solve searches with
+            # CP-SAT and stops at its work limit
             settings=PlannerSettings(
-                sweep_points=4, clocks_mhz=(1410, 1200, 1005, 810), solver_time_limit_s=0.02
+                sweep_points=4,
+                clocks_mhz=(1410, 1200, 1005, 810),
+                solver_time_limit_s=0.02,
+                solver_gap_limit=0.0,
             ),
         ).plan
 

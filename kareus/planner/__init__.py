@@ -1,4 +1,4 @@
-"""The planner: per-partition-type frontier search and CP-SAT composition over the iteration.
+"""The planner: per-partition-type frontier search and composition over the iteration.
 
 Free of ``torch.fx`` by design: it reads the :class:`~kareus.partitions.PartitionSet` the
 passes produce and writes a :class:`~kareus.plan.Plan`.

@@ -10,7 +10,10 @@ instruction, minimising
     Σ dynamic energy of the chosen options + P_static · N_gpus · T
 
 subject to precedence and T ≤ bound; sweeping the bound traces the iteration frontier.
-Times are integer microseconds and energies integer microjoules.
+Each solve first solves the model's linear relaxation (:mod:`kareus.planner.relax`): its
+optimum is a proven lower bound and its rounding a plan within the bound; CP-SAT (times in
+integer microseconds, energies in integer microjoules) searches only where the two are
+further apart than the gap limit.
 """
 
 from __future__ import annotations
@@ -19,8 +22,12 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from kareus.errors import KareusError
+
+if TYPE_CHECKING:
+    from kareus.planner.relax import Relaxation
 
 _log = logging.getLogger(__name__)
 
@@ -238,6 +245,15 @@ class Solution:
     within_s: float | None = None
     bound_j: float | None = None
 
+    @property
+    def gap(self) -> float | None:
+        """The proven gap: how much of the energy a better plan could at most save."""
+        return None if self.bound_j is None else (self.energy_j - self.bound_j) / self.energy_j
+
+    def proven(self, gap_limit: float) -> bool:
+        """Whether CP-SAT proved the plan optimal or its gap is within ``gap_limit``."""
+        return self.status == "OPTIMAL" or (self.gap is not None and self.gap <= gap_limit)
+
 
 def _undominated(options: Sequence[Option]) -> tuple[Option, ...]:
     """Return ``options`` without those another option of the same profile dominates."""
@@ -324,6 +340,8 @@ class Composer:
         self.seed = seed
         self.gap_limit = gap_limit
         self.solves: list[Solution] = []  # every solve since the last frontier() began
+        self.searches = 0  # of which CP-SAT searched (the relaxation had not proven them)
+        self._relaxation: Relaxation | None = None  # built at the first solve, then kept
 
     def evaluate(self, choices: Sequence[Option]) -> tuple[float, float]:
         """Return (iteration time, energy of all GPUs) of one choice per instruction."""
@@ -342,22 +360,71 @@ class Composer:
 
         The least time is exact without a search (every instruction's fastest option is
         feasible together and no choice finishes sooner), so a least-time solve is the
-        least-energy solve bounded by it. ``hint`` (an earlier solution) warm-starts the
-        search. The solution records CP-SAT's proven lower bound on the energy.
+        least-energy solve bounded by it. The linear relaxation (:mod:`kareus.planner.relax`)
+        gives a proven lower bound and a rounded plan; when that plan, or ``hint`` (an
+        earlier solution) if better, is proven within the gap limit, that is the answer.
+        Otherwise CP-SAT searches from it, within its deterministic work limit, and the
+        better of the two bounds is kept.
 
         Raises:
             KareusError: no plan meets the bound.
         """
-        from ortools.sat.python import cp_model
+        from kareus.planner.relax import Relaxation
 
-        opts = [self.model_options[i.group] for i in self.it.instructions]
-        us = [[round(o.time_s * 1e6) for o in row] for row in opts]
-        bound_us = None if bound_s is None else int(bound_s * 1e6)
         if minimise == "time":
-            bound_us = round(makespan(self.it, [min(d) for d in us]))
             bound_s = self.fastest_choice().time_s
         elif minimise != "energy":
             raise KareusError(f"minimise must be 'energy' or 'time', got {minimise!r}")
+        if self._relaxation is None:
+            self._relaxation = Relaxation(
+                self.it,
+                self.model_options,
+                static_power_w=self.static_w,
+                gpus=self.gpus,
+                gpus_per_stage=self.per_stage,
+            )
+        relaxed = self._relaxation.at(bound_s)
+        fits = hint is not None and (bound_s is None or hint.time_s <= bound_s + 1e-9)
+        if relaxed is None:
+            if fits:  # the relaxation's tolerances, at a bound the hint meets to a hair
+                assert hint is not None
+                found = dataclasses.replace(hint, status="HINT", within_s=bound_s, bound_j=None)
+                self.solves.append(found)
+                return found
+            fastest = self.fastest_choice().time_s
+            raise KareusError(
+                f"no plan runs within {bound_s:.6f} s: the fastest takes {fastest:.6f} s"
+            )
+        known = [] if relaxed.choices is None else [self._solution(relaxed.choices, "RELAXED")]
+        known += [hint] if fits and hint is not None else []
+        best = min(known, key=lambda s: (s.energy_j, s.time_s), default=None)
+        if best is not None and best.energy_j - relaxed.bound_j <= self.gap_limit * best.energy_j:
+            found = dataclasses.replace(
+                best, within_s=bound_s, bound_j=min(relaxed.bound_j, best.energy_j)
+            )
+            self.solves.append(found)
+            return found
+        return self._cp_sat(bound_s, best, relaxed.bound_j, fastest=minimise == "time")
+
+    def _solution(self, choices: Sequence[Option], status: str) -> Solution:
+        time_s, energy_j = self.evaluate(choices)
+        return Solution(tuple(choices), time_s, energy_j, status)
+
+    def _cp_sat(
+        self, bound_s: float | None, hint: Solution | None, proven_j: float, *, fastest: bool
+    ) -> Solution:
+        """Search with CP-SAT from ``hint``; ``proven_j`` is a lower bound already proven.
+
+        ``fastest``: the bound is the least time, taken in the model's whole microseconds.
+        """
+        from ortools.sat.python import cp_model
+
+        self.searches += 1
+        opts = [self.model_options[i.group] for i in self.it.instructions]
+        us = [[round(o.time_s * 1e6) for o in row] for row in opts]
+        bound_us = None if bound_s is None else int(bound_s * 1e6)
+        if fastest:
+            bound_us = round(makespan(self.it, [min(d) for d in us]))
         m = cp_model.CpModel()
         horizon = sum(max(d) for d in us) + 1
         x = [[m.new_bool_var(f"x{i}_{k}") for k in range(len(us[i]))] for i in range(len(us))]
@@ -415,12 +482,15 @@ class Composer:
         )
         # CP-SAT's objective bound is in its integer units (us, uJ, whole watts): converted,
         # it bounds the energy up to that rounding, so it is capped at the plan it proves.
-        proven = solver.best_objective_bound / 1e6
+        proven = proven_j
+        if status != cp_model.INFEASIBLE:  # (infeasible: the model's rounding of times)
+            proven = max(proven, solver.best_objective_bound / 1e6)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            if hint is not None and (bound_s is None or hint.time_s <= bound_s + 1e-9):
-                # Out of time before CP-SAT found a plan: the hint is still a valid plan.
-                bound = min(proven, hint.energy_j) if status == cp_model.UNKNOWN else None
-                found = dataclasses.replace(hint, status="HINT", within_s=bound_s, bound_j=bound)
+            if hint is not None:
+                # Out of work before CP-SAT found a plan: the hint is still a valid plan.
+                found = dataclasses.replace(
+                    hint, status="HINT", within_s=bound_s, bound_j=min(proven, hint.energy_j)
+                )
                 self.solves.append(found)
                 return found
             within = f"within {bound_s:.6f} s " if bound_s is not None else ""
@@ -433,9 +503,11 @@ class Composer:
             opts[i][next(k for k, v in enumerate(x[i]) if solver.value(v))]
             for i in range(len(opts))
         )
-        time_s, energy_j = self.evaluate(choices)
-        bound = min(proven, energy_j)  # OPTIMAL means within gap_limit, not exact
-        found = Solution(choices, time_s, energy_j, solver.status_name(status), bound_s, bound)
+        found = self._solution(choices, solver.status_name(status))
+        if hint is not None and (hint.energy_j, hint.time_s) < (found.energy_j, found.time_s):
+            found = dataclasses.replace(hint, status="HINT")  # CP-SAT's rounding of times
+        # OPTIMAL means within gap_limit, not exact
+        found = dataclasses.replace(found, within_s=bound_s, bound_j=min(proven, found.energy_j))
         self.solves.append(found)
         return found
 
@@ -471,8 +543,8 @@ class Composer:
         at, such as a baseline's fastest time), so that those comparisons read a solved
         point instead of the nearest point of the sweep.
 
-        Each solve is warm-started from the best plan known to meet its bound (the previous
-        point, or a uniform-clock plan), and the uniform-clock plans join the candidates: a
+        Each solve is warm-started from the best plan known to meet its bound (the fastest
+        plan, or a uniform-clock plan), and the uniform-clock plans join the candidates: a
         solve stopped by its work limit can return no worse than they are, so no point of
         the frontier is ever above a uniform-clock plan. Each point's ``bound_j`` is the
         best proven lower bound on the energy of any plan as fast as it (from every solve of
@@ -481,22 +553,27 @@ class Composer:
         """
         uniform = self.uniform_plans()
         self.solves = []
+        self.searches = 0
 
         def best_within(bound: float | None, known: Sequence[Solution]) -> Solution | None:
             fits = [s for s in known if bound is None or s.time_s <= bound + 1e-9]
             return min(fits, key=lambda s: (s.energy_j, s.time_s), default=None)
 
+        # From slow to fast: the least-energy plan, then each bound a little tighter than
+        # the last, which the relaxation's dual simplex resumes from cheaply (a jump from
+        # one end of the frontier to the other costs it about as much as a fresh start).
+        # The least time is known before any solve (every instruction's fastest option).
         greedy = self.fastest_choice()
-        start = min([greedy, *uniform], key=lambda s: (s.time_s, s.energy_j))
-        fastest = self.solve(minimise="time", hint=start)
-        known = [fastest, *uniform]
-        frugal = self.solve(hint=best_within(None, known))
-        known.append(frugal)
-        lo, hi = fastest.time_s, frugal.time_s
+        frugal = self.solve(hint=best_within(None, [greedy, *uniform]))
+        known = [frugal, *uniform]
+        lo, hi = greedy.time_s, frugal.time_s
         sweep = [lo + (hi - lo) * k / (points - 1) + 1e-6 for k in range(1, points - 1)]
         sweep += [a + 1e-6 for a in anchors if lo < a < hi]
-        for bound in sorted(sweep):  # from fast to slow
-            known.append(self.solve(bound_s=bound, hint=best_within(bound, known)))
+        for bound in sorted(sweep, reverse=True):
+            hint = best_within(bound, [*known, greedy])
+            known.append(self.solve(bound_s=bound, hint=hint))
+        start = min([greedy, *uniform], key=lambda s: (s.time_s, s.energy_j))
+        known.append(self.solve(minimise="time", hint=best_within(lo, [*known, start])))
         return self.prove(known)
 
     def prove(self, candidates: Sequence[Solution]) -> list[Solution]:

@@ -1,0 +1,303 @@
+"""The linear relaxation of the composition: a proven lower bound and a rounded plan.
+
+The composer's model (:mod:`kareus.planner.compose`) picks one option per instruction and
+one profile per group. Its linear relaxation lets an instruction run a convex mix of its
+options: every group mixes its profiles with one set of weights (each instruction of a
+group gives profile ``p`` the group's weight ``y_p``, as any whole plan does), and within
+a profile only the lower convex hull of its (time, energy) options matters, since a mix
+of hull options is never slower nor more costly than an option above the hull. Solved
+with GLOP (OR-Tools' simplex: exact and deterministic), it gives
+
+- a **lower bound** on the energy of every plan within a time bound, in milliseconds for
+  any instance size (CP-SAT proves bounds by search, which stops at its work limit);
+- a **plan**: each group runs the profile the relaxation weighs most, the relaxation is
+  solved again with those profiles fixed, and each instruction runs the fastest option it
+  mixes. Each duration is then at most the mix's, so the plan meets the bound; its energy
+  exceeds the relaxation only where an instruction mixed options, and the gap between
+  the two is proven.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kareus.errors import KareusError
+from kareus.planner.compose import Iteration, Option, makespan
+
+_MS = 1e3  # the program's time unit is the millisecond (keeps coefficients near 1)
+BOUND_TOLERANCE = 1e-6
+"""The relaxation's optimum is exact up to the simplex's tolerances (about 1e-9 relative);
+the bound reported is lowered by this fraction so that it stays a bound."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Relaxed:
+    """The relaxation at one time bound: its lower bound and the plan rounded from it.
+
+    ``choices`` is None where no plan of the fixed profiles meets the bound.
+    """
+
+    bound_j: float
+    choices: tuple[Option, ...] | None
+
+
+def lower_hull(options: Sequence[Option]) -> list[Option]:
+    """Return the options on the lower convex hull of (time, dynamic energy), fastest first.
+
+    Only the decreasing part: an option slower than the least-energy one is never needed.
+    """
+    pts = sorted(options, key=lambda o: (o.time_s, o.dynamic_energy_j))
+    hull: list[Option] = []
+    for o in pts:
+        if hull and o.dynamic_energy_j >= hull[-1].dynamic_energy_j:
+            continue  # slower and no cheaper than a point kept: dominated
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            # b is above the segment a-o (or on it): not a vertex of the lower hull
+            cross = (b.time_s - a.time_s) * (o.dynamic_energy_j - a.dynamic_energy_j) - (
+                b.dynamic_energy_j - a.dynamic_energy_j
+            ) * (o.time_s - a.time_s)
+            if cross <= 0:
+                hull.pop()
+            else:
+                break
+        hull.append(o)
+    return hull
+
+
+class Relaxation:
+    """The relaxation of one composition, built once and solved at any time bound.
+
+    Args:
+        iteration: the DAG.
+        options: each group's options (one or more profiles).
+        static_power_w: static power of one GPU.
+        gpus: GPUs of the iteration.
+        gpus_per_stage: GPUs that run each instruction.
+
+    Successive solves change only bounds (the time bound, the profiles fixed for rounding),
+    so the simplex starts from the previous basis.
+    """
+
+    def __init__(
+        self,
+        iteration: Iteration,
+        options: Mapping[tuple[int, str], Sequence[Option]],
+        *,
+        static_power_w: float,
+        gpus: int,
+        gpus_per_stage: int,
+    ) -> None:
+        from ortools.linear_solver import pywraplp
+
+        self.it = iteration
+        self.options = options
+        lp = pywraplp.Solver.CreateSolver("GLOP")
+        if lp is None:  # pragma: no cover - GLOP ships with every OR-Tools wheel
+            raise KareusError("OR-Tools' GLOP linear solver is not available")
+        self._lp = lp
+        self._bound_ms: float | None = None  # the time bound of the last solve
+        self._optimal = pywraplp.Solver.OPTIMAL
+        self._infeasible = pywraplp.Solver.INFEASIBLE
+        infinity = lp.infinity()
+        groups = sorted({i.group for i in iteration.instructions})
+        hulls: dict[tuple[int, str], dict[str, list[Option]]] = {}
+        self._y: dict[tuple[int, str], dict[str, Any]] = {}
+        for g in groups:
+            names = sorted({o.profile for o in options[g]})
+            hulls[g] = {p: lower_hull([o for o in options[g] if o.profile == p]) for p in names}
+            self._y[g] = {p: lp.NumVar(0.0, 1.0, f"y{g}{p}") for p in names}
+            one = lp.Constraint(1.0, 1.0)
+            for v in self._y[g].values():
+                one.SetCoefficient(v, 1.0)
+        objective = lp.Objective()
+        self._t = lp.NumVar(0.0, infinity, "T")
+        objective.SetCoefficient(self._t, static_power_w * gpus / _MS)
+        n = len(iteration.instructions)
+        start = [lp.NumVar(0.0, infinity, f"s{i}") for i in range(n)]
+        end = [lp.NumVar(0.0, infinity, f"e{i}") for i in range(n)]
+        self._x: list[list[tuple[Option, Any]]] = []
+        for i, instr in enumerate(iteration.instructions):
+            # e_i = s_i + the mix's duration
+            duration = lp.Constraint(0.0, 0.0)
+            duration.SetCoefficient(end[i], 1.0)
+            duration.SetCoefficient(start[i], -1.0)
+            row = []
+            for p, hull in hulls[instr.group].items():
+                share = lp.Constraint(0.0, 0.0)  # the profile's weight is the group's
+                share.SetCoefficient(self._y[instr.group][p], -1.0)
+                for k, o in enumerate(hull):
+                    v = lp.NumVar(0.0, 1.0, f"x{i}_{p}_{k}")
+                    share.SetCoefficient(v, 1.0)
+                    duration.SetCoefficient(v, -o.time_s * _MS)
+                    objective.SetCoefficient(v, o.dynamic_energy_j * gpus_per_stage)
+                    row.append((o, v))
+            self._x.append(row)
+        last = set(range(n))
+        for a, b in iteration.edges:
+            last.discard(a)
+            c = lp.Constraint(0.0, infinity)  # s_b >= e_a
+            c.SetCoefficient(start[b], 1.0)
+            c.SetCoefficient(end[a], -1.0)
+        for a in sorted(last):
+            c = lp.Constraint(0.0, infinity)  # T >= e_a
+            c.SetCoefficient(self._t, 1.0)
+            c.SetCoefficient(end[a], -1.0)
+        objective.SetMinimization()
+
+    def at(self, bound_s: float | None) -> Relaxed | None:
+        """Solve within ``bound_s``; None when no mix meets the bound.
+
+        The plan is rounded as the module says.
+        """
+        bound_ms = self._lp.infinity() if bound_s is None else bound_s * _MS
+        self._t.SetUb(bound_ms)
+        first = self._solve(warm=self._bound_ms is not None)
+        self._bound_ms = bound_ms
+        if first is None:
+            return None
+        bound_j, weights, profile_weights = first
+        bound_j *= 1 - BOUND_TOLERANCE
+        # Each group runs its heaviest profile (ties: the first name, for determinism).
+        heaviest = {g: _heaviest(w) for g, w in profile_weights.items()}
+        if all(max(w.values()) > 1 - 1e-9 for w in profile_weights.values()):
+            rounded_weights = weights  # every group already runs one profile
+        else:
+            for g, ys in self._y.items():
+                for p, v in ys.items():
+                    v.SetBounds(float(p == heaviest[g]), float(p == heaviest[g]))
+            second = self._solve(warm=True)
+            for ys in self._y.values():
+                for v in ys.values():
+                    v.SetBounds(0.0, 1.0)
+            if second is None:
+                return Relaxed(bound_j, None)
+            rounded_weights = second[1]
+        choices = [
+            min((o for o, w in row if w > 1e-9), key=lambda o: (o.time_s, o.dynamic_energy_j))
+            for row in rounded_weights
+        ]
+        mixed = [i for i, row in enumerate(rounded_weights) if max(w for _, w in row) < 1 - 1e-9]
+        if mixed:
+            allowed = [
+                [o for o in self.options[i.group] if o.profile == heaviest[i.group]]
+                for i in self.it.instructions
+            ]
+            within = bound_s
+            if within is None:
+                within = makespan(self.it, [c.time_s for c in choices])
+            _recover_slack(self.it, choices, mixed, allowed, within)
+        return Relaxed(bound_j, tuple(choices))
+
+    def _solve(
+        self, *, warm: bool
+    ) -> tuple[float, list[list[tuple[Option, float]]], dict[Any, dict[str, float]]] | None:
+        """Return (optimum in J, option weights per instruction, profile weights per group).
+
+        ``warm``: the program was solved before (with other bounds): the dual simplex
+        resumes from that basis. A fresh program takes the dual simplex too when it has no
+        time bound (at 2,048 instructions: 26 s; the primal from a triangular basis, 175 s)
+        and the primal from a triangular basis under one (12 s against the dual's 44 s at
+        the least time).
+        """
+        primal = not warm and self._t.ub() < self._lp.infinity()
+        self._lp.SetSolverSpecificParametersAsString(
+            "initial_basis: TRIANGULAR" if primal else "use_dual_simplex: true"
+        )
+        status = self._lp.Solve()
+        if status == self._infeasible:
+            return None
+        if status != self._optimal:  # pragma: no cover - a bounded feasible LP
+            raise KareusError(f"the composition's relaxation ended with GLOP status {status}")
+        weights = [[(o, v.solution_value()) for o, v in row] for row in self._x]
+        profile_weights = {
+            g: {p: v.solution_value() for p, v in ys.items()} for g, ys in self._y.items()
+        }
+        return self._lp.Objective().Value(), weights, profile_weights
+
+
+def relax(
+    iteration: Iteration,
+    options: Mapping[tuple[int, str], Sequence[Option]],
+    *,
+    static_power_w: float,
+    gpus: int,
+    gpus_per_stage: int,
+    bound_s: float | None,
+) -> Relaxed | None:
+    """Solve the relaxation once within ``bound_s`` (see :class:`Relaxation`)."""
+    return Relaxation(
+        iteration, options, static_power_w=static_power_w, gpus=gpus, gpus_per_stage=gpus_per_stage
+    ).at(bound_s)
+
+
+def _heaviest(weights: Mapping[str, float]) -> str:
+    return min(weights, key=lambda p: (-round(weights[p], 9), p))
+
+
+def _recover_slack(
+    iteration: Iteration,
+    choices: list[Option],
+    mixed: Sequence[int],
+    allowed: Sequence[Sequence[Option]],
+    bound_s: float,
+) -> None:
+    """Slow down, in place, mixed instructions into the slack the rounded plan leaves.
+
+    Rounding runs a mixed instruction at its fastest option; where the plan then leaves it
+    slack (its latest finish within ``bound_s`` minus its earliest finish), it moves one
+    step down its profile's ladder of undominated options (slower, less energy). Steps are
+    taken in passes over the mixed instructions, in index order, until none fits: one step
+    at a time shares the slack of a chain among its instructions, as the relaxation's mix
+    does, instead of handing it all to the first.
+    """
+    n = len(choices)
+    preds: list[list[int]] = [[] for _ in range(n)]
+    succs: list[list[int]] = [[] for _ in range(n)]
+    for a, b in iteration.edges:
+        preds[b].append(a)
+        succs[a].append(b)
+    order = _topological(preds, succs)
+
+    def slack() -> list[float]:
+        finish = [0.0] * n
+        for j in order:
+            finish[j] = max((finish[p] for p in preds[j]), default=0.0) + choices[j].time_s
+        latest = [bound_s] * n
+        for j in reversed(order):
+            latest[j] = min((latest[q] - choices[q].time_s for q in succs[j]), default=bound_s)
+        return [latest[j] - finish[j] for j in range(n)]
+
+    room = slack()  # recomputed after each move only: a refusal changes nothing
+    moved = True
+    while moved:
+        moved = False
+        for i in mixed:
+            slower = [
+                o
+                for o in allowed[i]
+                if o.time_s > choices[i].time_s and o.dynamic_energy_j < choices[i].dynamic_energy_j
+            ]
+            if not slower:
+                continue
+            step = min(slower, key=lambda o: (o.time_s, o.dynamic_energy_j))
+            if step.time_s <= choices[i].time_s + room[i]:
+                choices[i] = step
+                room = slack()
+                moved = True
+
+
+def _topological(preds: Sequence[Sequence[int]], succs: Sequence[Sequence[int]]) -> list[int]:
+    waiting = [len(p) for p in preds]
+    ready = [i for i, w in enumerate(waiting) if w == 0]
+    order = []
+    while ready:
+        i = ready.pop()
+        order.append(i)
+        for j in succs[i]:
+            waiting[j] -= 1
+            if not waiting[j]:
+                ready.append(j)
+    return order
