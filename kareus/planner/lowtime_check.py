@@ -3,9 +3,9 @@
 Perseus plans clocks with the Phillips–Dessouky time–cost trade-off algorithm, which
 ``lowtime`` implements over a continuous (exponential) fit of each operation's options.
 :func:`lowtime_frontier` runs it on the same instruction DAG and clock options as kareus's
-CP-SAT composition, then prices each schedule it visits exactly, so the two frontiers can
-be compared point by point: CP-SAT is exact over the discrete options and should never be
-worse, and close where the fit is good.
+composition, then prices each schedule it visits exactly, so the two frontiers can be
+compared point by point: the composition is exact over the discrete options (within its
+gap limit) and should never be worse, and close where the fit is good.
 """
 
 from __future__ import annotations
