@@ -398,6 +398,12 @@ class Composer:
         known = [] if relaxed.choices is None else [self._solution(relaxed.choices, "RELAXED")]
         known += [hint] if fits and hint is not None else []
         best = min(known, key=lambda s: (s.energy_j, s.time_s), default=None)
+        _log.debug(
+            "relaxation within %s: bound %.1f J, best plan %s",
+            "any time" if bound_s is None else f"{bound_s:.6f} s",
+            relaxed.bound_j,
+            "none" if best is None else f"{best.energy_j:.1f} J ({best.status})",
+        )
         if best is not None and best.energy_j - relaxed.bound_j <= self.gap_limit * best.energy_j:
             found = dataclasses.replace(
                 best, within_s=bound_s, bound_j=min(relaxed.bound_j, best.energy_j)

@@ -12,8 +12,9 @@ with GLOP (OR-Tools' simplex: exact and deterministic), it gives
   any instance size (CP-SAT proves bounds by search, which stops at its work limit);
 - a **plan**: each group runs the profile the relaxation weighs most, the relaxation is
   solved again with those profiles fixed, and each instruction runs the fastest option it
-  mixes. Each duration is then at most the mix's, so the plan meets the bound; its energy
-  exceeds the relaxation only where an instruction mixed options, and the gap between
+  mixes. Each duration is then at most the mix's, so the plan meets the bound; then
+  instructions are slowed, one option at a time, into the slack that leaves. Its energy
+  exceeds the relaxation's only where an instruction mixed options, and the gap between
   the two is proven.
 """
 
@@ -180,15 +181,18 @@ class Relaxation:
             for row in rounded_weights
         ]
         mixed = [i for i, row in enumerate(rounded_weights) if max(w for _, w in row) < 1 - 1e-9]
-        if mixed:
-            allowed = [
-                [o for o in self.options[i.group] if o.profile == heaviest[i.group]]
-                for i in self.it.instructions
-            ]
-            within = bound_s
-            if within is None:
-                within = makespan(self.it, [c.time_s for c in choices])
-            _recover_slack(self.it, choices, mixed, allowed, within)
+        allowed = [
+            [o for o in self.options[i.group] if o.profile == heaviest[i.group]]
+            for i in self.it.instructions
+        ]
+        within = bound_s
+        if within is None:
+            within = makespan(self.it, [c.time_s for c in choices])
+        # the mixed instructions first (rounding sped them up), then any other the slack
+        # they leave reaches
+        whole = set(mixed)
+        order = mixed + [i for i in range(len(choices)) if i not in whole]
+        _recover_slack(self.it, choices, order, allowed, within)
         return Relaxed(bound_j, tuple(choices))
 
     def _solve(
@@ -240,18 +244,20 @@ def _heaviest(weights: Mapping[str, float]) -> str:
 def _recover_slack(
     iteration: Iteration,
     choices: list[Option],
-    mixed: Sequence[int],
+    order: Sequence[int],
     allowed: Sequence[Sequence[Option]],
     bound_s: float,
 ) -> None:
-    """Slow down, in place, mixed instructions into the slack the rounded plan leaves.
+    """Slow down, in place, instructions into the slack the rounded plan leaves.
 
-    Rounding runs a mixed instruction at its fastest option; where the plan then leaves it
-    slack (its latest finish within ``bound_s`` minus its earliest finish), it moves one
-    step down its profile's ladder of undominated options (slower, less energy). Steps are
-    taken in passes over the mixed instructions, in index order, until none fits: one step
-    at a time shares the slack of a chain among its instructions, as the relaxation's mix
-    does, instead of handing it all to the first.
+    Rounding runs a mixed instruction at its fastest option; where the plan then leaves an
+    instruction slack (its latest finish within ``bound_s`` minus its earliest finish), it
+    moves one step down its profile's ladder of undominated options (slower, less energy).
+    Steps are taken in passes over ``order`` until none fits: one step at a time shares the
+    slack of a chain among its instructions, as the relaxation's mix does, instead of
+    handing it all to the first. (On the traced Llama 3.3 70B PP 8 x 16 with full
+    recompute, taking every instruction after the mixed ones lowers the gap to the bound
+    from 0.26-0.69 % to 0.24-0.67 %, most points below 0.5 %.)
     """
     n = len(choices)
     preds: list[list[int]] = [[] for _ in range(n)]
@@ -274,7 +280,7 @@ def _recover_slack(
     moved = True
     while moved:
         moved = False
-        for i in mixed:
+        for i in order:
             slower = [
                 o
                 for o in allowed[i]
