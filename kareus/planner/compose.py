@@ -396,6 +396,8 @@ class Composer:
                 f"no plan runs within {bound_s:.6f} s: the fastest takes {fastest:.6f} s"
             )
         known = [] if relaxed.choices is None else [self._solution(relaxed.choices, "RELAXED")]
+        # (the rounded plan meets the bound up to the simplex's tolerances: checked anyway)
+        known = [k for k in known if bound_s is None or k.time_s <= bound_s + 1e-9]
         known += [hint] if fits and hint is not None else []
         best = min(known, key=lambda s: (s.energy_j, s.time_s), default=None)
         _log.debug(

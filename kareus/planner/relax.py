@@ -99,7 +99,7 @@ class Relaxation:
         if lp is None:  # pragma: no cover - GLOP ships with every OR-Tools wheel
             raise KareusError("OR-Tools' GLOP linear solver is not available")
         self._lp = lp
-        self._bound_ms: float | None = None  # the time bound of the last solve
+        self._solved = False  # a basis to resume from
         self._optimal = pywraplp.Solver.OPTIMAL
         self._infeasible = pywraplp.Solver.INFEASIBLE
         infinity = lp.infinity()
@@ -155,8 +155,8 @@ class Relaxation:
         """
         bound_ms = self._lp.infinity() if bound_s is None else bound_s * _MS
         self._t.SetUb(bound_ms)
-        first = self._solve(warm=self._bound_ms is not None)
-        self._bound_ms = bound_ms
+        first = self._solve(warm=self._solved)
+        self._solved = True
         if first is None:
             return None
         bound_j, weights, profile_weights = first
