@@ -262,13 +262,23 @@ def _recover_slack(
     topological = _topological(preds, succs)
 
     def slack() -> list[float]:
+        # plain loops: this runs after every step, thousands of times at 2,048 instructions
+        times = [c.time_s for c in choices]
         finish = [0.0] * n
         for j in topological:
-            finish[j] = max((finish[p] for p in preds[j]), default=0.0) + choices[j].time_s
-        latest = [bound_s] * n
+            f = 0.0
+            for p in preds[j]:
+                if finish[p] > f:
+                    f = finish[p]
+            finish[j] = f + times[j]
+        start = [bound_s] * n  # latest start
         for j in reversed(topological):
-            latest[j] = min((latest[q] - choices[q].time_s for q in succs[j]), default=bound_s)
-        return [latest[j] - finish[j] for j in range(n)]
+            late = bound_s
+            for q in succs[j]:
+                if start[q] < late:
+                    late = start[q]
+            start[j] = late - times[j]
+        return [start[j] + times[j] - finish[j] for j in range(n)]
 
     room = slack()  # recomputed after each move only: a refusal changes nothing
     moved = True
