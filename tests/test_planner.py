@@ -158,7 +158,7 @@ def test_lower_hull_keeps_the_convex_decreasing_options():
 @pytest.mark.parametrize("kind", ["chain", "1f1b", "gpipe"])
 def test_relaxation_bounds_the_optimum_and_rounds_to_a_plan_within_the_bound(kind):
     # Two profiles whose hulls cross, so that groups can mix them in the relaxation.
-    from kareus.planner.relax import relax
+    from kareus.planner.relax import Relaxation
 
     it = {"chain": chain(3), "1f1b": one_f_one_b(2, 2), "gpipe": gpipe(2, 2)}[kind]
     freqs = (810, 1005, 1200, 1410) if kind == "chain" else (810, 1200, 1410)
@@ -166,12 +166,13 @@ def test_relaxation_bounds_the_optimum_and_rounds_to_a_plan_within_the_bound(kin
     comp = Composer(it, opts, static_power_w=20.0, gpus=2)
     fastest = comp.fastest_choice().time_s
     slowest = max(u.time_s for u in comp.uniform_plans())
+    relaxation = Relaxation(
+        it, comp.model_options, static_power_w=20.0, gpus=2, gpus_per_stage=1
+    )  # one program, re-solved at each bound as the composer does
     for frac in (0.0, 0.15, 0.4, 0.7, 1.0, None):
         bound = None if frac is None else fastest + frac * (slowest - fastest)
         best = comp.brute_force(bound)
-        got = relax(
-            it, comp.model_options, static_power_w=20.0, gpus=2, gpus_per_stage=1, bound_s=bound
-        )
+        got = relaxation.at(bound)
         assert got is not None and got.choices is not None
         t, e = comp.evaluate(got.choices)
         assert bound is None or t <= bound + 1e-9

@@ -217,21 +217,6 @@ class Relaxation:
         return self._lp.Objective().Value(), weights, profile_weights
 
 
-def relax(
-    iteration: Iteration,
-    options: Mapping[tuple[int, str], Sequence[Option]],
-    *,
-    static_power_w: float,
-    gpus: int,
-    gpus_per_stage: int,
-    bound_s: float | None,
-) -> Relaxed | None:
-    """Solve the relaxation once within ``bound_s`` (see :class:`Relaxation`)."""
-    return Relaxation(
-        iteration, options, static_power_w=static_power_w, gpus=gpus, gpus_per_stage=gpus_per_stage
-    ).at(bound_s)
-
-
 def _heaviest(weights: Mapping[str, float]) -> str:
     return min(weights, key=lambda p: (-round(weights[p], 9), p))
 
