@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -181,6 +182,52 @@ def test_relaxation_bounds_the_optimum_and_rounds_to_a_plan_within_the_bound(kin
         assert len({(i.group, c.profile) for i, c in pairs}) == len(opts)  # a profile per group
     with pytest.raises(KareusError, match="no plan runs within"):
         comp.solve(bound_s=0.5 * fastest)
+
+
+def test_dive_finds_plans_no_worse_than_rounding_and_within_the_bound():
+    # 64 instructions, seven clocks, two profiles: rounding leaves up to a few percent; the
+    # dive (asked for by a gap limit of 0) never does worse, and at some bound better.
+    from kareus.planner.relax import Relaxation
+
+    it = one_f_one_b(2, 32)
+    freqs = (810, 900, 1005, 1100, 1200, 1305, 1410)
+    opts = {g: _tradeoff_options(g, freqs) for g in {i.group for i in it.instructions}}
+    comp = Composer(it, opts, static_power_w=20.0, gpus=4)
+    lo = comp.fastest_choice().time_s
+    hi = max(u.time_s for u in comp.uniform_plans())
+    gains = []
+    for frac in (0.1, 0.3, 0.5, 0.7):
+        bound = lo + frac * (hi - lo)
+        # fresh programs: both start from the same vertex, so rounding is the same
+        got = [
+            Relaxation(it, comp.model_options, static_power_w=20.0, gpus=4, gpus_per_stage=1).at(
+                bound, limit
+            )
+            for limit in (None, 0.0)
+        ]
+        assert all(g is not None and g.choices is not None for g in got)
+        (_, rounded), (t1, dived) = (comp.evaluate(g.choices) for g in got)
+        assert t1 <= bound + 1e-9 and dived <= rounded * (1 + 1e-12)
+        assert got[1].bound_j <= dived
+        pairs = zip(it.instructions, got[1].choices, strict=True)
+        assert len({(i.group, c.profile) for i, c in pairs}) == len(opts)  # a profile per group
+        gains.append(rounded - dived)
+    assert max(gains) > 0.005 * rounded  # at 0.5: 2.6 % above the bound rounded, 1.2 % dived
+
+
+def test_a_bound_solved_again_returns_the_first_answer_or_a_better_hint():
+    it = one_f_one_b(2, 8)
+    opts = {g: _tradeoff_options(g, (810, 1200, 1410)) for g in {i.group for i in it.instructions}}
+    comp = Composer(it, opts, static_power_w=20.0, gpus=4, time_limit_s=0.001)
+    bound = 1.2 * comp.fastest_choice().time_s
+    first = comp.solve(bound_s=bound)
+    solves, searches = len(comp.solves), comp.searches
+    assert comp.solve(bound_s=bound) == first
+    assert (len(comp.solves), comp.searches) == (solves, searches)  # nothing solved again
+    better = dataclasses.replace(first, energy_j=first.energy_j * 0.5, status="GIVEN")
+    got = comp.solve(bound_s=bound, hint=better)
+    assert got.energy_j == better.energy_j and got.status == "HINT"
+    assert got.bound_j == min(first.bound_j, better.energy_j)
 
 
 def test_70b_pipeline_is_proven_by_the_relaxation_without_search():

@@ -342,6 +342,7 @@ class Composer:
         self.solves: list[Solution] = []  # every solve since the last frontier() began
         self.searches = 0  # of which CP-SAT searched (the relaxation had not proven them)
         self._relaxation: Relaxation | None = None  # built at the first solve, then kept
+        self._memo: dict[float | None, Solution] = {}  # each bound's solution, since frontier()
 
     def evaluate(self, choices: Sequence[Option]) -> tuple[float, float]:
         """Return (iteration time, energy of all GPUs) of one choice per instruction."""
@@ -361,10 +362,12 @@ class Composer:
         The least time is exact without a search (every instruction's fastest option is
         feasible together and no choice finishes sooner), so a least-time solve is the
         least-energy solve bounded by it. The linear relaxation (:mod:`kareus.planner.relax`)
-        gives a proven lower bound and a rounded plan; when that plan, or ``hint`` (an
-        earlier solution) if better, is proven within the gap limit, that is the answer.
-        Otherwise CP-SAT searches from it, within its deterministic work limit, and the
-        better of the two bounds is kept.
+        gives a proven lower bound and a rounded plan (improved by a dive when rounding
+        leaves it outside the gap limit); when that plan, or ``hint`` (an earlier solution)
+        if better, is proven within the gap limit, that is the answer. Otherwise CP-SAT
+        searches from it, within its deterministic work limit, and the better of the two
+        bounds is kept. A bound solved before since :meth:`frontier` began returns that
+        solve's answer (or ``hint``, if better) without solving again.
 
         Raises:
             KareusError: no plan meets the bound.
@@ -383,14 +386,16 @@ class Composer:
                 gpus=self.gpus,
                 gpus_per_stage=self.per_stage,
             )
-        relaxed = self._relaxation.at(bound_s)
+        prior = self._memo.get(bound_s)
+        if prior is not None:  # solved at this bound already (a point proved twice)
+            return self._better(prior, hint, bound_s)
+        relaxed = self._relaxation.at(bound_s, self.gap_limit)
         fits = hint is not None and (bound_s is None or hint.time_s <= bound_s + 1e-9)
         if relaxed is None:
             if fits:  # the relaxation's tolerances, at a bound the hint meets to a hair
                 assert hint is not None
                 found = dataclasses.replace(hint, status="HINT", within_s=bound_s, bound_j=None)
-                self.solves.append(found)
-                return found
+                return self._record(found)
             fastest = self.fastest_choice().time_s
             raise KareusError(
                 f"no plan runs within {bound_s:.6f} s: the fastest takes {fastest:.6f} s"
@@ -410,9 +415,23 @@ class Composer:
             found = dataclasses.replace(
                 best, within_s=bound_s, bound_j=min(relaxed.bound_j, best.energy_j)
             )
-            self.solves.append(found)
-            return found
+            return self._record(found)
         return self._cp_sat(bound_s, best, relaxed.bound_j, fastest=minimise == "time")
+
+    def _record(self, found: Solution) -> Solution:
+        self.solves.append(found)
+        self._memo[found.within_s] = found
+        return found
+
+    @staticmethod
+    def _better(prior: Solution, hint: Solution | None, bound_s: float | None) -> Solution:
+        """Return ``prior`` (an earlier solve at ``bound_s``), or ``hint`` if it is better."""
+        if hint is None or (bound_s is not None and hint.time_s > bound_s + 1e-9):
+            return prior
+        if (hint.energy_j, hint.time_s) >= (prior.energy_j, prior.time_s):
+            return prior
+        bound_j = None if prior.bound_j is None else min(prior.bound_j, hint.energy_j)
+        return dataclasses.replace(hint, status="HINT", within_s=bound_s, bound_j=bound_j)
 
     def _solution(self, choices: Sequence[Option], status: str) -> Solution:
         time_s, energy_j = self.evaluate(choices)
@@ -499,8 +518,7 @@ class Composer:
                 found = dataclasses.replace(
                     hint, status="HINT", within_s=bound_s, bound_j=min(proven, hint.energy_j)
                 )
-                self.solves.append(found)
-                return found
+                return self._record(found)
             within = f"within {bound_s:.6f} s " if bound_s is not None else ""
             raise KareusError(
                 f"CP-SAT found no plan {within}within its work limit ({limit:.1f} "
@@ -516,8 +534,7 @@ class Composer:
             found = dataclasses.replace(hint, status="HINT")  # CP-SAT's rounding of times
         # OPTIMAL means within gap_limit, not exact
         found = dataclasses.replace(found, within_s=bound_s, bound_j=min(proven, found.energy_j))
-        self.solves.append(found)
-        return found
+        return self._record(found)
 
     def fastest_choice(self) -> Solution:
         """Every instruction's fastest option (least energy among equals): a feasible start."""
@@ -562,6 +579,7 @@ class Composer:
         uniform = self.uniform_plans()
         self.solves = []
         self.searches = 0
+        self._memo = {}
 
         def best_within(bound: float | None, known: Sequence[Solution]) -> Solution | None:
             fits = [s for s in known if bound is None or s.time_s <= bound + 1e-9]
@@ -601,7 +619,13 @@ class Composer:
         front = pareto_front(known, key=lambda s: (s.time_s, s.energy_j))
         loose = max(REFINE_GAP, self.gap_limit)
         for p, proven in zip(front, self.lower_bounds(front, self.solves), strict=True):
-            if proven is None or p.energy_j - proven > loose * p.energy_j:
+            # (a point a solve at its own time, give or take the sweep's microsecond, left
+            # loose is where that solve stopped: solving it again would find the same)
+            at_own_time = any(
+                s.within_s is not None and p.time_s - 1e-9 <= s.within_s <= p.time_s + 2e-6
+                for s in self.solves
+            )
+            if not at_own_time and (proven is None or p.energy_j - proven > loose * p.energy_j):
                 known.append(self.solve(bound_s=p.time_s + 1e-6, hint=p))
         front = pareto_front(known, key=lambda s: (s.time_s, s.energy_j))
         bounds = self.lower_bounds(front, self.solves)

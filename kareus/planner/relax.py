@@ -16,6 +16,16 @@ with GLOP (OR-Tools' simplex: exact and deterministic), it gives
   instructions are slowed, one option at a time, into the slack that leaves. Its energy
   exceeds the relaxation's only where an instruction mixed options, and the gap between
   the two is proven.
+
+When that plan is further from the bound than the caller accepts, a **dive** looks for a
+better one: half of the instructions that still mix options (the most nearly whole first)
+are fixed to the option they weigh most, the relaxation is solved again (the others adjust
+to them), and so on until no instruction mixes (an instruction fixed to a slower option
+the bound cannot afford is fixed to the fastest it mixed instead, which the last solution
+shows is feasible). On the traced Llama 3.3 70B PP 8 x 16 (256 instructions) this halves
+the rounded plans' distance to the bound (0.45-0.88 % to 0.34-0.45 % where the fastest
+plan's neighbourhood is not concerned) in about a second per point; CP-SAT, given 10 times
+its default work (290 s), reached 0.71 % where the dive reaches 0.4 %.
 """
 
 from __future__ import annotations
@@ -28,6 +38,9 @@ from kareus.errors import KareusError
 from kareus.planner.compose import Iteration, Option, makespan
 
 _MS = 1e3  # the program's time unit is the millisecond (keeps coefficients near 1)
+_WHOLE = 1e-9  # a weight within this of 0 or 1 is whole
+DIVE_ROUNDS = 64
+"""A dive's rounds at most (halving what mixes, it ends in about 20-35 at 256 instructions)."""
 BOUND_TOLERANCE = 1e-6
 """The relaxation's optimum is exact up to the simplex's tolerances (about 1e-9 relative);
 the bound reported is lowered by this fraction so that it stays a bound."""
@@ -95,6 +108,8 @@ class Relaxation:
 
         self.it = iteration
         self.options = options
+        self._static_w = static_power_w * gpus
+        self._per_stage = gpus_per_stage
         lp = pywraplp.Solver.CreateSolver("GLOP")
         if lp is None:  # pragma: no cover - GLOP ships with every OR-Tools wheel
             raise KareusError("OR-Tools' GLOP linear solver is not available")
@@ -148,10 +163,11 @@ class Relaxation:
             c.SetCoefficient(end[a], -1.0)
         objective.SetMinimization()
 
-    def at(self, bound_s: float | None) -> Relaxed | None:
+    def at(self, bound_s: float | None, gap_limit: float | None = None) -> Relaxed | None:
         """Solve within ``bound_s``; None when no mix meets the bound.
 
-        The plan is rounded as the module says.
+        The plan is rounded as the module says; it is improved by a dive when it is more
+        than ``gap_limit`` (a fraction of its energy) above the bound, if one is given.
         """
         bound_ms = self._lp.infinity() if bound_s is None else bound_s * _MS
         self._t.SetUb(bound_ms)
@@ -163,37 +179,115 @@ class Relaxation:
         bound_j *= 1 - BOUND_TOLERANCE
         # Each group runs its heaviest profile (ties: the first name, for determinism).
         heaviest = {g: _heaviest(w) for g, w in profile_weights.items()}
-        if all(max(w.values()) > 1 - 1e-9 for w in profile_weights.values()):
-            rounded_weights = weights  # every group already runs one profile
-        else:
-            for g, ys in self._y.items():
-                for p, v in ys.items():
-                    v.SetBounds(float(p == heaviest[g]), float(p == heaviest[g]))
-            second = self._solve(warm=True)
+        for g, ys in self._y.items():
+            for p, v in ys.items():
+                v.SetBounds(float(p == heaviest[g]), float(p == heaviest[g]))
+        try:
+            rounded = weights
+            if not all(max(w.values()) > 1 - _WHOLE for w in profile_weights.values()):
+                second = self._solve(warm=True)
+                if second is None:
+                    return Relaxed(bound_j, None)
+                rounded = second[1]
+            allowed = [
+                [o for o in self.options[i.group] if o.profile == heaviest[i.group]]
+                for i in self.it.instructions
+            ]
+            choices = self._rounded(rounded, allowed, bound_s)
+            if gap_limit is not None:
+                energy = self._energy(choices)
+                if energy - bound_j > gap_limit * energy:
+                    dived = self._dive(rounded, heaviest, allowed, bound_s)
+                    if dived is not None and self._energy(dived) < energy:
+                        choices = dived
+        finally:
             for ys in self._y.values():
                 for v in ys.values():
                     v.SetBounds(0.0, 1.0)
-            if second is None:
-                return Relaxed(bound_j, None)
-            rounded_weights = second[1]
+        return Relaxed(bound_j, tuple(choices))
+
+    def _rounded(
+        self,
+        weights: Sequence[Sequence[tuple[Option, float]]],
+        allowed: Sequence[Sequence[Option]],
+        bound_s: float | None,
+    ) -> list[Option]:
+        """Each instruction at the fastest option it mixes, then slowed into the slack."""
         choices = [
-            min((o for o, w in row if w > 1e-9), key=lambda o: (o.time_s, o.dynamic_energy_j))
-            for row in rounded_weights
-        ]
-        allowed = [
-            [o for o in self.options[i.group] if o.profile == heaviest[i.group]]
-            for i in self.it.instructions
+            min((o for o, w in row if w > _WHOLE), key=lambda o: (o.time_s, o.dynamic_energy_j))
+            for row in weights
         ]
         within = bound_s
         if within is None:
             within = makespan(self.it, [c.time_s for c in choices])
         _recover_slack(self.it, choices, allowed, within)
-        return Relaxed(bound_j, tuple(choices))
+        return choices
+
+    def _energy(self, choices: Sequence[Option]) -> float:
+        t = makespan(self.it, [c.time_s for c in choices])
+        return sum(c.dynamic_energy_j for c in choices) * self._per_stage + self._static_w * t
+
+    def _dive(
+        self,
+        weights: list[list[tuple[Option, float]]],
+        heaviest: Mapping[tuple[int, str], str],
+        allowed: Sequence[Sequence[Option]],
+        bound_s: float | None,
+    ) -> list[Option] | None:
+        """Return the plan of a dive from ``weights`` (profiles fixed to ``heaviest``).
+
+        Each round fixes half of the instructions that mix options, the most nearly whole
+        first, to their heaviest option (ties: the faster) and solves again; where the bound
+        cannot afford that, to the fastest option each mixed, which the last solution shows
+        is feasible. Stops when no instruction mixes, or after :data:`DIVE_ROUNDS` rounds.
+        Every option fixed is released before returning. None if a solve fails (the
+        simplex's tolerances, at a bound met to a hair).
+        """
+        # Only the options of the fixed profiles can carry weight; the others are skipped.
+        rows = [
+            [(o, v) for o, v in row if o.profile == heaviest[instr.group]]
+            for row, instr in zip(self._x, self.it.instructions, strict=True)
+        ]
+        fixed: list[int] = []
+
+        def fix(i: int, option: Option) -> None:
+            fixed.append(i)
+            for o, v in rows[i]:
+                v.SetBounds(float(o is option), float(o is option))
+
+        w = [
+            [(o, x) for o, x in row if o.profile == heaviest[instr.group]]
+            for row, instr in zip(weights, self.it.instructions, strict=True)
+        ]
+        try:
+            for _ in range(DIVE_ROUNDS):
+                mixed = [i for i, row in enumerate(w) if _mixes(row)]
+                if not mixed:
+                    break
+                mixed.sort(key=lambda i: (-max(x for _, x in w[i]), i))
+                chunk = mixed[: max(1, len(mixed) // 2)]
+                for i in chunk:
+                    fix(i, min(w[i], key=lambda ox: (-ox[1], ox[0].time_s))[0])
+                solved = self._solve(warm=True, rows=rows)
+                if solved is None:
+                    for i in chunk:
+                        fix(i, min((o for o, x in w[i] if x > _WHOLE), key=lambda o: o.time_s))
+                    solved = self._solve(warm=True, rows=rows)
+                    if solved is None:  # pragma: no cover - the simplex's tolerances
+                        return None
+                w = solved[1]
+            return self._rounded(w, allowed, bound_s)
+        finally:
+            for i in fixed:
+                for _, v in rows[i]:
+                    v.SetBounds(0.0, 1.0)
 
     def _solve(
-        self, *, warm: bool
+        self, *, warm: bool, rows: Sequence[Sequence[tuple[Option, Any]]] | None = None
     ) -> tuple[float, list[list[tuple[Option, float]]], dict[Any, dict[str, float]]] | None:
         """Return (optimum in J, option weights per instruction, profile weights per group).
+
+        ``rows``: the option variables to read (default: all of each instruction's).
 
         ``warm``: the program was solved before (with other bounds): the dual simplex
         resumes from that basis. A fresh program takes the dual simplex too when it has no
@@ -210,11 +304,15 @@ class Relaxation:
             return None
         if status != self._optimal:  # pragma: no cover - a bounded feasible LP
             raise KareusError(f"the composition's relaxation ended with GLOP status {status}")
-        weights = [[(o, v.solution_value()) for o, v in row] for row in self._x]
+        weights = [[(o, v.solution_value()) for o, v in row] for row in rows or self._x]
         profile_weights = {
             g: {p: v.solution_value() for p, v in ys.items()} for g, ys in self._y.items()
         }
         return self._lp.Objective().Value(), weights, profile_weights
+
+
+def _mixes(row: Sequence[tuple[Option, float]]) -> bool:
+    return any(_WHOLE < x < 1 - _WHOLE for _, x in row)
 
 
 def _heaviest(weights: Mapping[str, float]) -> str:
