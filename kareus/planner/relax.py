@@ -31,11 +31,14 @@ its default work (290 s), reached 0.71 % where the dive reaches 0.4 %.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kareus.errors import KareusError
 from kareus.planner.compose import Iteration, Option, makespan
+
+_log = logging.getLogger(__name__)
 
 _MS = 1e3  # the program's time unit is the millisecond (keeps coefficients near 1)
 _WHOLE = 1e-9  # a weight within this of 0 or 1 is whole
@@ -198,7 +201,16 @@ class Relaxation:
                 energy = self._energy(choices)
                 if energy - bound_j > gap_limit * energy:
                     dived = self._dive(rounded, heaviest, allowed, bound_s)
-                    if dived is not None and self._energy(dived) < energy:
+                    better = dived is not None and self._energy(dived) < energy
+                    _log.debug(
+                        "dive within %s: rounded %.1f J, dived %s (bound %.1f J)",
+                        "any time" if bound_s is None else f"{bound_s:.6f} s",
+                        energy,
+                        "no plan" if dived is None else f"{self._energy(dived):.1f} J",
+                        bound_j,
+                    )
+                    if better:
+                        assert dived is not None
                         choices = dived
         finally:
             for ys in self._y.values():
@@ -260,7 +272,9 @@ class Relaxation:
             for row, instr in zip(weights, self.it.instructions, strict=True)
         ]
         try:
-            for _ in range(DIVE_ROUNDS):
+            rounds = 0
+            while rounds < DIVE_ROUNDS:
+                rounds += 1
                 mixed = [i for i, row in enumerate(w) if _mixes(row)]
                 if not mixed:
                     break
@@ -276,6 +290,7 @@ class Relaxation:
                     if solved is None:  # pragma: no cover - the simplex's tolerances
                         return None
                 w = solved[1]
+            _log.debug("dive: %d rounds, %d instructions fixed", rounds, len(set(fixed)))
             return self._rounded(w, allowed, bound_s)
         finally:
             for i in fixed:
