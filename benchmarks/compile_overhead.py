@@ -1,16 +1,20 @@
-"""First-call time of ``kareus.compile`` against ``torch.compile(backend="aot_eager")``.
+"""First-call and step time of ``kareus.compile`` against ``torch.compile(backend="aot_eager")``.
 
 Each measurement is a fresh process (no warm Dynamo or AOTAutograd cache) that builds the
-model and times its first forward and backward, where all compilation happens. Settings:
+model, times its first forward and backward, where all compilation happens, then the
+steady step: the least of 5 repeats of 10 forward+backward steps, per step. Settings:
 
 - ``aot_eager``: ``torch.compile(model, backend="aot_eager")``, the same capture and
   autograd lowering as kareus's python codegen, with no kareus pass;
-- ``kareus``: ``kareus.compile(model)``, the default (every block split into two
-  nanobatches, partitions cut, clock switches inserted);
+- ``kareus``: ``kareus.compile(model)``, the default (blocks that hold a collective split
+  into two nanobatches — these tiny single-process models hold none, so none is split —,
+  partitions cut, clock switches inserted);
+- ``kareus-split``: ``kareus.compile(model, nanobatches=2)``, every block split, as
+  blocks with collectives are;
 - ``kareus-whole``: ``kareus.compile(model, nanobatches=1)`` (passes run, no split).
 
-Prints the median of --runs runs per setting and the ratio kareus / aot_eager, measured
-side by side in one run (the machine's load moves both).
+Prints the median of --runs runs per setting and the ratios to aot_eager, measured
+side by side in one run (the machine's load moves all of them).
 
 Run: python benchmarks/compile_overhead.py [--runs 3] [--presets tiny-4l tiny-16l]
 """
@@ -30,31 +34,41 @@ if setting == "aot_eager":
     compiled = torch.compile(model, backend="aot_eager")
 elif setting == "kareus":
     compiled = kareus.compile(model)
+elif setting == "kareus-split":
+    compiled = kareus.compile(model, nanobatches=2)
 else:
     compiled = kareus.compile(model, nanobatches=1)
 ids = torch.randint(0, 128, (8, 64))
 start = time.perf_counter()
 compiled(ids, ids).backward()
 first = time.perf_counter() - start
+for _ in range(5):
+    compiled(ids, ids).backward()
+best = float("inf")
+for _ in range(5):
+    start = time.perf_counter()
+    for _ in range(10):
+        compiled(ids, ids).backward()
+    best = min(best, (time.perf_counter() - start) / 10)
 split = ""
 if setting != "aot_eager":
     bs = kareus.explain(compiled).regions[0].findings.get("find_blocks")
     split = len(bs.split) if bs else 0
-print(first, split)
+print(first, best, split)
 """
 
-SETTINGS = ("aot_eager", "kareus", "kareus-whole")
+SETTINGS = ("aot_eager", "kareus", "kareus-split", "kareus-whole")
 
 
-def run_once(preset: str, setting: str) -> tuple[float, str]:
+def run_once(preset: str, setting: str) -> tuple[float, float, str]:
     out = subprocess.run(
         [sys.executable, "-c", CHILD.format(preset=preset, setting=setting)],
         capture_output=True,
         text=True,
         check=True,
     )
-    first, split = [*out.stdout.strip().splitlines()[-1].split(" "), ""][:2]
-    return float(first), split
+    first, step, split = [*out.stdout.strip().splitlines()[-1].split(" "), ""][:3]
+    return float(first), float(step), split
 
 
 def main() -> None:
@@ -62,21 +76,30 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--presets", nargs="+", default=["tiny-4l", "tiny-16l"])
     args = parser.parse_args()
-    print(f"measured: first forward+backward, fresh process, median of {args.runs} runs")
-    print(f"{'model':10} {'setting':13} {'median s':>9} {'runs s':>24} {'blocks split':>13}")
+    print(
+        f"measured: first forward+backward and steady step, fresh process each, median of "
+        f"{args.runs} runs"
+    )
+    print(
+        f"{'model':10} {'setting':13} {'first s':>8} {'runs s':>18} {'step ms':>8} "
+        f"{'blocks split':>13}"
+    )
     for preset in args.presets:
-        medians = {}
+        firsts, steps = {}, {}
         for setting in SETTINGS:
-            times, split = [], ""
-            for _ in range(args.runs):
-                t, split = run_once(preset, setting)
-                times.append(t)
-            medians[setting] = statistics.median(times)
-            runs = " ".join(f"{t:.1f}" for t in times)
-            print(f"{preset:10} {setting:13} {medians[setting]:9.1f} {runs:>24} {split:>13}")
+            got = [run_once(preset, setting) for _ in range(args.runs)]
+            firsts[setting] = statistics.median(g[0] for g in got)
+            steps[setting] = statistics.median(g[1] for g in got)
+            runs = " ".join(f"{g[0]:.1f}" for g in got)
+            print(
+                f"{preset:10} {setting:13} {firsts[setting]:8.1f} {runs:>18} "
+                f"{steps[setting] * 1e3:8.1f} {got[-1][2]:>13}"
+            )
         for setting in SETTINGS[1:]:
-            ratio = medians[setting] / medians["aot_eager"]
-            print(f"{preset:10} {'ratio':13} {ratio:9.2f}  ({setting} / aot_eager)")
+            print(
+                f"{preset:10} {'ratio':13} first call {firsts[setting] / firsts['aot_eager']:.2f}, "
+                f"step {steps[setting] / steps['aot_eager']:.2f}  ({setting} / aot_eager)"
+            )
 
 
 if __name__ == "__main__":

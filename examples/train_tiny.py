@@ -1,8 +1,9 @@
 """An ordinary training loop; the only kareus line is the compile call.
 
-kareus splits the layers into nanobatches and, given a GPU type, plans clocks for it with
-its hardware model (no GPU needed: the clock switches go to an emulated GPU here, and the
-energy printed is modelled).
+kareus finds the repeated layers (on one device they hold no collective to overlap, so
+they are not split into nanobatches; `kareus.explain` says so) and, given a GPU type, plans
+clocks for them with its hardware model (no GPU needed: the clock switches go to an
+emulated GPU here, and the energy printed is modelled).
 
 Run: python examples/train_tiny.py [--steps N] [--gpu a100-40gb] [--report PATH]
 """

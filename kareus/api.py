@@ -553,7 +553,7 @@ def compile(
     backend = KareusBackend(config, decisions=decisions, plan=plan, **backend_options)
     compiled = torch.compile(model, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
     if isinstance(compiled, nn.Module):
-        if backend.config.nanobatches > 1:
+        if backend.config.nanobatches != 1:
             dim = backend.config.batch_dim or 0
             compiled.register_forward_pre_hook(
                 functools.partial(_mark_batch_dynamic, dim), with_kwargs=True

@@ -48,12 +48,14 @@ class Config:
     :func:`kareus.compile`. Change one with :meth:`replace`.
     """
 
-    nanobatches: int = _field(
-        2,
-        "1 (no split) or 2",
-        lambda v: _is_int(v) and v in (1, 2),
-        "How many nanobatches each repeated block is split into along the batch dimension; "
-        "1 turns the split off.",
+    nanobatches: int | None = _field(
+        None,
+        "None (split where there is a collective to overlap), 1 (no split) or 2",
+        lambda v: v is None or (_is_int(v) and v in (1, 2)),
+        "How many nanobatches each repeated block is split into along the batch dimension. "
+        "None (default): two, for each block that holds a collective; a block without one "
+        "has nothing to overlap, and splitting it would only double its kernels. 2: every "
+        "block that can be split; 1 turns the split off.",
     )
     batch_dim: int | None = _field(
         None,

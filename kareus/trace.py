@@ -238,6 +238,7 @@ def trace_stage(
         compiled = kareus.compile(
             model,
             disable_passes=("schedule_overlap", "insert_clock_switches"),
+            nanobatches=2,  # the nanobatched workload is what is planned, collectives or not
             extract_partitions=extract,
         )
         out = compiled(x, ids if model.last else None)

@@ -23,7 +23,7 @@ def test_explain_before_first_call():
 
 
 def test_report_shows_each_graph_as_code():
-    compiled = kareus.compile(Llama(PRESETS["tiny"]))
+    compiled = kareus.compile(Llama(PRESETS["tiny"]), nanobatches=2)
     ids, lab = token_batches(1, 4, 16, 128)[0]
     compiled(ids, lab).backward()
     report = kareus.explain(compiled)

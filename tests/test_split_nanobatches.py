@@ -25,7 +25,7 @@ def test_tiny_llama_split_matches_eager_at_batches_4_5_6_8():
     holder = {}
 
     def compile_and_keep(m):
-        holder["c"] = kareus.compile(m, strict=True)
+        holder["c"] = kareus.compile(m, nanobatches=2, strict=True)
         return holder["c"]
 
     ref, got = compare_training(
@@ -45,7 +45,7 @@ def test_a_graph_symbolic_in_more_than_the_batch_is_lowered_once_for_all_shapes(
     holder = {}
 
     def compile_and_keep(m):
-        holder["c"] = kareus.compile(m, strict=True, dynamic=True)
+        holder["c"] = kareus.compile(m, nanobatches=2, strict=True, dynamic=True)
         return holder["c"]
 
     batches = [b for seq in (16, 24, 12) for b in token_batches(1, 4, seq, 128, seed=seq)]
@@ -67,7 +67,7 @@ def test_hf_models_split_match_eager(kind):
         return hf_tiny(kind)
 
     def compile_and_keep(m):
-        holder["c"] = kareus.compile(m, strict=True)
+        holder["c"] = kareus.compile(m, nanobatches=2, strict=True)
         return holder["c"]
 
     batches = [{"input_ids": ids, "labels": lab} for ids, lab in MIXED]
@@ -100,7 +100,7 @@ def grab(monkeypatch):
 
 
 def test_forward_and_backward_block_identities_agree(grab):
-    compiled = kareus.compile(Llama(PRESETS["tiny"]), strict=True)
+    compiled = kareus.compile(Llama(PRESETS["tiny"]), nanobatches=2, strict=True)
     ids, lab = token_batches(1, 6, 16, 128)[0]
     compiled(ids, lab).backward()
     bs = blocks_of(compiled)
@@ -200,7 +200,7 @@ def run_stack(layer, batch=6, **cfg):
     torch.manual_seed(0)
     model = Stack(layer)
     ref = copy.deepcopy(model)
-    compiled = kareus.compile(model, **cfg)
+    compiled = kareus.compile(model, **{"nanobatches": 2, **cfg})
     x = torch.randn(batch, 8)
     out = compiled(x)
     expected = ref(x)
@@ -266,7 +266,7 @@ def test_structurally_different_block_stays_whole():
     model = Stack(lambda: MaybeOdd(False))
     model.blocks[1] = MaybeOdd(True)
     ref = copy.deepcopy(model)
-    compiled = kareus.compile(model)
+    compiled = kareus.compile(model, nanobatches=2)
     x = torch.randn(6, 8)
     torch.testing.assert_close(compiled(x), ref(x))
     bs = blocks_of(compiled)
@@ -285,12 +285,26 @@ def test_too_small_batch_stays_whole(batch):
 def test_static_batch_stays_whole_with_a_hint():
     torch.manual_seed(0)
     model = Stack(lambda: nn.Linear(8, 8))
-    compiled = torch.compile(copy.deepcopy(model), backend=kareus.KareusBackend())
+    compiled = torch.compile(
+        copy.deepcopy(model), backend=kareus.KareusBackend(kareus.Config(nanobatches=2))
+    )
     x = torch.randn(6, 8)
     assert torch.equal(compiled(x), model(x))
     bs = kareus.explain(compiled).regions[0].findings["find_blocks"]
     assert bs.split == [] and all("static" in r for r in bs.skipped.values())
     assert all("maybe_mark_dynamic" in r for r in bs.skipped.values())
+
+
+def test_by_default_blocks_without_a_collective_stay_whole():
+    # On one device the layers hold no collective: nothing to overlap, so the default
+    # leaves them whole (a split would only double the kernels) and says why. Blocks with
+    # collectives are split by default: see the tensor-parallel tests.
+    compiled, out, expected = run_stack(lambda: nn.Linear(8, 8), nanobatches=None)
+    assert torch.equal(out, expected)
+    bs = blocks_of(compiled)
+    assert len(bs.blocks) == 3 and bs.split == []
+    assert all("holds no collective" in r for r in bs.skipped.values()), bs.skipped
+    assert "nanobatches=2 splits it anyway" in kareus.explain(compiled).summary()
 
 
 def test_nanobatches_1_turns_the_split_off():
@@ -318,7 +332,7 @@ class SeqFirst(nn.Module):
 def test_batch_in_dimension_1_is_detected():
     ids = torch.randint(0, 32, (6, 5))
     ref, got = compare_training(
-        SeqFirst, lambda m: kareus.compile(m, strict=True), [(ids,)] * 2, resync=True
+        SeqFirst, lambda m: kareus.compile(m, nanobatches=2, strict=True), [(ids,)] * 2, resync=True
     )
     assert_same_history(ref, got)
 
@@ -331,7 +345,7 @@ def test_config_names_the_batch_dimension():
     holder = {}
 
     def comp(m):
-        holder["c"] = kareus.compile(m, batch_dim=1, strict=True)
+        holder["c"] = kareus.compile(m, nanobatches=2, batch_dim=1, strict=True)
         return holder["c"]
 
     ids = torch.randint(0, 32, (5, 6))
@@ -372,7 +386,7 @@ def test_random_transformers_split_correctly(grab, layers, heads, head_dim, mlp,
     holder = {}
 
     def comp(m):
-        holder["c"] = kareus.compile(m, strict=True)
+        holder["c"] = kareus.compile(m, nanobatches=2, strict=True)
         return holder["c"]
 
     batches = token_batches(2, batch, 8, 128, seed=batch)
@@ -446,7 +460,7 @@ def test_checkpointed_blocks_are_split_or_skipped_with_the_reason(mode):
     holder = {}
 
     def comp(m):
-        holder["c"] = kareus.compile(m, strict=True)
+        holder["c"] = kareus.compile(m, nanobatches=2, strict=True)
         return holder["c"]
 
     gen = torch.Generator().manual_seed(0)
@@ -471,7 +485,7 @@ def test_hf_gradient_checkpointing_is_split_and_exact():
         return model
 
     def comp(m):
-        holder["c"] = kareus.compile(m, strict=True)
+        holder["c"] = kareus.compile(m, nanobatches=2, strict=True)
         return holder["c"]
 
     batches = [{"input_ids": ids, "labels": lab} for ids, lab in MIXED[:2]]

@@ -106,8 +106,11 @@ class BlockSet:
                 per_nb = "/".join(
                     str(len(span[nb])) for nb in sorted(n for n in span if n is not None)
                 )
+                if not per_nb:  # a whole block: all its nodes, none per nanobatch
+                    cells.append(str(len(span.get(None, ()))))
+                    continue
                 shared = f" +{len(span[None])} shared" if span.get(None) else ""
-                cells.append((per_nb or "0") + shared)
+                cells.append(per_nb + shared)
             if b.name in self.split:
                 cells += ["split", ""]
             else:
@@ -115,8 +118,8 @@ class BlockSet:
             rows.append(cells)
         cols = ["family", "block", "module", "dynamo nodes", *(f"{k} nodes" for k in kinds)]
         return render_table(
-            "blocks (graph nodes per nanobatch, nb0/nb1; shared: nodes of both, such as the "
-            "split's narrow and cat and the sums of weight gradients)",
+            "blocks (graph nodes; of a split block, per nanobatch, nb0/nb1, and shared: nodes "
+            "of both, such as the split's narrow and cat and the sums of weight gradients)",
             [*cols, "nanobatches", "reason"],
             rows,
         )
