@@ -1,8 +1,10 @@
 """First-call and step time of ``kareus.compile`` against ``torch.compile(backend="aot_eager")``.
 
-Each measurement is a fresh process (no warm Dynamo or AOTAutograd cache) that builds the
-model, times its first forward and backward, where all compilation happens, then the
-steady step: the least of 5 repeats of 10 forward+backward steps, per step. Settings:
+First call: each measurement is a fresh process (no warm Dynamo or AOTAutograd cache) that
+builds the model and times its first forward and backward, where all compilation happens.
+Step time: one process compiles the model in every setting and times 10 forward+backward
+steps of each in turn, 8 rounds; the least per setting, per step (steps of separate
+processes at different times moved by up to 1.35x on this kind of machine). Settings:
 
 - ``aot_eager``: ``torch.compile(model, backend="aot_eager")``, the same capture and
   autograd lowering as kareus's python codegen, with no kareus pass;
@@ -42,33 +44,55 @@ ids = torch.randint(0, 128, (8, 64))
 start = time.perf_counter()
 compiled(ids, ids).backward()
 first = time.perf_counter() - start
-for _ in range(5):
-    compiled(ids, ids).backward()
-best = float("inf")
-for _ in range(5):
-    start = time.perf_counter()
-    for _ in range(10):
-        compiled(ids, ids).backward()
-    best = min(best, (time.perf_counter() - start) / 10)
 split = ""
 if setting != "aot_eager":
     bs = kareus.explain(compiled).regions[0].findings.get("find_blocks")
     split = len(bs.split) if bs else 0
-print(first, best, split)
+print(first, split)
+"""
+
+STEPS = """
+import copy, time, torch, kareus
+from kareus.models import PRESETS, Llama
+torch.manual_seed(0)
+base = Llama(PRESETS[{preset!r}])
+ids = torch.randint(0, 128, (8, 64))
+fns = {{
+    "aot_eager": torch.compile(copy.deepcopy(base), backend="aot_eager"),
+    "kareus": kareus.compile(copy.deepcopy(base)),
+    "kareus-split": kareus.compile(copy.deepcopy(base), nanobatches=2),
+    "kareus-whole": kareus.compile(copy.deepcopy(base), nanobatches=1),
+}}
+for f in fns.values():
+    for _ in range(3):
+        f(ids, ids).backward()
+best = dict.fromkeys(fns, float("inf"))
+for _ in range(8):
+    for name, f in fns.items():
+        start = time.perf_counter()
+        for _ in range(10):
+            f(ids, ids).backward()
+        best[name] = min(best[name], (time.perf_counter() - start) / 10)
+print(" ".join(str(best[name]) for name in fns))
 """
 
 SETTINGS = ("aot_eager", "kareus", "kareus-split", "kareus-whole")
 
 
-def run_once(preset: str, setting: str) -> tuple[float, float, str]:
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD.format(preset=preset, setting=setting)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    first, step, split = [*out.stdout.strip().splitlines()[-1].split(" "), ""][:3]
-    return float(first), float(step), split
+def _child(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def run_once(preset: str, setting: str) -> tuple[float, str]:
+    first, split = [*_child(CHILD.format(preset=preset, setting=setting)).split(" "), ""][:2]
+    return float(first), split
+
+
+def step_times(preset: str) -> dict[str, float]:
+    """Seconds per steady step of each setting, measured side by side in one process."""
+    got = _child(STEPS.format(preset=preset)).split(" ")
+    return dict(zip(SETTINGS, map(float, got), strict=True))
 
 
 def main() -> None:
@@ -77,23 +101,23 @@ def main() -> None:
     parser.add_argument("--presets", nargs="+", default=["tiny-4l", "tiny-16l"])
     args = parser.parse_args()
     print(
-        f"measured: first forward+backward and steady step, fresh process each, median of "
-        f"{args.runs} runs"
+        f"measured: first forward+backward (fresh process each, median of {args.runs} runs) "
+        "and steady step (every setting in one process, least of 8 x 10 steps)"
     )
     print(
         f"{'model':10} {'setting':13} {'first s':>8} {'runs s':>18} {'step ms':>8} "
         f"{'blocks split':>13}"
     )
     for preset in args.presets:
-        firsts, steps = {}, {}
+        firsts = {}
+        steps = step_times(preset)
         for setting in SETTINGS:
             got = [run_once(preset, setting) for _ in range(args.runs)]
             firsts[setting] = statistics.median(g[0] for g in got)
-            steps[setting] = statistics.median(g[1] for g in got)
             runs = " ".join(f"{g[0]:.1f}" for g in got)
             print(
                 f"{preset:10} {setting:13} {firsts[setting]:8.1f} {runs:>18} "
-                f"{steps[setting] * 1e3:8.1f} {got[-1][2]:>13}"
+                f"{steps[setting] * 1e3:8.1f} {got[-1][1]:>13}"
             )
         for setting in SETTINGS[1:]:
             print(
