@@ -8,9 +8,10 @@ and nanobatch (:mod:`kareus.passes.tags`) and named ``<node>_nb0`` / ``<node>_nb
 
 By default (``Config.nanobatches=None``) only blocks that hold a collective are split: the
 split exists to overlap one nanobatch's collective with the other's compute, and a block
-without one would only run twice the kernels at half the size (1.21x the host time of the
-unsplit graph per step on a 4-layer tiny Llama with the python codegen). ``nanobatches=2``
-splits every block that can be split.
+without one would only run twice the kernels at half the size (1.15-1.36x the step time of
+``aot_eager`` on the 4- and 16-layer tiny Llama with the python codegen, where the unsplit
+graph takes 0.94-0.99x: ``benchmarks/compile_overhead.py``). ``nanobatches=2`` splits
+every block that can be split.
 
 A block is never split when that could change results or force recompiles; it is left
 whole and the reason recorded (shown by ``kareus.explain``): a static or too small batch,

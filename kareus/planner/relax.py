@@ -22,10 +22,11 @@ better one: half of the instructions that still mix options (the most nearly who
 are fixed to the option they weigh most, the relaxation is solved again (the others adjust
 to them), and so on until no instruction mixes (an instruction fixed to a slower option
 the bound cannot afford is fixed to the fastest it mixed instead, which the last solution
-shows is feasible). On the traced Llama 3.3 70B PP 8 x 16 (256 instructions) this halves
-the rounded plans' distance to the bound (0.45-0.88 % to 0.34-0.45 % where the fastest
-plan's neighbourhood is not concerned) in about a second per point; CP-SAT, given 10 times
-its default work (290 s), reached 0.71 % where the dive reaches 0.4 %.
+shows is feasible). On the traced Llama 3.3 70B PP 8 x 16 with full recompute (256
+instructions) rounding left plans 0.35-0.88 % above the bound and the dive 0.18-0.53 %,
+in about a second per point (near the fastest plan, where few options fit, both stay
+about 0.7 % above); CP-SAT, given 10 times its default work (290 s), reached 0.71 % at a
+point where the dive reaches 0.4 %.
 """
 
 from __future__ import annotations
