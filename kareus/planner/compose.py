@@ -294,6 +294,20 @@ def makespan(iteration: Iteration, durations: Sequence[float]) -> float:
     return max(end(i) for i in preds)
 
 
+def plan_cost(
+    iteration: Iteration,
+    choices: Sequence[Option],
+    *,
+    static_power_w: float,
+    gpus: int,
+    gpus_per_stage: int,
+) -> tuple[float, float]:
+    """Return (iteration time, energy of all GPUs) of one choice per instruction."""
+    t = makespan(iteration, [c.time_s for c in choices])
+    dyn = sum(c.dynamic_energy_j for c in choices) * gpus_per_stage
+    return t, dyn + static_power_w * gpus * t
+
+
 class Composer:
     """Builds and solves the CP-SAT model for one iteration and its options.
 
@@ -346,9 +360,13 @@ class Composer:
 
     def evaluate(self, choices: Sequence[Option]) -> tuple[float, float]:
         """Return (iteration time, energy of all GPUs) of one choice per instruction."""
-        t = makespan(self.it, [c.time_s for c in choices])
-        dyn = sum(c.dynamic_energy_j for c in choices) * self.per_stage
-        return t, dyn + self.static_w * self.gpus * t
+        return plan_cost(
+            self.it,
+            choices,
+            static_power_w=self.static_w,
+            gpus=self.gpus,
+            gpus_per_stage=self.per_stage,
+        )
 
     def solve(
         self,

@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kareus.errors import KareusError
-from kareus.planner.compose import Iteration, Option, makespan
+from kareus.planner.compose import Iteration, Option, makespan, plan_cost
 
 _log = logging.getLogger(__name__)
 
@@ -112,8 +112,7 @@ class Relaxation:
 
         self.it = iteration
         self.options = options
-        self._static_w = static_power_w * gpus
-        self._per_stage = gpus_per_stage
+        self._static_w, self._gpus, self._per_stage = static_power_w, gpus, gpus_per_stage
         lp = pywraplp.Solver.CreateSolver("GLOP")
         if lp is None:  # pragma: no cover - GLOP ships with every OR-Tools wheel
             raise KareusError("OR-Tools' GLOP linear solver is not available")
@@ -202,16 +201,15 @@ class Relaxation:
                 energy = self._energy(choices)
                 if energy - bound_j > gap_limit * energy:
                     dived = self._dive(rounded, heaviest, allowed, bound_s)
-                    better = dived is not None and self._energy(dived) < energy
+                    dived_j = None if dived is None else self._energy(dived)
                     _log.debug(
-                        "dive within %s: rounded %.1f J, dived %s (bound %.1f J)",
+                        "dive within %s: rounded %.1f J, dived %s (bound %.1f J; modelled)",
                         "any time" if bound_s is None else f"{bound_s:.6f} s",
                         energy,
-                        "no plan" if dived is None else f"{self._energy(dived):.1f} J",
+                        "no plan" if dived_j is None else f"{dived_j:.1f} J",
                         bound_j,
                     )
-                    if better:
-                        assert dived is not None
+                    if dived is not None and dived_j is not None and dived_j < energy:
                         choices = dived
         finally:
             for ys in self._y.values():
@@ -237,8 +235,13 @@ class Relaxation:
         return choices
 
     def _energy(self, choices: Sequence[Option]) -> float:
-        t = makespan(self.it, [c.time_s for c in choices])
-        return sum(c.dynamic_energy_j for c in choices) * self._per_stage + self._static_w * t
+        return plan_cost(
+            self.it,
+            choices,
+            static_power_w=self._static_w,
+            gpus=self._gpus,
+            gpus_per_stage=self._per_stage,
+        )[1]
 
     def _dive(
         self,
