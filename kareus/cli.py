@@ -629,7 +629,7 @@ def _profile(args: argparse.Namespace) -> int:
                 device=args.device,
             ),
             layers=args.layers_traced,
-            on_traced=lambda stages: progress.start("measuring", planning_steps(stages) - 4),
+            on_traced=lambda stages: progress.start("measuring", planning_steps(stages) - 2),
             progress=progress.step,
         )
     if rank0:

@@ -160,7 +160,7 @@ def with_recompute(stages: Sequence[PartitionSet], mode: str) -> list[PartitionS
 
 def planning_steps(stages: Sequence[PartitionSet]) -> int:
     """Return how many progress steps planning these stages reports."""
-    return sum(len(p.types) for _, p in _distinct(stages)) + 5
+    return sum(len(p.types) for _, p in _distinct(stages)) + 3
 
 
 def plan_workload(
