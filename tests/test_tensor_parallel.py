@@ -49,18 +49,23 @@ def _train_tp(rank, decisions):
 
 
 def _check_order(pset, orders, decisions):
-    """Every partition's issue sits at its decided slot and its wait right after it."""
-    checked = 0
+    """Every partition's issue sits at its decided slot and its wait right after it.
+
+    Return the kinds of decision checked: "default", "none" (no overlap), "slot", "clamped".
+    """
+    checked = set()
     for part in pset.partitions:
         if part.collective is None:
             continue
         order = orders[part.instruction]
         pos = {n: i for i, n in enumerate(order)}
         issue, wait = part.collective
+        named = part.type_key in decisions
         dec = decisions.get(part.type_key, decisions.get("*", Decision()))
         compute = [pos[n] for n in part.compute]
         if dec.launch_slot is None:
             assert pos[wait] < min(compute), f"{issue}: no-overlap wait should precede compute"
+            checked.add("none")
         else:
             slot = min(dec.launch_slot, len(part.slots) - 1)
             first = pos[part.slots[slot].first]
@@ -69,19 +74,32 @@ def _check_order(pset, orders, decisions):
             assert all(i < pos[issue] for i in before), f"{issue} issued before slot {slot}"
             assert all(pos[issue] < i for i in after), f"{issue} issued after slot {slot}"
             assert pos[wait] > max(compute), f"{wait} should wait at the end of the partition"
-        checked += 1
-    assert checked > 0
+            clamped = dec.launch_slot >= len(part.slots)
+            checked.add("default" if not named else "clamped" if clamped else "slot")
+    return checked
+
+
+# One compiled run (two ranks, eager and compiled) serves every test of this module. Types
+# not named keep the default decision (issue at the partition's start); of the others one
+# runs without overlap, one with its own SM share (a communicator from the pool), one at a
+# slot past its last (clamped to the last) and one at slot 2.
+DECISIONS = {
+    "forward.1": Decision(launch_slot=None),
+    "forward.2": Decision(launch_slot=1, sm_share=4),
+    "backward.1": Decision(launch_slot=2),
+    "backward.2": Decision(launch_slot=99),
+}
 
 
 @pytest.fixture(scope="module")
-def default_run():
-    return run_ranks(_train_tp, {})
+def tp_run():
+    return run_ranks(_train_tp, DECISIONS)
 
 
-def test_partition_types_and_counts(default_run):
+def test_partition_types_and_counts(tp_run):
     from kareus.partitions import PartitionSet
 
-    ref, got, pset_json, _orders, _code, summary = default_run[0]
+    _ref, _got, pset_json, _orders, _code, summary = tp_run[0]
     pset = PartitionSet.from_json(pset_json)
     for instr in ("forward", "backward"):
         parts = [p for p in pset.partitions if p.instruction == instr]
@@ -94,53 +112,23 @@ def test_partition_types_and_counts(default_run):
         for p in parts:
             assert p.slots and all(s.first in p.compute for s in p.slots)
     assert "partition types" in summary and "forward.0" in summary
-    assert_same_history(ref, got)
 
 
-def test_default_schedule_launches_at_partition_start(default_run):
+def test_decisions_place_issue_and_wait_and_keep_results(tp_run):
     from kareus.partitions import PartitionSet
 
-    for rank_result in default_run:
-        _ref, _got, pset_json, orders, code, _ = rank_result
-        _check_order(PartitionSet.from_json(pset_json), orders, {})
-    # Readable in the code: an issue, the other nanobatch's matmul, then the wait.
-    torch.testing.FileCheck().check("all_reduce").check("mm").check("wait_tensor").run(
-        code["forward"]
-    )
-
-
-DECISIONS = [
-    {"*": Decision(launch_slot=None)},  # no overlap
-    # per type: one with its own SM share (a communicator from the pool), one slot clamped
-    # to the last, the rest at slot 2
-    {
-        "forward.2": Decision(launch_slot=1, sm_share=4),
-        "backward.2": Decision(launch_slot=99),
-        "*": Decision(launch_slot=2),
-    },
-]
-
-
-def _train_tp_each(rank, all_decisions):
-    out = []
-    for decisions in all_decisions:
-        torch._dynamo.reset()
-        out.append(_train_tp(rank, decisions))
-    return out
-
-
-def test_decisions_place_issue_and_wait_and_keep_results():
-    from kareus.partitions import PartitionSet
-
-    for per_rank in run_ranks(_train_tp_each, DECISIONS):
-        for decisions, result in zip(DECISIONS, per_rank, strict=True):
-            ref, got, pset_json, orders, code, summary = result
-            _check_order(PartitionSet.from_json(pset_json), orders, decisions)
-            assert_same_history(ref, got)
+    for ref, got, pset_json, orders, code, summary in tp_run:
+        checked = _check_order(PartitionSet.from_json(pset_json), orders, DECISIONS)
+        assert checked == {"default", "none", "slot", "clamped"}
+        assert_same_history(ref, got)
         # The SM share picked a group of the pool (gloo: recorded as having no effect).
         assert "SM share 4" in summary and "has no SM share" in summary
         group = summary.split("SM share 4 -> group ")[1].split("'")[1]
         assert f"'{group}'" in code["forward"]
+    # Readable in the code: an issue, the other nanobatch's matmul, then the wait.
+    torch.testing.FileCheck().check("all_reduce").check("mm").check("wait_tensor").run(
+        code["forward"]
+    )
 
 
 def test_graph_without_collectives_has_no_partitions():
