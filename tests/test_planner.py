@@ -230,6 +230,23 @@ def test_a_bound_solved_again_returns_the_first_answer_or_a_better_hint():
     assert got.bound_j == min(first.bound_j, better.energy_j)
 
 
+def test_iterations_past_the_search_limit_keep_the_relaxations_plan():
+    it = one_f_one_b(2, 8)  # 32 instructions
+    opts = {g: _tradeoff_options(g, (810, 1200, 1410)) for g in {i.group for i in it.instructions}}
+    got = {}
+    for limit in (None, 16):
+        # gap limit 0: the relaxation proves no plan, so every solve would search
+        comp = Composer(it, opts, static_power_w=20.0, gpus=4, search_max_instructions=limit)
+        bound = 1.2 * comp.fastest_choice().time_s
+        got[limit] = comp.solve(bound_s=bound), comp.searches
+    (searched, searches), (kept, none) = got[None], got[16]
+    assert searches == 1 and none == 0
+    assert kept.status == "RELAXED" and kept.time_s <= kept.within_s + 1e-9
+    # its proven gap is reported, not hidden: the relaxation left it loose
+    assert kept.bound_j < kept.energy_j and not kept.proven(0.0)
+    assert searched.energy_j <= kept.energy_j and searched.bound_j >= kept.bound_j
+
+
 def test_70b_pipeline_is_proven_by_the_relaxation_without_search():
     # Llama 3.3 70B shapes, PP 8 x 16 micro-batches (256 instructions) on the modelled
     # A100, with CP-SAT starved: every frontier point still carries a proof within the gap

@@ -322,6 +322,9 @@ class Composer:
         workers: CP-SAT search workers, interleaved in one thread when more than one.
         gap_limit: a solve stops once its plan is proven within this fraction of the least
             energy (deterministic: the proof, not the clock, decides).
+        search_max_instructions: CP-SAT searches only iterations of at most this many
+            instructions (None: any); a larger one keeps the relaxation's plan and reports
+            its gap, proven or not.
     """
 
     def __init__(
@@ -336,6 +339,7 @@ class Composer:
         workers: int = 1,
         seed: int = 0,
         gap_limit: float = 0.0,
+        search_max_instructions: int | None = None,
     ) -> None:
         self.it = iteration
         self.options = {g: tuple(o) for g, o in options.items()}
@@ -353,6 +357,7 @@ class Composer:
         self.workers = workers
         self.seed = seed
         self.gap_limit = gap_limit
+        self.search_max_instructions = search_max_instructions
         self.solves: list[Solution] = []  # every solve since the last frontier() began
         self.searches = 0  # of which CP-SAT searched (the relaxation had not proven them)
         self._relaxation: Relaxation | None = None  # built at the first solve, then kept
@@ -429,7 +434,14 @@ class Composer:
             relaxed.bound_j,
             "none" if best is None else f"{best.energy_j:.1f} J ({best.status})",
         )
-        if best is not None and best.energy_j - relaxed.bound_j <= self.gap_limit * best.energy_j:
+        proven = (
+            best is not None and best.energy_j - relaxed.bound_j <= self.gap_limit * best.energy_j
+        )
+        too_large = (
+            self.search_max_instructions is not None
+            and len(self.it.instructions) > self.search_max_instructions
+        )
+        if best is not None and (proven or too_large):
             found = dataclasses.replace(
                 best, within_s=bound_s, bound_j=min(relaxed.bound_j, best.energy_j)
             )
@@ -548,6 +560,11 @@ class Composer:
             for i in range(len(opts))
         )
         found = self._solution(choices, solver.status_name(status))
+        _log.debug(
+            "CP-SAT's plan %.1f J, from %s (modelled)",
+            found.energy_j,
+            "no hint" if hint is None else f"{hint.energy_j:.1f} J",
+        )
         if hint is not None and (hint.energy_j, hint.time_s) < (found.energy_j, found.time_s):
             found = dataclasses.replace(hint, status="HINT")  # CP-SAT's rounding of times
         # OPTIMAL means within gap_limit, not exact
