@@ -387,7 +387,8 @@ class Composer:
         least-energy solve bounded by it. The linear relaxation (:mod:`kareus.planner.relax`)
         gives a proven lower bound and a rounded plan (improved by a dive when rounding
         leaves it outside the gap limit); when that plan, or ``hint`` (an earlier solution)
-        if better, is proven within the gap limit, that is the answer. Otherwise CP-SAT
+        if better, is proven within the gap limit, that is the answer; so is it, with its
+        gap, in an iteration of more than ``search_max_instructions``. Otherwise CP-SAT
         searches from it, within its deterministic work limit, and the better of the two
         bounds is kept. A bound solved before since :meth:`frontier` began returns that
         solve's answer (or ``hint``, if better) without solving again.
