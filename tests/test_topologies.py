@@ -6,6 +6,7 @@ the same job without kareus. A rank that hangs dumps its stack and fails the tes
 """
 
 import copy
+import os
 
 import pytest
 import torch
@@ -333,3 +334,19 @@ def test_a_plan_for_another_tp_size_is_refused_naming_both():
         assert message is not None, "the TP 4 plan was applied to a TP 2 model"
         assert "made for TP 4 x CP 1" in message and "sizes 2 (ranks 0,1)" in message
         assert "--tp 2" in message
+
+
+def _environment(rank):
+    return os.environ.get("KAREUS_TEST_MARK"), os.getcwd(), os.environ["RANK"]
+
+
+def test_ranks_see_the_callers_environment_and_directory(monkeypatch, tmp_path):
+    # Ranks fork from a server started at the first run: each run must still give them the
+    # caller's environment and directory of the moment, as spawned processes would have.
+    monkeypatch.chdir(tmp_path)
+    for mark in ("first", "second"):
+        monkeypatch.setenv("KAREUS_TEST_MARK", mark)
+        got = run_ranks(_environment, world=2)
+        assert got == [(mark, str(tmp_path), "0"), (mark, str(tmp_path), "1")]
+    monkeypatch.delenv("KAREUS_TEST_MARK")
+    assert [m for m, _, _ in run_ranks(_environment, world=2)] == [None, None]
