@@ -10,7 +10,7 @@ By default (``Config.nanobatches=None``) only blocks that hold a collective are 
 split exists to overlap one nanobatch's collective with the other's compute, and a block
 without one would only run twice the kernels at half the size (1.15-1.36x the step time of
 ``aot_eager`` on the 4- and 16-layer tiny Llama with the python codegen, where the unsplit
-graph takes 0.94-0.99x: ``benchmarks/compile_overhead.py``). ``nanobatches=2`` splits
+graph takes 0.94-0.99x; measured by ``benchmarks/compile_overhead.py``). ``nanobatches=2`` splits
 every block that can be split.
 
 A block is never split when that could change results or force recompiles; it is left

@@ -176,7 +176,6 @@ class Relaxation:
             * _MS
             * (1 + 1e-6)
         )
-        self._bounded = False  # the time bound of the last solve was the caller's
 
     def at(self, bound_s: float | None, gap_limit: float | None = None) -> Relaxed | None:
         """Solve within ``bound_s``; None when no mix meets the bound.
@@ -184,7 +183,6 @@ class Relaxation:
         The plan is rounded as the module says; it is improved by a dive when it is more
         than ``gap_limit`` (a fraction of its energy) above the bound, if one is given.
         """
-        self._bounded = bound_s is not None
         self._t.SetUb(self._loose_ms if bound_s is None else bound_s * _MS)
         first = self._solve(warm=self._solved)
         self._solved = True
@@ -326,7 +324,7 @@ class Relaxation:
         180 s) and the primal from a triangular basis under one (12 s against the dual's
         44 s at the least time).
         """
-        primal = not warm and self._bounded
+        primal = not warm and self._t.ub() < self._loose_ms
         self._lp.SetSolverSpecificParametersAsString(
             "initial_basis: TRIANGULAR" if primal else "use_dual_simplex: true"
         )
