@@ -469,12 +469,27 @@ def _checked_partition(
     _check_lowered(joint, expected, "joint", joint=True)
     forward, backward = default_partition(joint, joint_inputs, **kwargs)
     # The partitioner copies into the backward every forward node it can recompute from the
-    # saved values and then removes only dead collectives: the output projection and FC2
-    # of a tensor-parallel layer (with static shapes, attention too) would run again,
-    # unused, in every backward. Random ops count as pure here: eager never ran these.
-    if backward.graph.eliminate_dead_code(lambda n: n.is_impure(impure_random=False)):
+    # saved values and then removes dead code except collectives: the output projection
+    # and FC2 of a tensor-parallel layer (with static shapes, attention too) would run
+    # again, unused, in every backward, and so would the head's logits GEMM feeding a
+    # copy of the vocab-parallel loss's max all-reduce whose result nothing reads. A
+    # functional collective whose result is unused is dead on every rank alike (each runs
+    # this graph), so it goes too; random ops count as pure: eager never ran these.
+    if backward.graph.eliminate_dead_code(_impure_but_dead_collectives):
         backward.recompile()
     return forward, backward
+
+
+def _impure_but_dead_collectives(node: fx.Node) -> bool:
+    """DCE's test: impure nodes stay, except functional collectives and their waits."""
+    target = node.target
+    if (
+        node.op == "call_function"
+        and getattr(target, "namespace", None) == "_c10d_functional"
+        and not str(getattr(target, "_opname", "")).endswith("_")  # in-place variants stay
+    ):
+        return False
+    return node.is_impure(impure_random=False)
 
 
 def _this_gpu() -> str | None:

@@ -219,3 +219,22 @@ def test_no_permission_to_lock_clocks_measures_at_the_clock_as_found():
     assert not _can_lock(EmulatedClocks(refuse=True), True, notes)
     assert "measured at the clock as found" in notes[0]
     assert _can_lock(EmulatedClocks(), True, []) and not _can_lock(EmulatedClocks(), False, [])
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_traced_backward_does_each_forward_gemm_twice_and_no_more(stage):
+    # Every forward GEMM has two in the backward (input and weight gradient). Work copied
+    # from the forward that nothing reads -- the head's logits GEMM feeding a copy of the
+    # vocab-parallel loss's max all-reduce -- would run on the GPU and be costed.
+    work = Workload(model="tiny", tp=2, pp=2, microbatch_size=4, seq_len=64)
+    with fake_world(2, 1) as groups:
+        pset = trace_stage(work, stage, layers=2, groups=groups).pset
+
+    def gemm_flops(kind):
+        inside = [
+            o for p in pset.partitions if p.instruction == kind for s in p.slots for o in s.ops
+        ]
+        return sum(o.flops for o in (*inside, *pset.outside(kind)) if o.op_class == "gemm")
+
+    assert gemm_flops("forward") > 0
+    assert gemm_flops("backward") == pytest.approx(2 * gemm_flops("forward"), rel=1e-9)
