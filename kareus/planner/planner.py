@@ -40,8 +40,14 @@ class PlannerSettings:
     Attributes:
         clocks_mhz: clocks to consider; None takes a spread of the top of the GPU's range.
         sm_shares: SM shares of the collective to consider.
-        no_overlap_sm_share: SMs of a collective that runs alone.
-        default_sm_share: SMs of the default communicator (nanobatching as published).
+        no_overlap_sm_share: SMs of a collective that runs alone: NCCL's defaults, which
+            reach its published bus bandwidth (about 230 GB/s on 8 A100s, with 24 channels:
+            NCCL's init log on an HGX A100, NVIDIA/nccl-tests#100), in the hardware model
+            32 CTAs of the measured copy rate.
+        default_sm_share: SMs of a collective that the nanobatching baseline overlaps on
+            the default communicator: NCCL's defaults again, hence the same 32. With 16
+            (an SM limit the baseline does not set) its plans priced 10 % slower than the
+            reference A100 nanobatching plans at TP 8 (``benchmarks/pipeline_fidelity.py``).
         exhaustive: evaluate every setting instead of searching.
         budget_fraction: search budget as a fraction of each type's grid.
         sweep_points: bounds swept to trace each frontier.
@@ -64,7 +70,7 @@ class PlannerSettings:
     clocks_mhz: tuple[float, ...] | None = None
     sm_shares: tuple[int, ...] = (2, 4, 8, 16, 32)
     no_overlap_sm_share: int = 32
-    default_sm_share: int = 16
+    default_sm_share: int = 32
     exhaustive: bool = False
     budget_fraction: float = 0.2
     sweep_points: int = 10

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kareus.errors import KareusError
@@ -120,6 +120,7 @@ class Relaxation:
         self._solved = False  # a basis to resume from
         self._optimal = pywraplp.Solver.OPTIMAL
         self._infeasible = pywraplp.Solver.INFEASIBLE
+        self._abnormal = pywraplp.Solver.ABNORMAL
         infinity = lp.infinity()
         groups = sorted({i.group for i in iteration.instructions})
         hulls: dict[tuple[int, str], dict[str, list[Option]]] = {}
@@ -329,6 +330,9 @@ class Relaxation:
             "initial_basis: TRIANGULAR" if primal else "use_dual_simplex: true"
         )
         status = self._lp.Solve()
+        objective = self._lp.Objective().Value
+        if status == self._abnormal:
+            status, objective = self._solve_afresh()
         if status == self._infeasible:
             return None
         if status != self._optimal:  # pragma: no cover - a bounded feasible LP
@@ -337,7 +341,29 @@ class Relaxation:
         profile_weights = {
             g: {p: v.solution_value() for p, v in ys.items()} for g, ys in self._y.items()
         }
-        return self._lp.Objective().Value(), weights, profile_weights
+        return objective(), weights, profile_weights
+
+    def _solve_afresh(self) -> tuple[int, Callable[[], float]]:
+        """Solve a copy of the program from scratch and load its solution here.
+
+        GLOP's dual simplex can end ABNORMAL (seen on a 113-variable program of a tiny model,
+        from its basis and from none alike); the primal simplex solves the same program.
+        The program here keeps its basis for the next warm solve.
+        """
+        from ortools.linear_solver import linear_solver_pb2, pywraplp
+
+        _log.debug("relaxation: GLOP ended abnormally; solving a fresh copy")
+        model = linear_solver_pb2.MPModelProto()
+        self._lp.ExportModelToProto(model)
+        fresh = pywraplp.Solver.CreateSolver("GLOP")
+        fresh.LoadModelFromProto(model)  # GLOP's defaults: the primal simplex
+        status = fresh.Solve()
+        if status == self._optimal:
+            response = linear_solver_pb2.MPSolutionResponse()
+            fresh.FillSolutionResponseProto(response)
+            self._lp.LoadSolutionFromProto(response)
+        value = fresh.Objective().Value()
+        return status, lambda: value
 
 
 def _mixes(row: Sequence[tuple[Option, float]]) -> bool:
