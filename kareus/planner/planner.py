@@ -63,8 +63,8 @@ class PlannerSettings:
             instructions; larger ones keep the relaxation's plan (improved by its dive) with
             its proven gap. On the traced Llama 3.3 70B PP 8 x 16 with full recompute (256
             instructions) CP-SAT's five searches took 102 s of the 127 s planning and
-            improved one point by 0.04 %; on the 32 instructions of the README's main job it
-            proves a point the relaxation leaves loose.
+            improved one point by 0.04 %. Smaller iterations (the README's main job has 32
+            instructions) keep it for the points the relaxation and dive leave loose.
     """
 
     clocks_mhz: tuple[float, ...] | None = None
