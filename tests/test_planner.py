@@ -247,6 +247,35 @@ def test_iterations_past_the_search_limit_keep_the_relaxations_plan():
     assert searched.energy_j <= kept.energy_j and searched.bound_j >= kept.bound_j
 
 
+def test_iterations_past_the_dive_limit_keep_the_rounded_plan(monkeypatch):
+    from kareus.planner import relax
+
+    it = one_f_one_b(2, 8)  # 32 instructions
+    opts = {g: _tradeoff_options(g, (810, 1200, 1410)) for g in {i.group for i in it.instructions}}
+    dives = []
+    real_dive = relax.Relaxation._dive
+    monkeypatch.setattr(
+        relax.Relaxation, "_dive", lambda self, *a: dives.append(1) or real_dive(self, *a)
+    )
+    got = {}
+    for limit in (None, 16):
+        dives.clear()
+        comp = Composer(
+            it,
+            opts,
+            static_power_w=20.0,
+            gpus=4,
+            search_max_instructions=0,
+            dive_max_instructions=limit,
+        )
+        got[limit] = comp.solve(bound_s=1.2 * comp.fastest_choice().time_s), len(dives)
+    (dived, n_dives), (kept, none) = got[None], got[16]
+    assert n_dives == 1 and none == 0  # gap limit 0: the rounded plan is loose, so it dives
+    assert kept.status == dived.status == "RELAXED" and kept.time_s <= kept.within_s + 1e-9
+    assert dived.energy_j <= kept.energy_j and kept.bound_j == pytest.approx(dived.bound_j)
+    assert kept.bound_j < kept.energy_j  # the rounded plan's gap is reported, not hidden
+
+
 def test_70b_pipeline_is_proven_by_the_relaxation_without_search():
     # Llama 3.3 70B shapes, PP 8 x 16 micro-batches (256 instructions) on the modelled
     # A100, with CP-SAT starved: every frontier point still carries a proof within the gap

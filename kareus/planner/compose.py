@@ -325,6 +325,9 @@ class Composer:
         search_max_instructions: CP-SAT searches only iterations of at most this many
             instructions (None: any); a larger one keeps the relaxation's plan and reports
             its gap, proven or not.
+        dive_max_instructions: the relaxation's dive improves the rounded plan only in
+            iterations of at most this many instructions (None: any); a larger one keeps
+            the rounded plan and its proven gap.
     """
 
     def __init__(
@@ -340,6 +343,7 @@ class Composer:
         seed: int = 0,
         gap_limit: float = 0.0,
         search_max_instructions: int | None = None,
+        dive_max_instructions: int | None = None,
     ) -> None:
         self.it = iteration
         self.options = {g: tuple(o) for g, o in options.items()}
@@ -358,6 +362,7 @@ class Composer:
         self.seed = seed
         self.gap_limit = gap_limit
         self.search_max_instructions = search_max_instructions
+        self.dive_max_instructions = dive_max_instructions
         self.solves: list[Solution] = []  # every solve since the last frontier() began
         self.searches = 0  # of which CP-SAT searched (the relaxation had not proven them)
         self._relaxation: Relaxation | None = None  # built at the first solve, then kept
@@ -413,7 +418,10 @@ class Composer:
         prior = self._memo.get(bound_s)
         if prior is not None:  # solved at this bound already (a point proved twice)
             return self._better(prior, hint, bound_s)
-        relaxed = self._relaxation.at(bound_s, self.gap_limit)
+        dives = self.dive_max_instructions is None or (
+            len(self.it.instructions) <= self.dive_max_instructions
+        )
+        relaxed = self._relaxation.at(bound_s, self.gap_limit if dives else None)
         fits = hint is not None and (bound_s is None or hint.time_s <= bound_s + 1e-9)
         if relaxed is None:
             if fits:  # the relaxation's tolerances, at a bound the hint meets to a hair
