@@ -17,7 +17,7 @@ kareus's figures are **modelled**; the reference's are the artifact's prediction
 **measured** profiles.
 
 Run: python benchmarks/pipeline_fidelity.py [--recompute full|none|selective] [--configs N]
-     python benchmarks/pipeline_fidelity.py --fit-voltage-floor   (the A100 floor's grid)
+     python benchmarks/pipeline_fidelity.py --fit-voltage-curve   (the A100 curve's grid)
 """
 
 from __future__ import annotations
@@ -47,6 +47,11 @@ METHODS = {"perseus": "megatron", "nanobatch_perseus": "nanobatch"}
 """The reference's methods, and the ``evaluate`` method that runs each plan's graphs."""
 
 CONFIG = ("tp", "cp", "pp", "microbatch_size", "seq_len", "microbatches")
+
+KNEES = (0.60, 0.65, 0.70, 0.75, 0.80)
+FLOORS = (0.70, 0.72, 0.74, 0.76, 0.78, 0.80)
+"""The A100 voltage curve's grid (``--fit-voltage-curve``): knee as a fraction of the
+maximum clock, floor as a fraction of the voltage there."""
 
 FLAGGED = ((4, 2, 2, 8, 8192, 8), "perseus")
 """The plan set the data's README flags: its frontier spans 2.2x in time, more than the
@@ -112,10 +117,13 @@ def _workload(key: tuple, recompute: str) -> Workload:
     )
 
 
-def fit_voltage_floor(recompute: str, floors: tuple[float, ...]) -> None:
-    """Print, per A100 voltage floor, the squared log error of every plan's energy.
+def fit_voltage_curve(recompute: str, knees: tuple[float, ...], floors: tuple[float, ...]) -> None:
+    """Print, per A100 voltage knee and floor, how well the plans' energies match.
 
-    The grid behind the floor in ``kareus.hardware.specs`` (its provenance cites this run).
+    The grid behind the curve in ``kareus.hardware.specs`` (its provenance cites this run):
+    the squared log error of every plan's energy (the criterion), and alongside it the
+    error of the energies' shape within each plan set (each set's median log ratio
+    removed) and the worst Spearman correlation of a set, which a curve can trade for it.
     """
     import dataclasses
 
@@ -124,34 +132,46 @@ def fit_voltage_floor(recompute: str, floors: tuple[float, ...]) -> None:
     ref = reference()
     base = gpu("a100-40gb")
     print(
-        f"A100 voltage floor against the energies of every reference plan ({recompute} recompute)"
+        f"A100 voltage curve against the energies of every reference plan ({recompute} "
+        "recompute; modelled vs the reference's predictions)"
     )
     best = None
-    for floor in floors:
-        emulator = Emulator(dataclasses.replace(base, v_floor=floor))
-        ratios = []
-        for key, by_method in ref.items():
-            for ref_method, method in METHODS.items():
-                plans = by_method.get(ref_method, {})
-                result = evaluate_clock_plans(
-                    _workload(key, recompute),
-                    "a100-40gb",
-                    [p for p, _, _ in plans.values()],
-                    method=method,
-                    evaluator=emulator,
-                )
-                ratios += [c.energy_per_gpu_column_j / plans[c.plan_id][2] for c in result.plans]
-        sse = sum(math.log(r) ** 2 for r in ratios)
-        errs = [abs(r - 1) * 100 for r in ratios]
-        print(
-            f"  floor {floor:.2f}: squared log error {sse:.4f}, energy |error| median "
-            f"{statistics.median(errs):.1f} %, max {max(errs):.1f} % ({len(ratios)} plans)"
-        )
-        best = min(best or (sse, floor), (sse, floor))
+    for knee in knees:
+        for floor in floors:
+            emulator = Emulator(dataclasses.replace(base, vf_knee=knee, v_floor=floor))
+            sse = shape = 0.0
+            errs: list[float] = []
+            rhos: list[float] = []
+            for key, by_method in ref.items():
+                for ref_method, method in METHODS.items():
+                    plans = by_method.get(ref_method, {})
+                    if not plans:
+                        continue
+                    result = evaluate_clock_plans(
+                        _workload(key, recompute),
+                        "a100-40gb",
+                        [p for p, _, _ in plans.values()],
+                        method=method,
+                        evaluator=emulator,
+                    )
+                    pairs = [(c.energy_per_gpu_column_j, plans[c.plan_id][2]) for c in result.plans]
+                    logs = [math.log(ours / theirs) for ours, theirs in pairs]
+                    mid = statistics.median(logs)
+                    sse += sum(x * x for x in logs)
+                    shape += sum((x - mid) ** 2 for x in logs)
+                    errs += [abs(ours / theirs - 1) * 100 for ours, theirs in pairs]
+                    if (key, ref_method) != FLAGGED:
+                        rhos.append(_rho(pairs))
+            print(
+                f"  knee {knee:.2f} ({knee * base.clock_max_mhz:.0f} MHz), floor {floor:.2f}: "
+                f"squared log error {sse:.4f} (shape {shape:.4f}); energy |error| median "
+                f"{statistics.median(errs):.1f} %, max {max(errs):.1f} %; Spearman min "
+                f"{min(rhos):.2f} (the flagged set aside)",
+                flush=True,
+            )
+            best = min(best or (sse, knee, floor), (sse, knee, floor))
     assert best is not None
-    print(
-        f"least squared log error at floor {best[1]:.2f} (modelled vs the reference's predictions)"
-    )
+    print(f"least squared log error at knee {best[1]:.2f}, floor {best[2]:.2f}")
 
 
 def main() -> None:
@@ -159,13 +179,13 @@ def main() -> None:
     parser.add_argument("--recompute", default="full", choices=("none", "full", "selective"))
     parser.add_argument("--configs", type=int, help="only the first N configurations")
     parser.add_argument(
-        "--fit-voltage-floor",
+        "--fit-voltage-curve",
         action="store_true",
-        help="instead: the A100 voltage-floor grid its calibration was chosen on (~2 min)",
+        help="instead: the A100 voltage-curve grid its calibration was chosen on (~1 min)",
     )
     args = parser.parse_args()
-    if args.fit_voltage_floor:
-        fit_voltage_floor(args.recompute, (0.55, 0.60, 0.65, 0.70))
+    if args.fit_voltage_curve:
+        fit_voltage_curve(args.recompute, KNEES, FLOORS)
         return
     all_t: list[tuple[float, float]] = []
     all_e: list[tuple[float, float]] = []

@@ -31,11 +31,12 @@ _VF = (
     "DVFS on energy conservation', 2017); not published per GPU by NVIDIA"
 )
 _VF_A100 = (
-    f"{_VF}. A100 floor 0.65: least squares on the log energies of the 85 reference A100 "
-    "pipeline plans (shared/data/a100_llama_pipeline_plans, priced by `kareus evaluate`; "
-    "grid 0.55-0.70 in steps of 0.05 by `python benchmarks/pipeline_fidelity.py "
-    "--fit-voltage-floor`: 0.65 best; the old 0.70 has a 39 % larger squared error), "
-    "within Ampere's core-voltage range of about 0.65-1.08 V"
+    f"{_VF}. A100 knee 0.75 (1058 MHz) and floor 0.78: least squares on the log energies "
+    "of the 85 reference A100 pipeline plans (shared/data/a100_llama_pipeline_plans, "
+    "priced by `kareus evaluate`; knee 0.60-0.80 x floor 0.70-0.80 by `python "
+    "benchmarks/pipeline_fidelity.py --fit-voltage-curve`: squared error 0.276, against "
+    "0.301 for the earlier knee 0.55 and floor 0.65, fitted with the knee held), within "
+    "Ampere's core-voltage range of about 0.65-1.08 V"
 )
 
 
@@ -246,8 +247,8 @@ def _a100(name: str, memory_gb: float, bandwidth_gbs: float, bw_source: str) -> 
         memory_gb=memory_gb,
         tdp_w=400.0,
         interconnect=NVLINK3,
-        vf_knee=0.55,
-        v_floor=0.65,
+        vf_knee=0.75,
+        v_floor=0.78,
         sources={
             "sm_count, peak_tflops, peak_clock_mhz, tdp_w": _DATASHEET_A100,
             "clocks": _SMI,

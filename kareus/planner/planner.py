@@ -70,8 +70,8 @@ class PlannerSettings:
             this many instructions; larger ones keep the rounded plan with its proven gap.
             At 2,048 instructions (the traced Llama 3.3 70B, PP 16 x 64) each round
             re-solves a program of about 100,000 variables: with dives planning took more
-            than 15 minutes, without them 47 s with every point within 0.92 % (the chosen
-            one 0.43 %).
+            than 15 minutes, without them 24-47 s with every point within 0.92 % (the
+            chosen one within 0.43 %).
     """
 
     clocks_mhz: tuple[float, ...] | None = None
