@@ -184,6 +184,24 @@ def test_relaxation_bounds_the_optimum_and_rounds_to_a_plan_within_the_bound(kin
         comp.solve(bound_s=0.5 * fastest)
 
 
+def test_a_relaxation_glop_ends_abnormally_is_solved_afresh():
+    # GLOP's dual simplex can end ABNORMAL where its primal simplex solves the program:
+    # the relaxation then solves a fresh copy and reads the solution as from any solve.
+    from kareus.planner.relax import Relaxation
+
+    it = one_f_one_b(2, 4)
+    opts = {g: _tradeoff_options(g, (810, 1200, 1410)) for g in {i.group for i in it.instructions}}
+    comp = Composer(it, opts, static_power_w=20.0, gpus=4)
+    bound = 1.1 * comp.fastest_choice().time_s
+    normal = Relaxation(it, comp.model_options, static_power_w=20.0, gpus=4, gpus_per_stage=1)
+    broken = Relaxation(it, comp.model_options, static_power_w=20.0, gpus=4, gpus_per_stage=1)
+    broken._lp.Solve = lambda: broken._abnormal  # every in-place solve fails
+    want, got = normal.at(bound), broken.at(bound)
+    assert want is not None and got is not None and got.choices is not None
+    assert got.bound_j == pytest.approx(want.bound_j, rel=1e-9)
+    assert comp.evaluate(got.choices) == pytest.approx(comp.evaluate(want.choices), rel=1e-9)
+
+
 def test_dive_finds_plans_no_worse_than_rounding_and_within_the_bound():
     # 64 instructions, seven clocks, two profiles: rounding leaves up to a few percent; the
     # dive (asked for by a gap limit of 0) never does worse, and at some bound better.
