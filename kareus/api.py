@@ -295,11 +295,25 @@ class KareusBackend:
                 self._run_graph_passes(region, kind, g, inputs), inputs, **kwargs
             )
 
-        # kareus's passes run inside inner_compile: a cache hit would skip them silently.
-        with (
-            torch._inductor.config.patch(fx_graph_cache=False),
-            torch._functorch.config.patch(enable_autograd_cache=False),
-        ):
+        import contextlib
+
+        from torch._guards import TracingContext, tracing
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        # kareus's passes run inside inner_compile, after AOTAutograd: its cache, keyed by
+        # the graph before them, would skip them silently on a hit, so it stays off.
+        # Inductor's FX graph cache is keyed by the graph compile_fx_inner receives, the
+        # one the passes made (plan, clock switches and overlap order in it): a hit reuses
+        # the code generated for exactly that graph. It needs a shape environment, which a
+        # region lowered per batch size (outside Dynamo's tracing context) lacks: give it
+        # one (without it every graph bypassed the cache: "No shape env").
+        context = (
+            contextlib.nullcontext()
+            if TracingContext.try_get() is not None
+            else tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv())))
+        )
+        with context, torch._functorch.config.patch(enable_autograd_cache=False):
             return compile_fx(gm, example_inputs, inner_compile=inner)  # type: ignore[return-value]
 
     def _run_graph_passes(

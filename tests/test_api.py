@@ -1,4 +1,6 @@
 import copy
+import json
+import os
 import subprocess
 import sys
 
@@ -169,6 +171,43 @@ def test_inductor_codegen_matches_eager():
     ids, lab = BATCHES[0]
     torch.testing.assert_close(compiled(ids, lab), model(ids, lab), rtol=1e-5, atol=1e-5)
     assert "forward" in kareus.explain(compiled).regions[0].graphs
+
+
+INDUCTOR_RUN = """
+import json, torch, kareus
+from torch._dynamo.utils import counters
+from kareus.models import PRESETS, Llama
+from kareus.testing import token_batches
+torch.manual_seed(0)
+model = kareus.compile(Llama(PRESETS["tiny"]), codegen="inductor", nanobatches=1)
+ids, lab = token_batches(1, 4, 16, 128, seed=0)[0]
+loss = model(ids, lab)
+loss.backward()
+region = kareus.explain(model).regions[0]
+print(json.dumps({"loss": loss.item(), "passes": len(region.history), **counters["inductor"]}))
+"""
+
+
+@pytest.mark.slow
+def test_a_second_process_reuses_inductors_code_for_kareus_graphs(tmp_path):
+    # Inductor's FX graph cache keys each graph after kareus's passes ran on it, so a
+    # training script run again skips Inductor's code generation, not kareus's passes.
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    runs = []
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-c", INDUCTOR_RUN],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first.get("fxgraph_cache_miss", 0) >= 2 and not first.get("fxgraph_cache_bypass")
+    assert second.get("fxgraph_cache_hit", 0) == first["fxgraph_cache_miss"]
+    assert second["passes"] == first["passes"] > 0 and second["loss"] == first["loss"]
 
 
 def test_train_helper_records_each_step():
