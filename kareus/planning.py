@@ -508,6 +508,26 @@ def _md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def _why_loose(instructions: int, settings: PlannerSettings) -> str:
+    """Say which size limit left solves unproven, and the setting that moves it ("" if none)."""
+    limits = [
+        (settings.dive_max_instructions, "the relaxation's dive", "dive_max_instructions"),
+        (settings.search_max_instructions, "CP-SAT's search", "search_max_instructions"),
+    ]
+    skipped = [
+        f"{what} runs on iterations of up to {limit} (`PlannerSettings.{name}`)"
+        for limit, what, name in limits
+        if limit is not None and instructions > limit
+    ]
+    if not skipped:
+        return ""
+    return (
+        f"; this iteration has {instructions} instructions, and "
+        + " and ".join(skipped)
+        + ": raise the limit for tighter plans at the cost of planning time"
+    )
+
+
 def report_markdown(planned: WorkloadPlan, plot_name: str = "frontier.png") -> str:
     """Return the report: workload, comparison, frontiers, decisions, clocks, partitions, cost."""
     plan, work, src = planned.plan, planned.work, planned.plan.source
@@ -660,7 +680,12 @@ def report_markdown(planned: WorkloadPlan, plot_name: str = "frontier.png") -> s
         f"(linear relaxation; {ev.get('cp_sat_solves', 0)} searched further by CP-SAT; "
         f"{ev.get('solves_not_proven_optimal', 0)} not proven within "
         f"{100 * planned.result.settings.solver_gap_limit:g} % of optimal; "
-        "each point's proven gap is in *Frontiers*)",
+        "each point's proven gap is in *Frontiers*)"
+        + (
+            _why_loose(len(plan.schedule), planned.result.settings)
+            if ev.get("solves_not_proven_optimal", 0)
+            else ""
+        ),
         "",
         'Apply the plan: `model = kareus.compile(model, plan="plan.json", stage=STAGE)`.',
     ]

@@ -172,6 +172,29 @@ def test_replanning_from_saved_partitions_needs_the_same_workload(planned, tmp_p
     assert "traced for another workload: seq_len 32 != 64" in capsys.readouterr().err
 
 
+def test_the_report_says_which_size_limit_left_points_unproven(planned):
+    from kareus.planner import PlannerSettings
+    from kareus.planning import plan_workload, report_markdown
+
+    _rc, out = planned
+    work = Workload(model="tiny-4l", tp=2, cp=2, pp=2, microbatch_size=4, seq_len=32)
+    work = dataclasses.replace(work, microbatches=4)  # 16 instructions
+    tight = PlannerSettings(
+        solver_gap_limit=0.0, search_max_instructions=8, dive_max_instructions=8
+    )
+    got = plan_workload(work, "a100-40gb", settings=tight, partitions=out / "partitions.json")
+    assert got.plan.evaluations["solves_not_proven_optimal"] > 0  # gap limit 0: rounding is loose
+    cost = report_markdown(got).split("## Cost of planning")[1]
+    assert "this iteration has 16 instructions" in cost
+    assert "`PlannerSettings.dive_max_instructions`" in cost
+    assert "`PlannerSettings.search_max_instructions`" in cost
+    roomy = dataclasses.replace(tight, search_max_instructions=None, dive_max_instructions=None)
+    cost = report_markdown(
+        plan_workload(work, "a100-40gb", settings=roomy, partitions=out / "partitions.json")
+    ).split("## Cost of planning")[1]
+    assert "this iteration has" not in cost
+
+
 def test_a_deadline_nothing_meets_says_what_is_achievable(planned, tmp_path, capsys):
     _rc, out = planned
     args = ["plan", *SMALL, "--cp", "2", "--pp", "2", "--quiet", "--out", str(tmp_path)]
