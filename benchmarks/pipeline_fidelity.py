@@ -29,6 +29,7 @@ import math
 import statistics
 import sys
 import time
+from typing import Any
 
 from scipy.stats import spearmanr
 
@@ -117,6 +118,29 @@ def _workload(key: tuple, recompute: str) -> Workload:
     )
 
 
+def priced(
+    key: tuple,
+    plans: dict[str, tuple[ClockPlan, float, float]],
+    method: str,
+    recompute: str,
+    evaluator: Any = None,
+) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """Price one plan set with ``kareus evaluate``: (ours, reference) time and energy pairs.
+
+    Energy is per GPU column (one GPU per stage), the reference's unit.
+    """
+    result = evaluate_clock_plans(
+        _workload(key, recompute),
+        "a100-40gb",
+        [p for p, _, _ in plans.values()],
+        method=method,
+        evaluator=evaluator,
+    )
+    times = [(c.time_s, plans[c.plan_id][1]) for c in result.plans]
+    energies = [(c.energy_per_gpu_column_j, plans[c.plan_id][2]) for c in result.plans]
+    return times, energies
+
+
 def fit_voltage_curve(recompute: str, knees: tuple[float, ...], floors: tuple[float, ...]) -> None:
     """Print, per A100 voltage knee and floor, how well the plans' energies match.
 
@@ -147,14 +171,7 @@ def fit_voltage_curve(recompute: str, knees: tuple[float, ...], floors: tuple[fl
                     plans = by_method.get(ref_method, {})
                     if not plans:
                         continue
-                    result = evaluate_clock_plans(
-                        _workload(key, recompute),
-                        "a100-40gb",
-                        [p for p, _, _ in plans.values()],
-                        method=method,
-                        evaluator=emulator,
-                    )
-                    pairs = [(c.energy_per_gpu_column_j, plans[c.plan_id][2]) for c in result.plans]
+                    _, pairs = priced(key, plans, method, recompute, emulator)
                     logs = [math.log(ours / theirs) for ours, theirs in pairs]
                     mid = statistics.median(logs)
                     sse += sum(x * x for x in logs)
@@ -196,21 +213,13 @@ def main() -> None:
     rhos = []
     for key, by_method in list(reference().items())[: args.configs]:
         tp, cp, _pp, mbs, seq, _micro = key
-        work = _workload(key, args.recompute)
         start = time.perf_counter()
         config_e: list[tuple[float, float]] = []
         for ref_method, method in METHODS.items():
             plans = by_method.get(ref_method, {})
             if not plans:
                 continue
-            result = evaluate_clock_plans(
-                work, "a100-40gb", [p for p, _, _ in plans.values()], method=method
-            )
-            t_pairs, e_pairs = [], []
-            for cost in result.plans:
-                _, ref_t, ref_e = plans[cost.plan_id]
-                t_pairs.append((cost.time_s, ref_t))
-                e_pairs.append((cost.energy_per_gpu_column_j, ref_e))
+            t_pairs, e_pairs = priced(key, plans, method, args.recompute)
             all_t += t_pairs
             all_e += e_pairs
             config_e += e_pairs
@@ -248,7 +257,11 @@ def main() -> None:
             )
         )
         wall = time.perf_counter() - start
-        print(f"priced {work.describe()} in {wall:.0f} s (measured wall time)", file=sys.stderr)
+        print(
+            f"priced {_workload(key, args.recompute).describe()} in {wall:.0f} s (measured wall "
+            "time)",
+            file=sys.stderr,
+        )
     header = (
         "config",
         "method",

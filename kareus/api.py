@@ -26,7 +26,7 @@ from kareus.config import Config
 from kareus.errors import PassError, PlanMismatchError
 from kareus.partitions import Decision
 from kareus.passes.base import PassContext, run_passes
-from kareus.passes.census import Key, as_side, census, describe, lost
+from kareus.passes.census import Key, as_side, census, collective_kind, describe, is_wait, lost
 from kareus.plan import PIPELINE_SCHEDULES, Plan
 from kareus.region import GraphRecord, Region
 from kareus.runtime.clocks import ClockController, default_controller
@@ -489,19 +489,15 @@ def _checked_partition(
     # copy of the vocab-parallel loss's max all-reduce whose result nothing reads. A
     # functional collective whose result is unused is dead on every rank alike (each runs
     # this graph), so it goes too; random ops count as pure: eager never ran these.
-    if backward.graph.eliminate_dead_code(_impure_but_dead_collectives):
+    if backward.graph.eliminate_dead_code(_impure_unless_collective):
         backward.recompile()
     return forward, backward
 
 
-def _impure_but_dead_collectives(node: fx.Node) -> bool:
+def _impure_unless_collective(node: fx.Node) -> bool:
     """DCE's test: impure nodes stay, except functional collectives and their waits."""
-    target = node.target
-    if (
-        node.op == "call_function"
-        and getattr(target, "namespace", None) == "_c10d_functional"
-        and not str(getattr(target, "_opname", "")).endswith("_")  # in-place variants stay
-    ):
+    kind = collective_kind(node)
+    if is_wait(node) or (kind is not None and not kind.endswith("_")):  # in-place ones stay
         return False
     return node.is_impure(impure_random=False)
 

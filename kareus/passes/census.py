@@ -70,14 +70,15 @@ def _ranks(name: str) -> str:
         return name
 
 
-def _is_wait(node: fx.Node) -> bool:
+def is_wait(node: fx.Node) -> bool:
+    """Return whether ``node`` waits on a functional collective (``wait_tensor``)."""
     return _qualified(node).endswith("::wait_tensor")
 
 
 def _live(node: fx.Node) -> bool:
     users = list(node.users)
     for user in users:
-        if _is_wait(user):
+        if is_wait(user):
             if user.users:
                 return True
         elif user.op == "call_function" and getattr(user.target, "__name__", "") == "getitem":

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kareus.errors import KareusError
@@ -330,9 +330,10 @@ class Relaxation:
             "initial_basis: TRIANGULAR" if primal else "use_dual_simplex: true"
         )
         status = self._lp.Solve()
-        objective = self._lp.Objective().Value
         if status == self._abnormal:
             status, objective = self._solve_afresh()
+        else:
+            objective = self._lp.Objective().Value()
         if status == self._infeasible:
             return None
         if status != self._optimal:  # pragma: no cover - a bounded feasible LP
@@ -341,9 +342,9 @@ class Relaxation:
         profile_weights = {
             g: {p: v.solution_value() for p, v in ys.items()} for g, ys in self._y.items()
         }
-        return objective(), weights, profile_weights
+        return objective, weights, profile_weights
 
-    def _solve_afresh(self) -> tuple[int, Callable[[], float]]:
+    def _solve_afresh(self) -> tuple[int, float]:
         """Solve a copy of the program from scratch and load its solution here.
 
         GLOP's dual simplex can end ABNORMAL (seen on a 113-variable program of a tiny model,
@@ -362,8 +363,7 @@ class Relaxation:
             response = linear_solver_pb2.MPSolutionResponse()
             fresh.FillSolutionResponseProto(response)
             self._lp.LoadSolutionFromProto(response)
-        value = fresh.Objective().Value()
-        return status, lambda: value
+        return status, fresh.Objective().Value()
 
 
 def _mixes(row: Sequence[tuple[Option, float]]) -> bool:
