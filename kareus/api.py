@@ -27,6 +27,13 @@ from kareus.errors import PassError, PlanMismatchError
 from kareus.partitions import Decision
 from kareus.passes.base import PassContext, run_passes
 from kareus.passes.census import Key, as_side, census, collective_kind, describe, is_wait, lost
+from kareus.passes.outline import (
+    check_no_random,
+    inline_bodies,
+    is_outlined,
+    outline_blocks,
+    tracing_bodies,
+)
 from kareus.plan import PIPELINE_SCHEDULES, Plan
 from kareus.region import GraphRecord, Region
 from kareus.runtime.clocks import ClockController, default_controller
@@ -188,6 +195,7 @@ class KareusBackend:
 
         def compiler(kind: str, g: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
             if kind == "inference":
+                inline_bodies(g)
                 _check_lowered(g, expected, "inference")
             compiled[kind] = (g, inputs, self._run_graph_passes(region, kind, g, inputs))
             planned = region.findings.get("planned")
@@ -199,12 +207,43 @@ class KareusBackend:
 
             return make_boxed_func(run)
 
-        return aot_autograd(
-            fw_compiler=functools.partial(compiler, "forward"),
-            bw_compiler=functools.partial(compiler, "backward"),
-            inference_compiler=functools.partial(compiler, "inference"),
-            partition_fn=functools.partial(_checked_partition, expected),
-        )(gm, example_inputs)
+        def lower(graph: fx.GraphModule, outlined: bool = False) -> Callable[..., Any]:
+            return aot_autograd(  # type: ignore[no-any-return]
+                fw_compiler=functools.partial(compiler, "forward"),
+                bw_compiler=functools.partial(compiler, "backward"),
+                inference_compiler=functools.partial(compiler, "inference"),
+                partition_fn=functools.partial(_checked_partition, expected, outlined=outlined),
+            )(graph, example_inputs)
+
+        once = self.config.trace_blocks_once
+        outlined, calls, shared = (
+            (gm, 0, 0)
+            if once is False
+            else outline_blocks(gm, min_calls=2 if once else AUTO_OUTLINE_CALLS)
+        )
+        if calls:
+            history = len(region.history)
+            try:
+                # The tracing context is where invoke_subgraph keeps the traced bodies.
+                with _tracing_context(), tracing_bodies(), warnings.catch_warnings():
+                    # A body's backward traced again for other gradient layouts: expected.
+                    warnings.filterwarnings("ignore", "invoke_subgraph traced multiple backward")
+                    fn = lower(outlined, outlined=True)
+            except Exception as err:
+                del region.history[history:]
+                compiled.clear()
+                region.notes.append(
+                    f"blocks traced one by one: tracing each repeated block once failed "
+                    f"({type(err).__name__}: {err})"
+                )
+                _log.info("region %d: outlined lowering failed: %s", region.index, err)
+            else:
+                region.notes.append(
+                    f"{calls} block calls traced through AOTAutograd from {shared} shared "
+                    f"bod{'y' if shared == 1 else 'ies'} (Config.trace_blocks_once)"
+                )
+                return fn
+        return lower(gm)
 
     def _plan_region(
         self,
@@ -295,12 +334,6 @@ class KareusBackend:
                 self._run_graph_passes(region, kind, g, inputs), inputs, **kwargs
             )
 
-        import contextlib
-
-        from torch._guards import TracingContext, tracing
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
         # kareus's passes run inside inner_compile, after AOTAutograd: its cache, keyed by
         # the graph before them, would skip them silently on a hit, so it stays off.
         # Inductor's FX graph cache is keyed by the graph compile_fx_inner receives, the
@@ -308,19 +341,17 @@ class KareusBackend:
         # the code generated for exactly that graph. It needs a shape environment, which a
         # region lowered per batch size (outside Dynamo's tracing context) lacks: give it
         # one (without it every graph bypassed the cache: "No shape env").
-        context = (
-            contextlib.nullcontext()
-            if TracingContext.try_get() is not None
-            else tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv())))
-        )
-        with context, torch._functorch.config.patch(enable_autograd_cache=False):
+        with (
+            _tracing_context(shape_env=True),
+            torch._functorch.config.patch(enable_autograd_cache=False),
+        ):
             return compile_fx(gm, example_inputs, inner_compile=inner)  # type: ignore[return-value]
 
     def _run_graph_passes(
         self, region: Region, kind: str, gm: fx.GraphModule, example_inputs: Sequence[Any]
     ) -> fx.GraphModule:
         """Run the pipeline on one graph; on failure keep the captured graph unless strict."""
-        record = GraphRecord(kind, gm.code, num_inputs=len(example_inputs))
+        record = GraphRecord(kind, gm, num_inputs=len(example_inputs))
         region.graphs[kind] = record
         ctx = PassContext(self.config, kind, region.findings, example_inputs)
         # The passes rewrite a copy of the graph so that a failure leaves the captured one.
@@ -343,6 +374,14 @@ class KareusBackend:
         record.final_code = out.code  # generated when the last pass that changed it ran
         return out
 
+
+AUTO_OUTLINE_CALLS = 16
+"""Calls of one block body from which tracing it once compiles faster than tracing each.
+
+Measured with ``benchmarks/compile_overhead.py``'s tiny Llama split in two nanobatches (first
+call against ``aot_eager``): at 4 layers (8 calls) tracing once costs 1.89x where tracing
+each costs 1.39x, at 8 layers (16 calls) 1.54x and 1.57x, at 16 layers 1.30x and 1.91x:
+each traced body carries a fixed cost (its schema, a backward per gradient layout)."""
 
 SPECIALISATIONS_WARNED = 8
 """Batch sizes a region is lowered for before kareus says that each new one costs a compile."""
@@ -475,13 +514,28 @@ def _check_lowered(
 
 
 def _checked_partition(
-    expected: Counter[Key], joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any
+    expected: Counter[Key],
+    joint: fx.GraphModule,
+    joint_inputs: Any,
+    *,
+    outlined: bool = False,
+    **kwargs: Any,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """AOTAutograd's default partition, after checking the joint graph's collectives."""
+    """AOTAutograd's default partition, after checking the joint graph's collectives.
+
+    With ``outlined`` (blocks lowered as ``invoke_subgraph`` calls), AOTAutograd first
+    partitions each body's joint graph: those are partitioned as they are, and the
+    region's joint graph, which calls them, is inlined before its check and partition.
+    """
     from torch._functorch.partitioners import default_partition
 
-    _check_lowered(joint, expected, "joint", joint=True)
+    if outlined and not is_outlined(joint):  # one body's joint graph
+        check_no_random(joint)
+        return default_partition(joint, joint_inputs, **kwargs)  # type: ignore[no-any-return]
+    _check_lowered(joint, expected, "joint", joint=True)  # the census counts bodies too
     forward, backward = default_partition(joint, joint_inputs, **kwargs)
+    if inline_bodies(forward, backward, recompile=False):  # the passes see flat graphs
+        forward, backward = _lazy(forward), _lazy(backward)  # code made when needed
     # The partitioner copies into the backward every forward node it can recompute from the
     # saved values and then removes dead code except collectives: the output projection
     # and FC2 of a tensor-parallel layer (with static shapes, attention too) would run
@@ -494,12 +548,38 @@ def _checked_partition(
     return forward, backward
 
 
+def _lazy(gm: fx.GraphModule) -> fx.GraphModule:
+    """Return ``gm`` as a module whose code is generated when first run or read."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    return _LazyGraphModule(gm, gm.graph, class_name=type(gm).__name__)
+
+
 def _impure_unless_collective(node: fx.Node) -> bool:
     """DCE's test: impure nodes stay, except functional collectives and their waits."""
     kind = collective_kind(node)
     if is_wait(node) or (kind is not None and not kind.endswith("_")):  # in-place ones stay
         return False
     return node.is_impure(impure_random=False)
+
+
+def _tracing_context(*, shape_env: bool = False) -> Any:
+    """Return a tracing context for AOTAutograd unless one is active (Dynamo's).
+
+    A region lowered per batch size runs outside Dynamo's: without one, ``invoke_subgraph``
+    finds no cache for traced bodies, and without a shape environment (``shape_env``)
+    Inductor's FX graph cache bypasses the graph. With one, AOTAutograd traces integer
+    inputs as symbols, so the plain lowering goes without.
+    """
+    import contextlib
+
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    if TracingContext.try_get() is not None:
+        return contextlib.nullcontext()
+    return tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv() if shape_env else None)))
 
 
 def _this_gpu() -> str | None:
@@ -517,7 +597,10 @@ def _copy_module(gm: fx.GraphModule) -> fx.GraphModule:
     Parameters and other modules are shared; bodies are copied so that a pass that changes
     one (or fails half-way) leaves the captured graph whole.
     """
-    work = fx.GraphModule(gm, _copy_graph(gm.graph), class_name=type(gm).__name__)
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    # Lazy: its code is generated when first needed, not once per copy and pass.
+    work = _LazyGraphModule(gm, _copy_graph(gm.graph), class_name=type(gm).__name__)
     for name, child in gm.named_children():
         if isinstance(child, fx.GraphModule):
             setattr(work, name, _copy_module(child))

@@ -92,6 +92,15 @@ class Config:
         "outside inputs and writes its outside outputs once (as Inductor or hand-fused "
         "kernels run them). False costs every op as eager PyTorch runs it.",
     )
+    trace_blocks_once: bool | None = _field(
+        None,
+        "None, True or False",
+        lambda v: v is None or isinstance(v, bool),
+        "Trace a repeated block through AOTAutograd once and reuse its graphs for its "
+        "siblings and nanobatch copies (codegen='python'); the graphs the passes see are "
+        "the same. None (default): when one block is called at least 16 times (8 layers "
+        "split in two), where it is faster; True: whenever blocks repeat; False: never.",
+    )
     gpu: str | None = _field(
         None,
         "None or a GPU type of kareus.hardware.GPUS (or an alias such as 'a100-40gb')",

@@ -10,17 +10,30 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch.fx as fx
+
 from kareus.passes.base import PassRecord
 
 
 @dataclasses.dataclass
 class GraphRecord:
-    """One graph of a region, as captured and as it runs."""
+    """One graph of a region, as captured and as it runs.
+
+    ``captured`` is the captured code, or the captured graph module, whose code is then
+    generated when first read (:attr:`captured_code`): only ``kareus.explain`` reads it.
+    """
 
     kind: str
-    captured_code: str
+    captured: str | fx.GraphModule
     final_code: str = ""
     num_inputs: int = 0
+
+    @property
+    def captured_code(self) -> str:
+        """The graph's code as captured."""
+        if not isinstance(self.captured, str):
+            self.captured = self.captured.code
+        return self.captured
 
 
 @dataclasses.dataclass

@@ -131,6 +131,49 @@ def test_decisions_place_issue_and_wait_and_keep_results(tp_run):
     )
 
 
+def _tp_traced_once(rank):
+    """Train the TP model with blocks traced once; the partitions of both lowerings."""
+    psets, notes = {}, {}
+    histories = []
+    for once in (False, True):
+        holder = {}
+
+        def make():
+            torch.manual_seed(0)
+            return Llama(CFG, tp_group=dist.group.WORLD)
+
+        def comp(m, once=once, holder=holder):
+            holder["c"] = kareus.compile(m, strict=True, trace_blocks_once=once)
+            return holder["c"]
+
+        ref, got = compare_training(make, comp, token_batches(2, 6, 16, 128), resync=True)
+        region = kareus.explain(holder["c"]).regions[0]
+        psets[once], notes[once] = region.findings["cut_partitions"].to_json(), region.notes
+        histories.append((ref, got))
+    return histories, psets, notes
+
+
+def _partition_shapes(pset_json):
+    from kareus.partitions import PartitionSet
+
+    pset = PartitionSet.from_json(pset_json)
+    return sorted(
+        (p.instruction, p.nanobatch, pset.types[p.type_key].describe(), len(p.compute))
+        for p in pset.partitions
+    )
+
+
+def test_tp_blocks_traced_once_keep_every_collective_and_result():
+    for histories, psets, notes in run_ranks(_tp_traced_once):
+        for ref, got in histories:
+            assert_same_history(ref, got)
+        # The autograd.Function collectives inside the bodies survive: the same partitions
+        # (of the same types, collectives and sizes; node names differ).
+        assert _partition_shapes(psets[True]) == _partition_shapes(psets[False])
+        assert any("block calls traced" in n for n in notes[True]), notes[True]
+        assert not any("one by one" in n for n in notes[True]), notes[True]
+
+
 def test_graph_without_collectives_has_no_partitions():
     model = Llama(CFG)
     compiled = kareus.compile(model, strict=True)

@@ -1,0 +1,223 @@
+"""Tracing each repeated block through AOTAutograd once (``Config.trace_blocks_once``).
+
+The outlined lowering must be invisible: the graphs the passes see hold the same ops, and
+training computes bitwise the same losses and gradients as the lowering that traces every
+op. Where it cannot apply (random ops, in-place writes) the region is lowered as before.
+"""
+
+import collections
+import copy
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+
+import kareus
+import kareus.passes
+from kareus.models import PRESETS, Llama
+from kareus.passes.base import GraphPass, PassResult, same_structure, structure
+from kareus.passes.outline import outline_blocks
+from kareus.testing import compare_training, token_batches
+
+# Odd batches split 2/3 (operands of the two nanobatches differ): calls share a trace only
+# where it is valid for both.
+BATCHES = [b for size in (8, 5) for b in token_batches(1, size, 16, 128, seed=size)]
+
+
+class Grab(GraphPass):
+    """Keep the forward and backward graphs the passes receive (the first of each kind)."""
+
+    name = "grab"
+    graphs = frozenset({"forward", "backward"})
+
+    def __init__(self):
+        self.ops: dict[str, collections.Counter] = {}
+
+    def run(self, gm, ctx):
+        self.ops.setdefault(
+            ctx.graph,
+            collections.Counter(
+                str(n.target) for n in gm.graph.nodes if n.op not in ("placeholder", "output")
+            ),
+        )
+        return PassResult(gm, False)
+
+
+@pytest.fixture
+def grab(monkeypatch):
+    def make():
+        g = Grab()
+        monkeypatch.setattr(kareus.passes, "PIPELINE", (g, *kareus.passes.PIPELINE))
+        return g
+
+    return make
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return Llama(PRESETS["tiny-4l"])
+
+
+def _train(once, grab, batches=BATCHES, make=_tiny, **cfg):
+    g = grab()
+    holder = {}
+
+    def comp(m):
+        holder["c"] = kareus.compile(m, trace_blocks_once=once, strict=True, **cfg)
+        return holder["c"]
+
+    _ref, got = compare_training(make, comp, batches, resync=True)
+    return got, kareus.explain(holder["c"]).regions[0], g.ops
+
+
+def _assert_bitwise(a, b):
+    for la, lb in zip(a.losses, b.losses, strict=True):
+        assert torch.equal(la, lb), (la.item(), lb.item())
+    for ga, gb in zip(a.grads, b.grads, strict=True):
+        assert ga.keys() == gb.keys()
+        for name in ga:
+            assert torch.equal(ga[name], gb[name]), name
+
+
+def test_blocks_traced_once_train_bitwise_as_traced_op_by_op(grab):
+    flat, flat_region, flat_ops = _train(False, grab, nanobatches=2)
+    once, region, ops = _train(True, grab, nanobatches=2)
+    _assert_bitwise(flat, once)
+    # 4 layers x 2 nanobatches, one shared body (per operand shapes, one trace each).
+    assert any("8 block calls traced" in n for n in region.notes), region.notes
+    assert not any("one by one" in n for n in region.notes), region.notes
+    assert not any("block calls" in n for n in flat_region.notes)
+    # The passes saw the same ops (inlined, none left as calls).
+    for kind in ("forward", "backward"):
+        assert ops[kind] == flat_ops[kind], kind
+        assert not any("invoke_subgraph" in t for t in ops[kind])
+    blocks = region.findings["find_blocks"]
+    assert blocks.split == [f"layers.{i}" for i in range(4)]
+    # Every inlined node is tagged as the call that ran it (a backward call as the forward
+    # call it differentiates): each block copy spans as many nodes as traced op by op, in
+    # the last lowering (batch 5) too.
+    flat_blocks = flat_region.findings["find_blocks"]
+    for kind in ("forward", "backward"):
+        assert set(blocks.spans[kind]) == {f"layers.{i}" for i in range(4)}
+        assert _sizes(blocks.spans[kind]) == _sizes(flat_blocks.spans[kind]), kind
+
+
+def _sizes(spans):
+    return {block: {nb: len(names) for nb, names in s.items()} for block, s in spans.items()}
+
+
+def test_whole_blocks_are_traced_once_too_and_inference_is_inlined(grab):
+    flat, _r, _o = _train(False, grab, nanobatches=1)
+    once, region, _ops = _train(True, grab, nanobatches=1)
+    _assert_bitwise(flat, once)
+    assert any("4 block calls traced" in n for n in region.notes), region.notes
+    torch.manual_seed(0)
+    model = Llama(PRESETS["tiny-4l"])
+    ids = token_batches(1, 4, 16, 128)[0][0]
+    compiled = kareus.compile(copy.deepcopy(model), nanobatches=2, trace_blocks_once=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(ids), model(ids))
+    report = kareus.explain(compiled)
+    assert "invoke_subgraph" not in report.graph("inference")
+
+
+class DropoutBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return x + self.drop(torch.relu(self.lin(x)))
+
+
+class CountingBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return x + torch.relu(self.lin(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, block, n=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(block() for _ in range(n))
+
+    def forward(self, x):
+        for blk in self.blocks:
+            x = blk(x)
+        return x.pow(2).mean()
+
+
+def _stack_losses(block, once):
+    torch.manual_seed(0)
+    model = Stack(block)
+    compiled = kareus.compile(model, nanobatches=1, trace_blocks_once=once)
+    losses = []
+    for step in range(2):
+        torch.manual_seed(100 + step)  # the same random stream for both lowerings
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
+        loss = compiled(x)
+        loss.backward()
+        losses.append(loss.detach())
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return losses, grads, kareus.explain(compiled).regions[0].notes, model
+
+
+def test_a_block_that_draws_random_numbers_is_traced_op_by_op():
+    flat_losses, flat_grads, _notes, _m = _stack_losses(DropoutBlock, False)
+    losses, grads, notes, _m = _stack_losses(DropoutBlock, True)
+    assert any("traced one by one" in n and "random" in n for n in notes), notes
+    for a, b in zip(flat_losses, losses, strict=True):
+        assert torch.equal(a, b)
+    for name in flat_grads:
+        assert torch.equal(flat_grads[name], grads[name]), name
+
+
+def test_a_block_that_writes_in_place_is_not_outlined():
+    flat_losses, _g, _n, flat_model = _stack_losses(CountingBlock, False)
+    losses, _g, notes, model = _stack_losses(CountingBlock, True)
+    assert not any("block calls" in n or "one by one" in n for n in notes), notes
+    assert [torch.equal(a, b) for a, b in zip(flat_losses, losses, strict=True)] == [True] * 2
+    assert all(torch.equal(b.calls, torch.tensor(2.0)) for b in model.blocks)
+    assert all(torch.equal(b.calls, torch.tensor(2.0)) for b in flat_model.blocks)
+
+
+def test_outlining_needs_min_calls_and_computes_the_same():
+    class Tagged(nn.Module):
+        def forward(self, x, w):
+            for _ in range(3):
+                x = torch.tanh(x @ w) + x
+            return x
+
+    from kareus.passes.tags import NodeTag, set_tag
+
+    gm = fx.symbolic_trace(Tagged())
+    block = -1
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is operator.matmul:
+            block += 1
+        if node.op == "call_function":
+            set_tag(node, NodeTag(f"layers.{block}"))
+    assert outline_blocks(gm, min_calls=4)[1] == 0  # three calls: below the threshold
+    out, calls, bodies = outline_blocks(gm, min_calls=3)
+    assert (calls, bodies) == (3, 1)
+    assert sum(n.op == "call_function" for n in out.graph.nodes) == 3 + 3  # calls, getitems
+    x, w = torch.randn(2, 4), torch.randn(4, 4)
+    assert torch.equal(out(x, w), gm(x, w))
+
+
+def test_same_structure_sees_a_rewired_argument_and_not_an_untouched_graph():
+    gm = fx.symbolic_trace(nn.Sequential(nn.ReLU(), nn.Tanh(), nn.Sigmoid()))
+    before = structure(gm.graph)
+    assert same_structure(structure(gm.graph), before)
+    nodes = list(gm.graph.nodes)
+    relu, tanh, sigmoid = nodes[1], nodes[2], nodes[3]
+    sigmoid.replace_input_with(tanh, relu)  # same ops, one argument rewired
+    assert not same_structure(structure(gm.graph), before)
