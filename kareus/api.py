@@ -195,6 +195,7 @@ class KareusBackend:
 
         def compiler(kind: str, g: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
             if kind == "inference":
+                check_no_random(g, bodies_only=True)
                 inline_bodies(g)
                 _check_lowered(g, expected, "inference")
             compiled[kind] = (g, inputs, self._run_graph_passes(region, kind, g, inputs))

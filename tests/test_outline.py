@@ -221,3 +221,40 @@ def test_same_structure_sees_a_rewired_argument_and_not_an_untouched_graph():
     relu, tanh, sigmoid = nodes[1], nodes[2], nodes[3]
     sigmoid.replace_input_with(tanh, relu)  # same ops, one argument rewired
     assert not same_structure(structure(gm.graph), before)
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+def _symbolic_losses(once):
+    torch.manual_seed(0)
+    model = Stack(ResidualBlock, n=4)
+    compiled = kareus.compile(model, nanobatches=2, trace_blocks_once=once, dynamic=True)
+    losses, grads = [], []
+    for seq in (5, 7, 3):  # the sequence varies too: lowered once, with symbolic sizes
+        x = torch.randn(6, seq, 8, generator=torch.Generator().manual_seed(seq))
+        loss = compiled(x)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        model.zero_grad()
+    report = kareus.explain(compiled)
+    return losses, grads, [n for r in report.regions for n in r.notes], report
+
+
+def test_a_region_lowered_symbolically_traces_blocks_once_for_every_shape():
+    flat_losses, flat_grads, _notes, _r = _symbolic_losses(False)
+    losses, grads, notes, report = _symbolic_losses(True)
+    assert len(report.regions) == 1 and report.regions[0].findings["find_blocks"].split
+    assert any("8 block calls traced" in n for n in notes), notes
+    assert not any("lowered again" in n for n in notes), notes
+    for a, b in zip(flat_losses, losses, strict=True):
+        assert torch.equal(a, b)
+    for ga, gb in zip(flat_grads, grads, strict=True):
+        assert all(torch.equal(ga[n], gb[n]) for n in ga)

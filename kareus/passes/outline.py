@@ -126,6 +126,11 @@ def _occurrence(
                     getattr(gm, str(arg.target), None), fx.GraphModule
                 ):
                     return None
+                value = arg.meta.get("example_value")
+                if arg.op != "get_attr" and not isinstance(
+                    value, (torch.Tensor, int, torch.SymInt, type(None))
+                ):
+                    return None  # invoke_subgraph takes tensors and integers only
                 seen.add(arg)
                 inputs.append(arg)
     last = position[nodes[-1]]
@@ -327,14 +332,18 @@ def inline_bodies(*graphs: fx.GraphModule, recompile: bool = True) -> int:
     return count
 
 
-def check_no_random(joint: fx.GraphModule) -> None:
-    """Raise :class:`OutlineError` when a body's joint graph draws random numbers.
+def check_no_random(gm: fx.GraphModule, *, bodies_only: bool = False) -> None:
+    """Raise :class:`OutlineError` when ``gm`` (``bodies_only``: a body it calls) is random.
 
     Partitioning a body on its own could recompute a random op in the backward (drawing
-    again); the region is then lowered without outlining, as the split handles such ops.
+    again), and draws inlined where a call stood could come in another order than traced
+    op by op; the region is then lowered without outlining.
     """
-    for node in joint.graph.nodes:
-        if _is_random(node):
+    for node in gm.graph.nodes:
+        if bodies_only:
+            if _is_call(node):
+                check_no_random(getattr(gm, str(node.args[0].target)))  # type: ignore[union-attr]
+        elif _is_random(node):
             raise OutlineError(
                 f"a block draws random numbers ({node.target}): traced without outlining"
             )
