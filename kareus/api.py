@@ -34,6 +34,7 @@ from kareus.passes.outline import (
     outline_blocks,
     tracing_bodies,
 )
+from kareus.passes.subgraphs import copy_graph
 from kareus.plan import PIPELINE_SCHEDULES, Plan
 from kareus.region import GraphRecord, Region
 from kareus.runtime.clocks import ClockController, default_controller
@@ -379,10 +380,11 @@ class KareusBackend:
 AUTO_OUTLINE_CALLS = 16
 """Calls of one block body from which tracing it once compiles faster than tracing each.
 
-Measured with ``benchmarks/compile_overhead.py``'s tiny Llama split in two nanobatches (first
-call against ``aot_eager``): at 4 layers (8 calls) tracing once costs 1.89x where tracing
-each costs 1.39x, at 8 layers (16 calls) 1.54x and 1.57x, at 16 layers 1.30x and 1.91x:
-each traced body carries a fixed cost (its schema, a backward per gradient layout)."""
+Each traced body carries a fixed cost (its schema, a backward per gradient layout), so a
+few calls compile faster traced op by op. First call against ``aot_eager`` of the tiny
+Llama split in two nanobatches, tracing once and tracing each (fresh processes, 2 cores): 4
+layers (8 calls) 1.89x and 1.39x, 8 layers (16 calls) 1.54x and 1.57x, 16 layers 1.30x and
+1.91x; ``python benchmarks/compile_overhead.py --presets tiny-8l``: 1.49x and 1.50x."""
 
 SPECIALISATIONS_WARNED = 8
 """Batch sizes a region is lowered for before kareus says that each new one costs a compile."""
@@ -525,8 +527,10 @@ def _checked_partition(
     """AOTAutograd's default partition, after checking the joint graph's collectives.
 
     With ``outlined`` (blocks lowered as ``invoke_subgraph`` calls), AOTAutograd first
-    partitions each body's joint graph: those are partitioned as they are, and the
-    region's joint graph, which calls them, is inlined before its check and partition.
+    partitions each body's joint graph (as it is: a body that draws random numbers ends
+    the outlined lowering), then the region's, whose calls pass each forward body's saved
+    values to its backward body; the census counts the bodies' collectives. The forward and
+    backward graphs are inlined before they are returned: kareus's passes see flat graphs.
     """
     from torch._functorch.partitioners import default_partition
 
@@ -601,19 +605,11 @@ def _copy_module(gm: fx.GraphModule) -> fx.GraphModule:
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
     # Lazy: its code is generated when first needed, not once per copy and pass.
-    work = _LazyGraphModule(gm, _copy_graph(gm.graph), class_name=type(gm).__name__)
+    work = _LazyGraphModule(gm, copy_graph(gm.graph), class_name=type(gm).__name__)
     for name, child in gm.named_children():
         if isinstance(child, fx.GraphModule):
             setattr(work, name, _copy_module(child))
     return work
-
-
-def _copy_graph(graph: fx.Graph) -> fx.Graph:
-    new = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
-    out = new.graph_copy(graph, {})
-    new.output(out)
-    new._codegen = graph._codegen
-    return new
 
 
 default_backend = KareusBackend()

@@ -138,6 +138,7 @@ PRESETS: dict[str, LlamaConfig] = {
     # Tiny shapes for tests and examples.
     "tiny": LlamaConfig(),
     "tiny-4l": LlamaConfig(num_layers=4, hidden_size=64, intermediate_size=128),
+    "tiny-8l": LlamaConfig(num_layers=8, hidden_size=64, intermediate_size=128),
     "tiny-16l": LlamaConfig(num_layers=16, hidden_size=64, intermediate_size=128),
     "tiny-qwen3": LlamaConfig(qk_norm=True, tie_embeddings=True),
 }

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from kareus.passes.subgraphs import copy_graph
 from kareus.passes.tags import NodeTag, get_tag, set_tag
 
 _COMPUTE = frozenset({"call_function", "call_method"})
@@ -74,7 +75,7 @@ def outline_blocks(gm: fx.GraphModule, min_calls: int = 2) -> tuple[fx.GraphModu
     candidates = [c for c in candidates if shared[c[-1]] >= max(min_calls, 2)]
     if not candidates:
         return gm, 0, 0
-    out = fx.GraphModule(gm, _copy(gm.graph), class_name=type(gm).__name__)
+    out = fx.GraphModule(gm, copy_graph(gm.graph), class_name=type(gm).__name__)
     names = {n.name: n for n in out.graph.nodes}
     bodies: dict[str, str] = {}
     for tag, nodes, inputs, outputs, key in candidates:
@@ -275,13 +276,6 @@ def _body(
         env[node] = graph.node_copy(node, lambda a: env[a])
     graph.output(tuple(env[n] for n in outputs))
     return fx.GraphModule(root, graph)
-
-
-def _copy(graph: fx.Graph) -> fx.Graph:
-    new = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
-    new.output(new.graph_copy(graph, {}))
-    new._codegen = graph._codegen
-    return new
 
 
 def is_outlined(gm: fx.GraphModule) -> bool:

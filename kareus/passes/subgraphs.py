@@ -1,7 +1,8 @@
 """The bodies of higher-order ops, read by the census, the split and block finding.
 
-They are the graphs an ``autograd_function_apply``, a checkpoint or a ``wrap`` node calls,
-which fx passes to them as ``get_attr`` arguments.
+They are the graphs an ``autograd_function_apply``, a checkpoint, a ``wrap`` or an
+``invoke_subgraph`` node calls, which fx passes to them as ``get_attr`` arguments. Also the
+graph copy the compiler and the outlining make.
 """
 
 from __future__ import annotations
@@ -21,3 +22,11 @@ def bodies(node: fx.Node) -> list[tuple[fx.Node, fx.GraphModule]]:
             if isinstance(sub, fx.GraphModule):
                 out.append((arg, sub))
     return out
+
+
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """Return a copy of ``graph`` (nodes, metadata and code generator; no module)."""
+    new = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
+    new.output(new.graph_copy(graph, {}))
+    new._codegen = graph._codegen
+    return new
