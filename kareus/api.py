@@ -344,7 +344,7 @@ class KareusBackend:
         # region lowered per batch size (outside Dynamo's tracing context) lacks: give it
         # one (without it every graph bypassed the cache: "No shape env").
         with (
-            _tracing_context(shape_env=True),
+            _tracing_context(static_inputs=example_inputs),
             torch._functorch.config.patch(enable_autograd_cache=False),
         ):
             return compile_fx(gm, example_inputs, inner_compile=inner)  # type: ignore[return-value]
@@ -568,23 +568,38 @@ def _impure_unless_collective(node: fx.Node) -> bool:
     return node.is_impure(impure_random=False)
 
 
-def _tracing_context(*, shape_env: bool = False) -> Any:
+def _tracing_context(static_inputs: Sequence[Any] | None = None) -> Any:
     """Return a tracing context for AOTAutograd unless one is active (Dynamo's).
 
     A region lowered per batch size runs outside Dynamo's: without one, ``invoke_subgraph``
-    finds no cache for traced bodies, and without a shape environment (``shape_env``)
-    Inductor's FX graph cache bypasses the graph. With one, AOTAutograd traces integer
-    inputs as symbols, so the plain lowering goes without.
+    finds no cache for traced bodies. With ``static_inputs`` the context also has a shape
+    environment, without which Inductor's FX graph cache bypasses the graph; AOTAutograd
+    would then give every input size a symbol, so those of ``static_inputs`` are declared
+    static (lowered per batch size, as without the environment).
     """
     import contextlib
 
+    from torch._dynamo.source import LocalSource
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatefulSymbolicContext,
+    )
 
     if TracingContext.try_get() is not None:
         return contextlib.nullcontext()
-    return tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv() if shape_env else None)))
+    if static_inputs is None:
+        return tracing(TracingContext(FakeTensorMode()))
+    context = TracingContext(FakeTensorMode(shape_env=ShapeEnv()))
+    for i, value in enumerate(static_inputs):
+        if isinstance(value, torch.Tensor):
+            context.tensor_to_context[value] = StatefulSymbolicContext(
+                dynamic_sizes=[DimDynamic.STATIC] * value.dim(),
+                tensor_source=LocalSource(f"kareus_input_{i}"),
+            )
+    return tracing(context)
 
 
 def _this_gpu() -> str | None:

@@ -188,6 +188,23 @@ print(json.dumps({"loss": loss.item(), "passes": len(region.history), **counters
 """
 
 
+def test_inductor_lowers_a_split_region_with_static_sizes(monkeypatch):
+    # The shape environment Inductor's cache needs must not make the sizes symbolic: a
+    # region is lowered once per batch size, with the sizes it runs at (symbolic, the
+    # first call took 5x as long).
+    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+    torch.manual_seed(0)
+    model = Llama(PRESETS["tiny"])
+    ids = torch.randint(0, 128, (8, 16))
+    compiled = kareus.compile(copy.deepcopy(model), codegen="inductor", nanobatches=2)
+    loss = compiled(ids, ids)
+    loss.backward()
+    assert torch.equal(loss, model(ids, ids))
+    report = kareus.explain(compiled)
+    for kind in ("forward", "backward"):
+        assert "sym_size" not in report.graph(kind, captured=True), kind
+
+
 @pytest.mark.slow
 def test_a_second_process_reuses_inductors_code_for_kareus_graphs(tmp_path):
     # Inductor's FX graph cache keys each graph after kareus's passes ran on it, so a
