@@ -553,11 +553,11 @@ def _checked_partition(
     return forward, backward
 
 
-def _lazy(gm: fx.GraphModule) -> fx.GraphModule:
-    """Return ``gm`` as a module whose code is generated when first run or read."""
+def _lazy(gm: fx.GraphModule, graph: fx.Graph | None = None) -> fx.GraphModule:
+    """Return ``gm`` (with ``graph``) as a module whose code is made when first run or read."""
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
-    return _LazyGraphModule(gm, gm.graph, class_name=type(gm).__name__)
+    return _LazyGraphModule(gm, gm.graph if graph is None else graph, class_name=type(gm).__name__)
 
 
 def _impure_unless_collective(node: fx.Node) -> bool:
@@ -617,10 +617,7 @@ def _copy_module(gm: fx.GraphModule) -> fx.GraphModule:
     Parameters and other modules are shared; bodies are copied so that a pass that changes
     one (or fails half-way) leaves the captured graph whole.
     """
-    from torch.fx._lazy_graph_module import _LazyGraphModule
-
-    # Lazy: its code is generated when first needed, not once per copy and pass.
-    work = _LazyGraphModule(gm, copy_graph(gm.graph), class_name=type(gm).__name__)
+    work = _lazy(gm, copy_graph(gm.graph))  # code made when needed, not per copy and pass
     for name, child in gm.named_children():
         if isinstance(child, fx.GraphModule):
             setattr(work, name, _copy_module(child))

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from kareus.passes.subgraphs import copy_graph
+from kareus.passes.per_sample import writes_in_place
+from kareus.passes.subgraphs import bodies, copy_graph
 from kareus.passes.tags import NodeTag, get_tag, set_tag
 
 _COMPUTE = frozenset({"call_function", "call_method"})
@@ -68,23 +69,20 @@ def outline_blocks(gm: fx.GraphModule, min_calls: int = 2) -> tuple[fx.GraphModu
         found = _occurrence(nodes, position, gm)
         if found is not None:
             candidates.append((tag, *found))
-    by_key: dict[str, int] = {}
-    for _tag, _nodes, _inputs, _outputs, key in candidates:
-        by_key.setdefault(key, len(by_key))
     shared = collections.Counter(key for *_, key in candidates)
     candidates = [c for c in candidates if shared[c[-1]] >= max(min_calls, 2)]
     if not candidates:
         return gm, 0, 0
     out = fx.GraphModule(gm, copy_graph(gm.graph), class_name=type(gm).__name__)
     names = {n.name: n for n in out.graph.nodes}
-    bodies: dict[str, str] = {}
+    attrs: dict[str, str] = {}  # structural key -> the body's attribute
     for tag, nodes, inputs, outputs, key in candidates:
         local = [names[n.name] for n in nodes]
         ins = [names[n.name] for n in inputs if n.op != "get_attr"]  # bodies live inside
         outs = [names[n.name] for n in outputs]
-        attr = bodies.get(key)
+        attr = attrs.get(key)
         if attr is None:
-            attr = bodies[key] = f"{_PREFIX}{by_key[key]}"
+            attr = attrs[key] = f"{_PREFIX}{len(attrs)}"
             out.register_module(attr, _body(out, local, [names[n.name] for n in inputs], outs))
         with out.graph.inserting_after(local[-1]):
             getter = out.graph.get_attr(attr)
@@ -104,7 +102,7 @@ def outline_blocks(gm: fx.GraphModule, min_calls: int = 2) -> tuple[fx.GraphModu
             out.graph.erase_node(node)
     out.graph.lint()
     out.recompile()
-    return out, len(candidates), len(bodies)
+    return out, len(candidates), len(attrs)
 
 
 def _occurrence(
@@ -115,7 +113,7 @@ def _occurrence(
     None when the nodes cannot become one call placed where their last node is: a value
     they produce is used before that point, or they use a module the body cannot carry.
     """
-    if any(_mutates(n, gm) for n in nodes):
+    if any(_mutates(n) for n in nodes):
         return None  # AOTAutograd cannot train through a body that writes its inputs
     inside = set(nodes)
     inputs: list[fx.Node] = []
@@ -146,21 +144,24 @@ def _occurrence(
         return None
     index = {n: ("in", i) for i, n in enumerate(inputs)}
     index.update({n: ("op", i) for i, n in enumerate(nodes)})
-    parts: list[tuple[Any, ...]] = []
-    for n in inputs:
-        if n.op == "get_attr":  # a higher-order op's body: part of the structure
-            parts.append(("body", _structure(getattr(gm, str(n.target)))))
-    for n in nodes:
-        parts.append(
-            (
-                n.op,
-                n.target,
-                fx.node.map_arg(n.args, lambda a: index[a]),
-                fx.node.map_arg(n.kwargs, lambda a: index[a]),
-            )
-        )
+    parts: list[tuple[Any, ...]] = [
+        ("body", _structure(getattr(gm, str(n.target))))  # a higher-order op's body
+        for n in inputs
+        if n.op == "get_attr"
+    ]
+    parts += [_node_key(n, index) for n in nodes]
     parts.append(("out", tuple(index[n] for n in outputs)))
     return nodes, inputs, outputs, repr(parts)
+
+
+def _node_key(node: fx.Node, index: dict[fx.Node, Any]) -> tuple[Any, ...]:
+    """Return what ``node`` computes, its arguments named by position (``index``)."""
+    return (
+        node.op,
+        node.target,
+        fx.node.map_arg(node.args, lambda a: index[a]),
+        fx.node.map_arg(node.kwargs, lambda a: index[a]),
+    )
 
 
 def call_body(body: fx.GraphModule, name: str, *operands: Any) -> Any:
@@ -189,30 +190,13 @@ def _signature(value: Any) -> Any:
     return (type(value).__name__, str(value))
 
 
-def _mutates(node: fx.Node, owner: fx.GraphModule) -> bool:
+def _mutates(node: fx.Node) -> bool:
     """Return whether ``node`` (or a body it calls) may write a tensor in place."""
-    target = node.target
-    name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    if node.kwargs.get("inplace") is True or "out" in node.kwargs:
+    if writes_in_place(node):
         return True
-    if name.endswith("_") and not name.startswith("__"):
-        return True
-    if target in _IN_PLACE_OPERATORS:
-        return True
-    for arg in node.all_input_nodes:
-        body = getattr(owner, str(arg.target), None) if arg.op == "get_attr" else None
-        if isinstance(body, fx.GraphModule) and any(
-            _mutates(n, body) for n in body.graph.nodes if n.op in _COMPUTE
-        ):
-            return True
-    return False
-
-
-_IN_PLACE_OPERATORS = frozenset(
-    getattr(operator, name)
-    for name in dir(operator)
-    if name.startswith("i") and name.removeprefix("i") in dir(operator) and name != "index"
-)
+    return any(
+        _mutates(n) for _arg, body in bodies(node) for n in body.graph.nodes if n.op in _COMPUTE
+    )
 
 
 @contextlib.contextmanager
@@ -236,24 +220,13 @@ def tracing_bodies() -> Iterator[None]:
 
 def _structure(body: fx.GraphModule) -> str:
     """Return what a higher-order op's body computes; equal only for interchangeable bodies."""
-    index = {n: i for i, n in enumerate(body.graph.nodes)}
+    index: dict[fx.Node, Any] = {n: i for i, n in enumerate(body.graph.nodes)}
     parts = []
     for n in body.graph.nodes:
         held = getattr(body, str(n.target), None) if n.op == "get_attr" else None
-        parts.append(
-            (
-                n.op,
-                n.target,
-                fx.node.map_arg(n.args, lambda a: index[a]),
-                fx.node.map_arg(n.kwargs, lambda a: index[a]),
-                # A body that holds a value (not a graph) is shared only with itself.
-                None
-                if held is None
-                else _structure(held)
-                if isinstance(held, fx.GraphModule)
-                else id(held),
-            )
-        )
+        # A body that holds a value (not a graph) is shared only with itself.
+        kept = _structure(held) if isinstance(held, fx.GraphModule) else id(held)
+        parts.append((*_node_key(n, index), None if held is None else kept))
     return repr(parts)
 
 
@@ -264,13 +237,14 @@ def _body(
     graph = fx.Graph()
     root = torch.nn.Module()
     env: dict[fx.Node, fx.Node] = {}
+    operands = itertools.count()
     for node in inputs:
         if node.op == "get_attr":
             name = str(node.target)
             root.add_module(name, getattr(owner, name))
             env[node] = graph.get_attr(name)
         else:
-            env[node] = graph.placeholder(f"arg{len(graph.find_nodes(op='placeholder'))}")
+            env[node] = graph.placeholder(f"arg{next(operands)}")
         env[node].meta = dict(node.meta)
     for node in nodes:
         env[node] = graph.node_copy(node, lambda a: env[a])

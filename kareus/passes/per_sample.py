@@ -24,6 +24,7 @@ op's name as the reason. :func:`why_not_per_sample` returns that reason, or "".
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -244,6 +245,24 @@ def op_name(node: fx.Node) -> str:
         return str(schema.name).split("::")[-1]
     name = getattr(target, "__name__", None) or getattr(target, "_name", None)
     return str(name or target)
+
+
+_IN_PLACE_OPERATORS = frozenset(
+    {"setitem"}
+    | {n for n in dir(operator) if n.startswith("i") and n[1:] in dir(operator) and n != "index"}
+)
+
+
+def writes_in_place(node: fx.Node) -> bool:
+    """Return whether ``node`` may write one of its arguments in place.
+
+    By name (``add_``, ``copy_``; ``setitem``, ``iadd`` and the other augmented
+    assignments) or by argument (``inplace=True``, ``out=``).
+    """
+    name = op_name(node)
+    if name.endswith("_") and not name.endswith("__"):
+        return True
+    return name in _IN_PLACE_OPERATORS or node.kwargs.get("inplace") is True or "out" in node.kwargs
 
 
 def batch_dim_of(value: Any, sym: Any) -> int | str | None:

@@ -36,7 +36,7 @@ import torch.fx as fx
 from kareus.passes.base import GraphPass, PassContext, PassResult
 from kareus.passes.census import census
 from kareus.passes.find_blocks import BlockSet
-from kareus.passes.per_sample import op_name, why_not_per_sample
+from kareus.passes.per_sample import op_name, why_not_per_sample, writes_in_place
 from kareus.passes.tags import NodeTag, set_tag
 
 _RANDOM = frozenset(
@@ -283,7 +283,7 @@ def _unsafe_op(nodes: list[fx.Node], inside: set[fx.Node], sym: Any, allow_rando
                 f"{node.name} ({name}) draws random numbers, whose stream would change; set "
                 "Config(allow_random_split=True) to split anyway, or disable dropout"
             )
-        if (name.endswith("_") and not name.endswith("__")) or name in ("setitem", "iadd"):
+        if writes_in_place(node):
             target = node.args[0] if node.args else None
             if isinstance(target, fx.Node) and target not in inside:
                 return (
