@@ -127,11 +127,12 @@ class PartitionSet:
     Attributes:
         partitions: every partition, in execution order per instruction.
         types: the partition types by key.
-        other: per instruction, the compute outside partitions and outside split blocks
-            (embedding, head, loss, blocks left whole) at full cost.
-        block_other: per instruction and split block, the block's compute outside its
-            partitions (the sum of the two nanobatches' weight gradients; the last block's
-            residual tail). Kept per block so that counting repeated layers counts it too.
+        other: per instruction, the compute outside partitions and outside blocks
+            (embedding, head, loss; a stage whose layers are not found as blocks).
+        block_other: per instruction and block, the block's compute outside partitions (a
+            split block's weight gradients of both nanobatches and the last one's residual
+            tail; a block left whole entirely). Kept per block so that counting repeated
+            layers counts it too.
         exposed: per instruction, collectives that overlap no compute.
         notes: why a graph has no partitions.
         recompute: per instruction, compute it re-runs for activation recompute (the
@@ -153,29 +154,42 @@ class PartitionSet:
     def recomputed(self, mode: str) -> PartitionSet:
         """Return a copy whose backward re-runs forward work, as activation recompute does.
 
-        ``full``: every forward op (partitions and outside them) and every forward
-        collective; ``selective``: the forward's attention ops only; ``none``: nothing. The
-        re-run work is kept apart from the rest (:attr:`recompute`), run without overlap at
-        the backward's clock; applying a mode twice gives the same set.
+        ``full``: the layers' forward, as Megatron-LM's full recompute checkpoints each
+        transformer layer: every op of the forward's partitions and of its blocks outside
+        them (:attr:`block_other`), and the partitions' collectives; the embedding, head and
+        loss (:attr:`other`) are not re-run. A forward with no layer blocks found (a stage of
+        one layer) re-runs all of its forward, collectives included: kareus cannot tell its
+        layer from the rest there, and says so in :attr:`notes`. ``selective``: the attention
+        ops only; ``none``: nothing. The re-run work is kept apart from the rest
+        (:attr:`recompute`), run without overlap at the backward's clock; applying a mode
+        twice gives the same set.
         """
-        forward = [p for p in self.partitions if p.instruction == "forward"]
-        ops = tuple(o for p in forward for slot in p.slots for o in slot.ops) + self.outside(
-            "forward"
-        )
-        colls: tuple[CollectiveCost, ...] = ()
-        if mode == "full":
-            overlapped = [self.types[p.type_key].collective for p in forward]
-            colls = tuple(c for c in overlapped if c is not None) + self.exposed.get("forward", ())
-        elif mode == "selective":
-            ops = tuple(o for o in ops if o.op_class == "attention")
-        elif mode == "none":
-            ops = ()
-        else:
+        if mode not in ("none", "full", "selective"):
             raise ValueError(f"recompute={mode!r} must be none, full or selective")
+        forward = [p for p in self.partitions if p.instruction == "forward"]
+        blocks = self.block_other.get("forward", {})
+        ops = tuple(o for p in forward for slot in p.slots for o in slot.ops) + tuple(
+            o for block_ops in blocks.values() for o in block_ops
+        )
+        overlapped = [self.types[p.type_key].collective for p in forward]
+        colls = tuple(c for c in overlapped if c is not None)
+        notes = {k: v for k, v in self.notes.items() if k != "recompute"}
+        if not ops:  # no layer blocks found: the whole forward
+            ops, colls = self.other.get("forward", ()), self.exposed.get("forward", ())
+            if mode == "full" and ops:
+                notes["recompute"] = (
+                    "no layer blocks found in the forward: its whole forward (embedding, head "
+                    "and loss included) is re-run"
+                )
+        if mode == "selective":
+            ops, colls = tuple(o for o in ops if o.op_class == "attention"), ()
+        elif mode == "none":
+            ops, colls = (), ()
         return dataclasses.replace(
             self,
             recompute={"backward": ops} if ops else {},
             recompute_collectives={"backward": colls} if colls else {},
+            notes=notes,
         )
 
     def counts(self, instruction: str) -> dict[str, int]:

@@ -518,10 +518,12 @@ def _programs_by_work(
                 add(PartitionWork((), coll), [piece(program)], f"{si}/{kind} collective alone")
         redo = pset.recompute.get("backward", ())
         if redo and redo == pset.recomputed("full").recompute["backward"]:
-            # Full recompute: each forward partition's compute, then the rest of the forward.
+            # Full recompute: each forward partition's compute, then the rest of the layers'
+            # forward (the blocks' pieces; not the embedding, head and loss).
             forward = [p for p in pset.partitions if p.instruction == "forward"]
             parts = [piece(progs.get(p.type_key), alone=True) for p in forward]
-            add(PartitionWork(redo), parts + outside["forward"], f"{si}/backward recompute")
+            blocks = outside["forward"][1:] if pset.other.get("forward") else outside["forward"]
+            add(PartitionWork(redo), parts + blocks, f"{si}/backward recompute")
     return by_work, names
 
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from kareus.costs import Knobs
+from kareus.costs import Knobs, OpCost
 from kareus.errors import KareusError
 from kareus.hardware import Emulator, gpu
 from kareus.hardware.calibrate import attention_partition
@@ -704,31 +704,47 @@ def test_plans_are_the_same_on_a_quiet_and_a_busy_machine():
     assert busy.to_dict() == quiet.to_dict()
 
 
-def test_full_recompute_adds_each_forward_to_its_backward():
+def test_full_recompute_adds_each_layers_forward_to_its_backward():
     pset = megatron_partition_set(
         hidden=1024, ffn=4096, heads=16, seq=1024, microbatch=4, layers=2, tp=2
     )
+    tail = OpCost("memory", 0, 2**20, "bf16", "block_tail")
+    pset.block_other["forward"] = {"layers.1": (tail,)}
     full = pset.recomputed("full")
     forward = [p for p in pset.partitions if p.instruction == "forward"]
     ops = full.recompute["backward"]
     in_partitions = [o for p in forward for slot in p.slots for o in slot.ops]
-    assert ops == tuple(in_partitions) + pset.outside("forward")  # every forward op
-    overlapped = sum(1 for p in forward if pset.types[p.type_key].collective)
-    exposed = len(pset.exposed["forward"])
-    assert len(full.recompute_collectives["backward"]) == overlapped + exposed
+    # The layers' forward, as Megatron-LM checkpoints each layer: not the head and loss
+    # (pset.other), nor the collectives outside partitions.
+    assert ops == (*in_partitions, tail)
+    assert pset.other["forward"] and not set(pset.other["forward"]) & set(ops)
+    overlapped = [pset.types[p.type_key].collective for p in forward]
+    assert full.recompute_collectives["backward"] == tuple(c for c in overlapped if c)
     assert full.recomputed("full") == full and full.recomputed("none") == pset  # idempotent
     selective = pset.recomputed("selective").recompute["backward"]
     assert selective and {o.op_class for o in selective} == {"attention"}
     assert "re-runs" in full.to_text()
-    # Megatron-LM's iteration (max clock, no overlap) grows by one forward per micro-batch:
-    # the backward re-runs its forward, collectives included, at the backward's clock.
+    # Megatron-LM's iteration (max clock, no overlap) grows by the layers' forward per
+    # micro-batch: the backward re-runs it, collectives included, at the backward's clock.
     settings = PlannerSettings(sweep_points=3, clocks_mhz=(1410, 1005))
     parallel = Parallelism(tp=2, pp=1, microbatches=2)
     plain = plan_for_gpu(pset, SPEC, parallel=parallel, settings=settings)
     redo = plan_for_gpu(full, SPEC, parallel=parallel, settings=settings)
     megatron = [plain.frontiers["megatron"][0], redo.frontiers["megatron"][0]]
-    forwards = megatron[0].choices[0::2]  # a chain: forward, backward, forward, backward
-    assert megatron[1].time_s - megatron[0].time_s == pytest.approx(
-        sum(o.time_s for o in forwards), rel=1e-3
+    emu = Emulator(SPEC)
+    layers = emu.ops(ops, 1410).time_s + sum(
+        emu.collective_time(c, Knobs(1410, PlannerSettings().no_overlap_sm_share))
+        for c in full.recompute_collectives["backward"]
     )
+    assert megatron[1].time_s - megatron[0].time_s == pytest.approx(2 * layers, rel=1e-3)
+    forwards = megatron[0].choices[0::2]  # a chain: forward, backward, forward, backward
+    assert 2 * layers < sum(o.time_s for o in forwards)  # the head's forward is not re-run
+    # A forward whose layers were not found as blocks (a stage of one layer) re-runs all of
+    # it, and says so.
+    lone = PartitionSet(other={"forward": (tail,)}, exposed={"forward": full.exposed["forward"]})
+    redo_all = lone.recomputed("full")
+    assert redo_all.recompute["backward"] == (tail,)
+    assert redo_all.recompute_collectives["backward"] == full.exposed["forward"]
+    assert "whole forward" in redo_all.notes["recompute"]
+    assert redo_all.recomputed("none") == lone
     assert redo.frontiers["kareus"][-1].energy_j > plain.frontiers["kareus"][-1].energy_j

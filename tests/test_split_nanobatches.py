@@ -492,3 +492,17 @@ def test_hf_gradient_checkpointing_is_split_and_exact():
     ref, got = compare_training(make, comp, batches, loss_fn=lambda o, b: o.loss, resync=True)
     assert_same_history(ref, got)
     assert blocks_of(holder["c"]).split == ["layers.0", "layers.1"]
+
+
+def test_blocks_left_whole_are_costed_as_blocks_not_with_the_head():
+    # Their compute is the layers' (activation recompute re-runs it), not the head's.
+    compiled, out, _ = run_stack(BatchMeanLayer)
+    out.backward()
+    pset = kareus.explain(compiled).regions[0].findings["cut_partitions"]
+    assert pset.partitions == []
+    for kind in ("forward", "backward"):
+        assert set(pset.block_other[kind]) == {"blocks.0", "blocks.1", "blocks.2"}
+        gemms = [o for o in pset.other[kind] if o.op_class == "gemm"]
+        assert 1 <= len(gemms) <= 2  # the head's (and its weight gradient's)
+    redo = pset.recomputed("full").recompute["backward"]
+    assert redo == tuple(o for ops in pset.block_other["forward"].values() for o in ops)

@@ -237,16 +237,16 @@ def outside_nodes(
     """Return the compute of ``graph`` outside its partitions, and its exposed collectives.
 
     Returns:
-        The compute outside split blocks (embedding, head, loss, blocks left whole); per split
-        block with partitions, its compute outside them (weight gradients, residual tail);
-        the issue nodes of collectives that overlap no compute. All in graph order.
+        The compute outside blocks (embedding, head, loss); per block, its compute outside
+        partitions (a split block's weight gradients and residual tail, a block left whole
+        entirely); the issue nodes of collectives that overlap no compute. All in graph order.
     """
     parts = [p for p in pset.partitions if p.instruction == kind]
     inside = {n for p in parts for n in (*p.compute, *(p.collective or ()))}
     owner = {
         name: block
-        for block in dict.fromkeys(p.block for p in parts)
-        for names in spans.get(block, {}).values()
+        for block, per_nb in spans.items()
+        for names in per_nb.values()
         for name in names
     }
     rest: list[fx.Node] = []
