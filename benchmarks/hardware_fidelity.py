@@ -19,7 +19,7 @@ from scipy.stats import spearmanr
 
 from kareus.costs import OpCost
 from kareus.hardware import Emulator, gpu
-from kareus.hardware.calibrate import DEFAULT_DATA, load_rows, predict, shipped_slowdown
+from kareus.hardware.calibrate import DEFAULT_DATA, load_rows, predict, shipped_harness
 
 
 def percentile(values, q):
@@ -108,8 +108,8 @@ def main():
     args = parser.parse_args()
     rows = load_rows(args.data)
     spec = gpu("a100-sxm4-40gb")
-    slowdown = shipped_slowdown()  # the data set's own compute slowdown, fitted with it
-    pred = predict(spec, rows, compute_slowdown=slowdown)
+    harness = shipped_harness()  # how the data set was measured, fitted with it
+    pred = predict(spec, rows, harness=harness)
     name = args.data.parent.name
     print(f"hardware model (modelled) vs {len(rows)} measured configurations of {name}")
     print(f"calibration: {spec.calibration_source}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
+import itertools
 import math
 import statistics
 import sys
@@ -40,7 +41,7 @@ from kareus.hardware.calibrate import (
     load_rows,
     predict,
     shared_data_dir,
-    shipped_slowdown,
+    shipped_harness,
 )
 from kareus.trace import Workload
 
@@ -50,9 +51,11 @@ METHODS = {"perseus": "megatron", "nanobatch_perseus": "nanobatch"}
 CONFIG = ("tp", "cp", "pp", "microbatch_size", "seq_len", "microbatches")
 
 KNEES = (0.60, 0.65, 0.70, 0.75, 0.80)
-FLOORS = (0.70, 0.72, 0.74, 0.76, 0.78, 0.80)
+FLOORS = (0.70, 0.72, 0.74, 0.76, 0.78, 0.80, 0.82)
+LEAKS = (0.0, 0.25, 0.5, 0.75)
 """The A100 voltage curve's grid (``--fit-voltage-curve``): knee as a fraction of the
-maximum clock, floor as a fraction of the voltage there."""
+maximum clock, floor as a fraction of the voltage there, and the share of static power that
+is leakage (scaling with the voltage)."""
 
 FLAGGED = ((4, 2, 2, 8, 8192, 8), "perseus")
 """The plan set the data's README flags: its frontier spans 2.2x in time, more than the
@@ -141,7 +144,9 @@ def priced(
     return times, energies
 
 
-def fit_voltage_curve(recompute: str, knees: tuple[float, ...], floors: tuple[float, ...]) -> None:
+def fit_voltage_curve(
+    recompute: str, knees: tuple[float, ...], floors: tuple[float, ...], leaks: tuple[float, ...]
+) -> None:
     """Print, per A100 voltage knee and floor, how well the plans' energies match.
 
     The grid behind the curve in ``kareus.hardware.specs`` (its provenance cites this run):
@@ -160,35 +165,38 @@ def fit_voltage_curve(recompute: str, knees: tuple[float, ...], floors: tuple[fl
         "recompute; modelled vs the reference's predictions)"
     )
     best = None
-    for knee in knees:
-        for floor in floors:
-            emulator = Emulator(dataclasses.replace(base, vf_knee=knee, v_floor=floor))
-            sse = shape = 0.0
-            errs: list[float] = []
-            rhos: list[float] = []
-            for key, by_method in ref.items():
-                for ref_method, method in METHODS.items():
-                    plans = by_method.get(ref_method, {})
-                    if not plans:
-                        continue
-                    _, pairs = priced(key, plans, method, recompute, emulator)
-                    logs = [math.log(ours / theirs) for ours, theirs in pairs]
-                    mid = statistics.median(logs)
-                    sse += sum(x * x for x in logs)
-                    shape += sum((x - mid) ** 2 for x in logs)
-                    errs += [abs(ours / theirs - 1) * 100 for ours, theirs in pairs]
-                    if (key, ref_method) != FLAGGED:
-                        rhos.append(_rho(pairs))
-            print(
-                f"  knee {knee:.2f} ({knee * base.clock_max_mhz:.0f} MHz), floor {floor:.2f}: "
-                f"squared log error {sse:.4f} (shape {shape:.4f}); energy |error| median "
-                f"{statistics.median(errs):.1f} %, max {max(errs):.1f} %; Spearman min "
-                f"{min(rhos):.2f} (the flagged set aside)",
-                flush=True,
-            )
-            best = min(best or (sse, knee, floor), (sse, knee, floor))
+    for knee, floor, leak in itertools.product(knees, floors, leaks):
+        spec = dataclasses.replace(base, vf_knee=knee, v_floor=floor, leakage_fraction=leak)
+        emulator = Emulator(spec)
+        sse = shape = 0.0
+        errs: list[float] = []
+        rhos: list[float] = []
+        for key, by_method in ref.items():
+            for ref_method, method in METHODS.items():
+                plans = by_method.get(ref_method, {})
+                if not plans:
+                    continue
+                _, pairs = priced(key, plans, method, recompute, emulator)
+                logs = [math.log(ours / theirs) for ours, theirs in pairs]
+                mid = statistics.median(logs)
+                sse += sum(x * x for x in logs)
+                shape += sum((x - mid) ** 2 for x in logs)
+                errs += [abs(ours / theirs - 1) * 100 for ours, theirs in pairs]
+                if (key, ref_method) != FLAGGED:
+                    rhos.append(_rho(pairs))
+        print(
+            f"  knee {knee:.2f} ({knee * base.clock_max_mhz:.0f} MHz), floor {floor:.2f}, "
+            f"leakage {leak:.2f}: "
+            f"squared log error {sse:.4f} (shape {shape:.4f}); energy |error| median "
+            f"{statistics.median(errs):.1f} %, max {max(errs):.1f} %; Spearman min "
+            f"{min(rhos):.2f} (the flagged set aside)",
+            flush=True,
+        )
+        best = min(best or (sse, knee, floor, leak), (sse, knee, floor, leak))
     assert best is not None
-    print(f"least squared log error at knee {best[1]:.2f}, floor {best[2]:.2f}")
+    print(
+        f"least squared log error at knee {best[1]:.2f}, floor {best[2]:.2f}, leakage {best[3]:.2f}"
+    )
 
 
 def main() -> None:
@@ -202,7 +210,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.fit_voltage_curve:
-        fit_voltage_curve(args.recompute, KNEES, FLOORS)
+        fit_voltage_curve(args.recompute, KNEES, FLOORS, LEAKS)
         return
     all_t: list[tuple[float, float]] = []
     all_e: list[tuple[float, float]] = []
@@ -294,7 +302,7 @@ def main() -> None:
         f"{statistics.median(rest_rhos):.2f}"
     )
     rows = load_rows(DEFAULT_DATA)
-    pred = predict(gpu("a100-sxm4-40gb"), rows, compute_slowdown=shipped_slowdown())
+    pred = predict(gpu("a100-sxm4-40gb"), rows, harness=shipped_harness())
     pt = [(p[0], r.time_s) for r, p in zip(rows, pred, strict=True)]
     pe = [(p[1], r.energy_j) for r, p in zip(rows, pred, strict=True)]
     (ptm, ptx), (pem, pex) = _errors(pt), _errors(pe)

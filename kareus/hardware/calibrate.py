@@ -22,7 +22,7 @@ import statistics
 from collections.abc import Sequence
 
 from kareus.costs import CollectiveCost, Knobs, OpCost, PartitionWork
-from kareus.hardware.emulator import Emulator
+from kareus.hardware.emulator import Emulator, Harness
 from kareus.hardware.specs import GPUS, PRIORS, Calibration, GPUSpec
 
 
@@ -145,17 +145,19 @@ FREE = (
     ("mem_power_w_per_tbs", 0.0, 64.0),
 )
 
-SLOWDOWN = ("compute_slowdown", 1.0, 4.0)
-"""How much slower than the priors the measured partition's compute ran: the research
-harness ran eager fp16 kernels of a hidden-2048 layer, smaller and less efficient than a
-training job's. The data identify its compute time only as one sum (every row runs the same
-ops), so it is one data-set factor, fitted with the others and never used in planning."""
+HARNESS = (("compute_slowdown", 1.0, 4.0), ("issue_ms_per_op", 0.0, 2.0))
+"""Factors of the measuring harness, not of the GPU: fitted with :data:`FREE` to this data set
+and never used in planning (:class:`~kareus.hardware.emulator.Harness`)."""
 
 
-def shipped_slowdown() -> float:
-    """Return the compute slowdown fitted with the shipped calibration (:data:`SLOWDOWN`)."""
-    data = json.loads(DEFAULT_OUT.read_text())
-    return float(data.get("fit", {}).get("compute_slowdown", 1.0))
+def shipped_harness() -> Harness:
+    """Return the harness factors fitted with the shipped calibration (:data:`HARNESS`)."""
+    fitted = json.loads(DEFAULT_OUT.read_text()).get("fit", {})
+    issue_ms = fitted.get("issue_ms_per_op")
+    return Harness(
+        float(fitted.get("compute_slowdown", 1.0)),
+        None if issue_ms is None else float(issue_ms) * 1e-3,
+    )
 
 
 def with_params(base: Calibration, values: Sequence[float], source: str) -> Calibration:
@@ -170,22 +172,14 @@ def with_params(base: Calibration, values: Sequence[float], source: str) -> Cali
 
 
 def predict(
-    spec: GPUSpec, rows: Sequence[Row], gpus: int = 2, compute_slowdown: float = 1.0
+    spec: GPUSpec, rows: Sequence[Row], gpus: int = 2, harness: Harness | None = None
 ) -> list[tuple[float, float]]:
     """Return (time_s, energy_j of all ``gpus``) the model predicts for each row.
 
-    ``compute_slowdown`` divides the compute efficiencies (:data:`SLOWDOWN`).
+    ``harness`` describes how the rows were measured (:class:`Harness`); None is a training
+    job's.
     """
-    cal = spec.calibration
-    if compute_slowdown != 1.0:
-        cal = dataclasses.replace(
-            cal,
-            eff_gemm=cal.eff_gemm / compute_slowdown,
-            eff_attention=cal.eff_attention / compute_slowdown,
-            eff_memory=cal.eff_memory / compute_slowdown,
-        )
-        spec = spec.with_calibration(cal, spec.calibration_source)
-    emu, work = Emulator(spec), attention_partition()
+    emu, work = Emulator(spec, harness), attention_partition()
     out = []
     for row in rows:
         est = emu.partition(work, row.knobs)
@@ -195,15 +189,15 @@ def predict(
 
 @dataclasses.dataclass(frozen=True)
 class Fit:
-    """A fitted calibration, the data set's compute slowdown, and the factors at a bound."""
+    """A fitted calibration, the data set's harness factors, and the factors at a bound."""
 
     calibration: Calibration
-    compute_slowdown: float
+    harness: Harness
     at_bound: tuple[str, ...]
 
 
 def fit(spec: GPUSpec, rows: Sequence[Row]) -> Fit:
-    """Fit the :data:`FREE` factors and the data set's compute slowdown by least squares.
+    """Fit the :data:`FREE` factors and the :data:`HARNESS` factors by least squares.
 
     On log time and log energy; the :data:`~kareus.hardware.specs.PRIORS` stay as they are.
     """
@@ -219,23 +213,27 @@ def fit(spec: GPUSpec, rows: Sequence[Row]) -> Fit:
             else getattr(base, name)
         )
         x0.append(min(max(v, lo), hi))
-    x0.append(2.0)
+    x0 += [2.0, 0.1]
     meas = np.log([[r.time_s, r.energy_j] for r in rows])
+    n = len(FREE)
+
+    def harness(x: np.ndarray) -> Harness:
+        return Harness(float(x[n]), float(x[n + 1]) * 1e-3)
 
     def residuals(x: np.ndarray) -> np.ndarray:
-        cal = with_params(base, list(x[:-1]), "fit in progress")
-        pred = np.log(predict(spec.with_calibration(cal, ""), rows, compute_slowdown=float(x[-1])))
+        cal = with_params(base, list(x[:n]), "fit in progress")
+        pred = np.log(predict(spec.with_calibration(cal, ""), rows, harness=harness(x)))
         return (pred - meas).ravel()
 
-    names = [*FREE, SLOWDOWN]
+    names = [*FREE, *HARNESS]
     bounds = ([b[1] for b in names], [b[2] for b in names])
-    result = least_squares(residuals, x0, bounds=bounds, x_scale="jac", max_nfev=80)
+    result = least_squares(residuals, x0, bounds=bounds, x_scale="jac", max_nfev=120)
     at_bound = tuple(
         name
         for (name, lo, hi), v in zip(names, result.x, strict=True)
         if min(v - lo, hi - v) <= 1e-3 * (hi - lo)
     )
-    return Fit(with_params(base, list(result.x[:-1]), ""), float(result.x[-1]), at_bound)
+    return Fit(with_params(base, list(result.x[:n]), ""), harness(result.x), at_bound)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -262,7 +260,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     record = {
         "provenance": provenance,
         "calibration": cal.to_dict(),
-        "fit": {"compute_slowdown": fitted.compute_slowdown, "at_bound": list(fitted.at_bound)},
+        "fit": {
+            "compute_slowdown": fitted.harness.compute_slowdown,
+            "issue_ms_per_op": (fitted.harness.issue_s_per_op or 0.0) * 1e3,
+            "at_bound": list(fitted.at_bound),
+        },
     }
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     fitted_names = {n.removeprefix("activity.") for n, _lo, _hi in FREE}
@@ -270,7 +272,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         if key != "source":
             how = "prior" if key in PRIORS else "fitted" if key in fitted_names else ""
             print(f"{key:26} {value}  {how}")
-    print(f"{'compute_slowdown':26} {fitted.compute_slowdown}  fitted (this data set only)")
+    issue_ms = (fitted.harness.issue_s_per_op or 0.0) * 1e3
+    for name, value in (
+        ("compute_slowdown", fitted.harness.compute_slowdown),
+        ("issue_ms_per_op", issue_ms),
+    ):
+        print(f"{name:26} {value}  harness (this data set only)")
     print("fitted factors at a bound: " + (", ".join(fitted.at_bound) or "none"))
     print(f"wrote {args.out}")
 

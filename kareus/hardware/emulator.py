@@ -11,11 +11,15 @@ Every figure it returns is *modelled* (``Estimate.source == "modelled"``). The m
   rate that scales with their number and the clock, and carried by the link at its
   achieved bandwidth: a pipeline, whose rate is the slower stage's; plus latency.
 - **Overlap**: a partition is simulated as a timeline. Compute ops run in order; the
-  collective starts at its launch slot. While both run, compute has N-n SMs and the memory
-  bandwidth the collective leaves, and the collective slows with the memory-boundness of
-  the op it overlaps.
-- **Power**: static power plus the dynamic power of what is active — per-SM activity of
-  each class scaled by f·V(f)², plus memory traffic. Above TDP the chip throttles: the
+  collective starts when compute reaches its launch slot (a PyTorch collective waits on the
+  compute stream). While both run, compute has N-n SMs and the memory bandwidth the
+  collective leaves, and the collective copies 1/(1 + contention) as fast as alone: its
+  CTAs share SMs, issue slots and the memory system with the compute kernels' (fitted
+  constant; an earlier form that scaled with the overlapped op's memory-boundness pinned
+  the fit at its bounds).
+- **Power**: static power (a constant part and leakage, which scales with V(f)) plus the
+  dynamic power of what is active — per-SM activity of each class scaled by f·V(f)², plus
+  memory traffic. Above TDP the chip throttles: the
   clock drops until power fits, so a locked clock is then not reached.
 - **Energy** is the integral of power over the timeline.
 """
@@ -33,13 +37,37 @@ _MIN_BW_LEFT = 0.15  # compute keeps at least this share of memory bandwidth
 
 
 @dataclasses.dataclass(frozen=True)
+class Harness:
+    """How a measuring harness differs from a training job (data-set factors, never planned).
+
+    The measured partitions (:mod:`kareus.hardware.calibrate`) came from a research harness
+    whose kernels and collective behave differently from a training job's; these factors
+    are fitted with the calibration to that data set only.
+
+    Attributes:
+        compute_slowdown: its kernels ran this many times as long as the model's (eager
+            fp16 kernels of a hidden-2048 layer: small tiles, launch gaps). The extra time
+            is stalls: the math pipes and memory are busy for the model's time only, so the
+            kernel draws less power than an efficient one. The data identify it only as
+            one sum (every row runs the same ops).
+        issue_s_per_op: host time to issue one op. Its custom collective kernel does not
+            wait on the compute stream, so it starts when the host issues its launch slot's
+            op (at slot x this), ahead of the GPU: launching it at the last op is measured
+            to be about as fast as at the fifth. None: the collective starts when compute
+            reaches its slot, as PyTorch's do.
+    """
+
+    compute_slowdown: float = 1.0
+    issue_s_per_op: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class OpRun:
     """How one op runs under given resources: its duration and what it keeps busy."""
 
     time_s: float
     compute_util: float  # fraction of the time the math pipes are busy
     mem_bytes_per_s: float
-    mem_boundness: float  # memory time / kernel time (0 compute-bound, 1 memory-bound)
 
 
 def bus_bytes(coll: CollectiveCost) -> float:
@@ -56,8 +84,10 @@ class Emulator:
 
     source = "modelled"
 
-    def __init__(self, spec: GPUSpec) -> None:
+    def __init__(self, spec: GPUSpec, harness: Harness | None = None) -> None:
+        """Model one GPU of ``spec`` in a training job, or under a measuring ``harness``."""
         self.spec = spec
+        self.harness = harness or Harness()
         self.cal = spec.calibration
         self.p_dyn_max = spec.tdp_w - self.cal.static_power_w
 
@@ -66,7 +96,7 @@ class Emulator:
     def run_op(self, op: OpCost, freq_mhz: float, sms: float, bw_fraction: float = 1.0) -> OpRun:
         """Return how ``op`` runs at ``freq_mhz`` with ``sms`` SMs and a share of bandwidth."""
         if op.op_class in ("view", "collective_issue", "collective_wait"):
-            return OpRun(0.0, 0.0, 0.0, 0.0)
+            return OpRun(0.0, 0.0, 0.0)
         spec, cal = self.spec, self.cal
         speed = freq_mhz / spec.clock_max_mhz
         sm_frac = max(sms, 1.0) / spec.sm_count
@@ -79,17 +109,19 @@ class Emulator:
         bw = spec.memory_bandwidth_gbs * 1e9 * cal.eff_memory * bw_fraction
         bw *= min(1.0, sm_frac / _MEM_SAT_SM_FRACTION) * min(1.0, speed / cal.mem_clock_knee)
         t_memory = op.bytes / bw
-        t_kernel = max(t_compute, t_memory)
+        t_kernel = max(t_compute, t_memory) * self.harness.compute_slowdown
         total = t_kernel + cal.launch_overhead_us * 1e-6
         return OpRun(
             time_s=total,
             compute_util=t_compute / total,
             mem_bytes_per_s=op.bytes / total,
-            mem_boundness=t_memory / t_kernel if t_kernel > 0 else 0.0,
         )
 
-    def collective_rate(self, knobs: Knobs, freq_mhz: float, mem_boundness: float = 0.0) -> float:
-        """Return bus bytes per second of a collective with the knobs' SM share and CTAs."""
+    def collective_rate(self, knobs: Knobs, freq_mhz: float, beside_compute: bool = False) -> float:
+        """Return bus bytes per second of a collective with the knobs' SM share and CTAs.
+
+        ``beside_compute``: compute kernels run at the same time (:attr:`Calibration.contention`).
+        """
         cal = self.cal
         per_sm = cal.comm_gbs_per_sm * 1e9 * freq_mhz / self.spec.clock_max_mhz
         per_sm *= (knobs.threads_per_block / 1024) ** cal.comm_thread_exponent
@@ -98,7 +130,7 @@ class Emulator:
         # as a pipeline, so the slower one sets the rate (NCCL's bus bandwidth grows with
         # its channels until the link saturates).
         rate = min(link, knobs.sm_share * per_sm)
-        return rate / (1.0 + cal.contention * mem_boundness)
+        return rate / (1.0 + cal.contention) if beside_compute else rate
 
     def collective_time(self, coll: CollectiveCost, knobs: Knobs) -> float:
         """Return the time of ``coll`` alone (no overlap) at the knobs' clock and SM share."""
@@ -128,13 +160,24 @@ class Emulator:
             power += self.p_dyn_max * comm_sms / self.spec.sm_count * act["comm"]
         return power
 
+    def static_power(self, freq_mhz: float) -> float:
+        """Return the power drawn at ``freq_mhz`` with nothing running.
+
+        ``spec.leakage_fraction`` of the static power at the maximum clock is leakage, which
+        scales with the core voltage; the rest (board, fans, memory refresh, I/O) does not.
+        Planning charges idle time at the maximum clock's static power (:meth:`idle`); an op
+        run at a lower clock saves the difference.
+        """
+        leak = self.spec.leakage_fraction
+        return self.cal.static_power_w * (1 - leak * (1 - self.spec.voltage(freq_mhz)))
+
     def _mem_power(self, bytes_per_s: float) -> float:
         return self.cal.mem_power_w_per_tbs * bytes_per_s / 1e12
 
     def _throttled_clock(self, freq_mhz: float, sm_power_at_max: float, mem_power: float) -> float:
         """Return the clock the chip actually runs at: ``freq_mhz`` unless power exceeds TDP."""
         spec = self.spec
-        budget = spec.tdp_w - self.cal.static_power_w - mem_power
+        budget = spec.tdp_w - self.static_power(freq_mhz) - mem_power
         if sm_power_at_max * spec.dynamic_scale(freq_mhz) <= budget:
             return freq_mhz
         lo, hi = float(spec.clock_min_mhz), float(freq_mhz)
@@ -174,11 +217,14 @@ class Emulator:
         lat_left = self._latency(coll) if coll else 0.0
         comm_on = False
         t = energy = 0.0
+        issue_at = math.inf  # when the host issues the collective, if it runs ahead
+        if overlap and self.harness.issue_s_per_op is not None:
+            issue_at = knobs.launch_slot * self.harness.issue_s_per_op  # type: ignore[operator]
         throttled = False
 
-        def comm_step(freq: float, mem_boundness: float) -> tuple[float, float, float]:
-            """(time to finish, rate, dynamic power at max clock) of the collective now."""
-            rate = self.collective_rate(knobs, freq, mem_boundness)
+        def comm_step(freq: float) -> tuple[float, float, float]:
+            """(time to finish, rate, HBM bytes per second) of the collective beside compute."""
+            rate = self.collective_rate(knobs, freq, beside_compute=True)
             return lat_left + comm_left / rate, rate, rate * cal.comm_hbm_bytes_per_byte
 
         for i, op in enumerate(ops):
@@ -186,13 +232,13 @@ class Emulator:
                 comm_on = True
             remaining = 1.0
             while remaining > 1e-12:
+                comm_on |= t >= issue_at - 1e-12  # (float rounding)
                 active = comm_on and (lat_left > 0 or comm_left > 0)
                 n_comm = min(knobs.sm_share, spec.sm_count - 1) if active else 0
                 n_comp = spec.sm_count - n_comm
-                alone = self.run_op(op, knobs.freq_mhz, n_comp)
                 comm_hbm = 0.0
                 if active:
-                    _, rate, comm_hbm = comm_step(knobs.freq_mhz, alone.mem_boundness)
+                    _, rate, comm_hbm = comm_step(knobs.freq_mhz)
                 bw_left = max(_MIN_BW_LEFT, 1 - comm_hbm / (spec.memory_bandwidth_gbs * 1e9))
                 probe = self.run_op(op, knobs.freq_mhz, n_comp, bw_left)
                 sm_p = self._sm_power(probe, op.op_class, n_comp, n_comm)
@@ -203,12 +249,10 @@ class Emulator:
                 if run.time_s <= 0:
                     break
                 dt_op = remaining * run.time_s
-                dt_comm, rate, comm_hbm = (
-                    comm_step(freq, run.mem_boundness) if active else (math.inf, 0.0, 0.0)
-                )
-                dt = min(dt_op, dt_comm)
+                dt_comm, rate, comm_hbm = comm_step(freq) if active else (math.inf, 0.0, 0.0)
+                dt = min(dt_op, dt_comm, max(issue_at - t, 0.0) if not comm_on else math.inf)
                 power = (
-                    static
+                    self.static_power(freq)
                     + self._sm_power(run, op.op_class, n_comp, n_comm) * spec.dynamic_scale(freq)
                     + self._mem_power(run.mem_bytes_per_s + comm_hbm)
                 )
@@ -245,7 +289,7 @@ class Emulator:
             hbm = rate * self.cal.comm_hbm_bytes_per_byte
         dt = lat_left + comm_left / rate
         power = (
-            self.cal.static_power_w + sm_p * self.spec.dynamic_scale(freq) + self._mem_power(hbm)
+            self.static_power(freq) + sm_p * self.spec.dynamic_scale(freq) + self._mem_power(hbm)
         )
         return dt, power * dt, freq != knobs.freq_mhz
 

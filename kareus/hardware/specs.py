@@ -30,13 +30,19 @@ _VF = (
     "(DVFS measurements of NVIDIA GPUs: Mei et al., 'A survey and measurement study of GPU "
     "DVFS on energy conservation', 2017); not published per GPU by NVIDIA"
 )
+_LEAK = (
+    "assumption: a quarter of the static power is leakage, which scales with the core "
+    "voltage (leakage power = V x leakage current, first order); the rest (board, memory "
+    "refresh, I/O) is constant. No vendor figure is published"
+)
 _VF_A100 = (
-    f"{_VF}. A100 knee 0.75 (1058 MHz) and floor 0.78: least squares on the log energies "
-    "of the 85 reference A100 pipeline plans (shared/data/a100_llama_pipeline_plans, "
-    "priced by `kareus evaluate`; knee 0.60-0.80 x floor 0.70-0.80 by `python "
-    "benchmarks/pipeline_fidelity.py --fit-voltage-curve`: squared error 0.276, against "
-    "0.301 for the earlier knee 0.55 and floor 0.65, fitted with the knee held), within "
-    "Ampere's core-voltage range of about 0.65-1.08 V"
+    f"{_VF}. A100 knee 0.75 (1058 MHz), floor 0.80 with a leakage share of 0.25: least "
+    "squares on the log energies of the 85 reference A100 pipeline plans "
+    "(shared/data/a100_llama_pipeline_plans, priced by `kareus evaluate`; knee 0.60-0.80 x "
+    "floor 0.70-0.82 x leakage 0-0.75 by `python benchmarks/pipeline_fidelity.py "
+    "--fit-voltage-curve`: squared error 0.265, the grid's least; floor 0.78 without "
+    "leakage gives 0.268: the data hardly tell the leakage share from the floor, so the "
+    "share is the assumption above), within Ampere's core-voltage range of about 0.65-1.08 V"
 )
 
 
@@ -135,9 +141,9 @@ class Calibration:
         comm_latency_us: fixed cost of one collective.
         comm_link_efficiency: achieved fraction of the datasheet link bandwidth.
         comm_hbm_bytes_per_byte: local memory traffic per byte the collective moves.
-        contention: slowdown of a collective per unit of memory-boundness of the op it
-            overlaps (both compete for memory bandwidth).
-        static_power_w: power drawn at a locked clock while blocked on communication.
+        contention: a collective copies 1/(1 + contention) as fast while compute kernels run
+            beside it (they share SMs, issue slots and the memory system).
+        static_power_w: power drawn at the maximum clock while blocked on communication.
         activity: dynamic power of each class at full activity and maximum clock, as a
             fraction of (TDP - static power): gemm, attention, memory (SM side), comm.
         mem_power_w_per_tbs: power of memory traffic, watts per TB/s.
@@ -195,6 +201,7 @@ class GPUSpec:
     interconnect: InterconnectSpec
     vf_knee: float  # fraction of the max clock below which voltage stays at its floor
     v_floor: float  # voltage at and below the knee, as a fraction of the max voltage
+    leakage_fraction: float  # share of the static power that is leakage, scaling with voltage
     sources: dict[str, str]
     calibration: Calibration = dataclasses.field(default_factory=Calibration)
     calibration_source: str = "uncalibrated priors"
@@ -248,13 +255,14 @@ def _a100(name: str, memory_gb: float, bandwidth_gbs: float, bw_source: str) -> 
         tdp_w=400.0,
         interconnect=NVLINK3,
         vf_knee=0.75,
-        v_floor=0.78,
+        v_floor=0.80,
+        leakage_fraction=0.25,
         sources={
             "sm_count, peak_tflops, peak_clock_mhz, tdp_w": _DATASHEET_A100,
             "clocks": _SMI,
             "memory_bandwidth_gbs": bw_source,
             "static_power_w": _STATIC_A100,
-            "vf_knee, v_floor": _VF_A100,
+            "vf_knee, v_floor, leakage_fraction": _VF_A100,
         },
     )
 
@@ -265,6 +273,7 @@ _H100_SOURCES = {
     "clocks": f"{_SMI}; 1980 MHz max measured on the project's H200 check machine",
     "static_power_w": "estimate: A100's measured 85 W scaled by TDP (700/400); uncalibrated",
     "vf_knee, v_floor": _VF,
+    "leakage_fraction": _LEAK,
 }
 
 
@@ -283,6 +292,7 @@ def _hopper(name: str, memory_gb: float, bandwidth_gbs: float, sources: dict[str
         interconnect=NVLINK4,
         vf_knee=0.55,
         v_floor=0.70,
+        leakage_fraction=0.25,
         sources={**_H100_SOURCES, **sources},
     )
 
@@ -319,11 +329,13 @@ GPUS: dict[str, GPUSpec] = {
         interconnect=PCIE4,
         vf_knee=0.55,
         v_floor=0.70,
+        leakage_fraction=0.25,
         sources={
             "sm_count, peak_tflops, tdp_w, memory_bandwidth_gbs": _DATASHEET_A40,
             "clocks": _SMI,
             "static_power_w": "estimate: A100's measured 85 W scaled by TDP (300/400)",
             "vf_knee, v_floor": _VF,
+            "leakage_fraction": _LEAK,
         },
     ),
 }
