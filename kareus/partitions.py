@@ -134,7 +134,8 @@ class PartitionSet:
             tail; a block left whole entirely). Kept per block so that counting repeated
             layers counts it too.
         exposed: per instruction, collectives that overlap no compute.
-        notes: why a graph has no partitions.
+        notes: per instruction, why its graph has no partitions; ``recompute``: what the
+            recompute mode could not tell apart (:meth:`recomputed`).
         recompute: per instruction, compute it re-runs for activation recompute (the
             backward re-running its forward: :meth:`recomputed`); it overlaps nothing.
         recompute_collectives: per instruction, collectives it re-runs, alone.

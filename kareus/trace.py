@@ -278,36 +278,49 @@ block run before it, so the third is the first whose neighbours are all ordinary
 
 
 def extrapolate(pset: PartitionSet, traced: int, total: int, family: str = "layers") -> None:
-    """Add the partitions of ``total - traced`` more layers, copying an ordinary layer's.
+    """Add the work of ``total - traced`` more layers, copying an ordinary layer's.
 
     Per instruction (forward, backward: the backward runs the layers in reverse), the
-    block at :data:`TEMPLATE_POSITION` in execution order is copied, with its compute
-    outside partitions. Needs ``traced >= TEMPLATE_POSITION + 2`` so that the template is
-    not the last block either.
+    block at :data:`TEMPLATE_POSITION` in execution order is copied: its partitions and its
+    compute outside them; a stage whose blocks were left whole copies a whole block's
+    compute. Needs ``traced >= TEMPLATE_POSITION + 2`` so that the template is not the last
+    block either.
 
     Raises:
-        TraceError: too few layers traced to count the rest.
+        TraceError: too few layers traced to count the rest, or no layer blocks found to
+            count them from.
     """
-    if total <= traced or not pset.partitions:
+    if total <= traced:
         return
     if traced < TEMPLATE_POSITION + 2:
         raise TraceError(
             f"tracing {traced} layers cannot stand for {total}: trace at least "
             f"{TEMPLATE_POSITION + 2}"
         )
+    kinds = sorted({p.instruction for p in pset.partitions} | set(pset.block_other))
     added: list[Partition] = []
-    for kind in sorted({p.instruction for p in pset.partitions}):
-        order = list(dict.fromkeys(p.block for p in pset.partitions if p.instruction == kind))
+    counted = False
+    for kind in kinds:
+        split = list(dict.fromkeys(p.block for p in pset.partitions if p.instruction == kind))
+        blocks = pset.block_other.get(kind, {})
+        order = split or list(blocks)
+        if len(order) <= TEMPLATE_POSITION:
+            continue
+        counted = True
         template_block = order[TEMPLATE_POSITION]
         template = [
             p for p in pset.partitions if p.instruction == kind and p.block == template_block
         ]
-        blocks = pset.block_other.get(kind, {})
         for extra in range(traced, total):
             name = f"{family}.{extra}"
             added.extend(dataclasses.replace(p, block=name) for p in template)
             if template_block in blocks:
                 blocks[name] = blocks[template_block]
+    if not counted:
+        raise TraceError(
+            f"found no layer blocks among the {traced} layers traced to count the other "
+            f"{total - traced} from: trace all {total} (layers={total})"
+        )
     pset.partitions.extend(added)
 
 

@@ -750,3 +750,27 @@ def test_full_recompute_adds_each_layers_forward_to_its_backward():
     assert "whole forward" in redo_all.notes["recompute"]
     assert redo_all.recomputed("none") == lone
     assert redo.frontiers["kareus"][-1].energy_j > plain.frontiers["kareus"][-1].energy_j
+
+
+def test_layers_not_traced_are_counted_from_an_ordinary_block_split_or_whole():
+    from kareus.trace import TraceError, extrapolate
+
+    split = megatron_partition_set(
+        hidden=1024, ffn=4096, heads=16, seq=1024, microbatch=4, layers=4, tp=2
+    )
+    per_layer = len(split.partitions) // 4
+    extrapolate(split, 4, 6)
+    assert len(split.partitions) == 6 * per_layer
+    assert {p.block for p in split.partitions} == {f"layers.{i}" for i in range(6)}
+    # Blocks the split left whole: their compute is all outside partitions, per block.
+    layer = (OpCost("gemm", 2e9, 1e6, "bf16", "mm"),)
+    whole = PartitionSet(
+        other={"forward": (OpCost("gemm", 1e9, 1e6, "bf16", "head"),)},
+        block_other={"forward": {f"layers.{i}": layer for i in range(4)}},
+    )
+    extrapolate(whole, 4, 6)
+    assert list(whole.block_other["forward"]) == [f"layers.{i}" for i in range(6)]
+    assert len(whole.recomputed("full").recompute["backward"]) == 6
+    # No blocks at all: the other layers cannot be counted, and kareus says so.
+    with pytest.raises(TraceError, match="no layer blocks"):
+        extrapolate(PartitionSet(other={"forward": layer}), 4, 6)
