@@ -215,6 +215,11 @@ def plan_workload(
     if on_traced is not None:
         on_traced(stages)
     stages = with_recompute(stages, work.recompute)
+    notes = notes + [
+        f"stage {i}: {pset.notes['recompute']}"
+        for i, pset in enumerate(stages)
+        if "recompute" in pset.notes
+    ]
     result = plan_for_gpu(
         stages,
         spec,

@@ -299,6 +299,12 @@ def test_uneven_stages_and_full_recompute_are_planned_and_recorded(tmp_path, cap
         assert pset["recompute"]["backward"] and pset["recompute_collectives"]["backward"]
     report = (tmp_path / "report.md").read_text()
     assert "### stage 0 (3 layers" in report and "### stage 1 (1 layers" in report
+    # The one-layer stage re-runs its whole forward (its layer cannot be told from the
+    # head), and the plan says so.
+    assert any(r.startswith("stage 1: no layer blocks found") for r in plan.skip_reasons), (
+        plan.skip_reasons
+    )
+    assert not any(r.startswith("stage 0: no layer blocks") for r in plan.skip_reasons)
     bad = ["plan", *SMALL, "--pp", "2", "--layers-per-stage", "3,2", "--quiet"]
     assert main(bad) == EXIT_BAD_INPUT
     assert "adding up to the model's 4 layers" in capsys.readouterr().err
