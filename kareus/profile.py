@@ -472,7 +472,7 @@ def _programs_by_work(
         The pieces per work digest, and a name per digest: the type key, or what outside
         partitions it is.
     """
-    from kareus.trace import TEMPLATE_POSITION
+    from kareus.trace import template_block
 
     by_work: dict[str, list[Piece]] = {}
     names: dict[str, str] = {}
@@ -502,28 +502,27 @@ def _programs_by_work(
             if ptype.collective is not None:
                 alone = PartitionWork((), ptype.collective)
                 add(alone, [piece(progs.get(f"{key}/collective"))], f"{si}/{key} collective")
-        outside: dict[str, list[Piece | None]] = {}
+        rest: dict[str, tuple[list[Piece | None], list[Piece | None]]] = {}
         for kind in ("forward", "backward"):
-            order = list(dict.fromkeys(p.block for p in pset.partitions if p.instruction == kind))
-            template = order[TEMPLATE_POSITION] if len(order) > TEMPLATE_POSITION else None
-            pieces = [piece(progs.get(f"{kind}/outside"))] if pset.other.get(kind) else []
-            pieces += [
+            template = template_block(pset, kind)
+            head = [piece(progs.get(f"{kind}/outside"))] if pset.other.get(kind) else []
+            blocks = [
                 piece(progs.get(f"{kind}/block/{block}", progs.get(f"{kind}/block/{template}")))
                 for block in pset.block_other.get(kind, {})
             ]
-            outside[kind] = pieces
-            add(PartitionWork(pset.outside(kind)), pieces, f"{si}/{kind} outside partitions")
+            rest[kind] = head, blocks
+            add(PartitionWork(pset.outside(kind)), head + blocks, f"{si}/{kind} outside partitions")
             for coll in pset.exposed.get(kind, ()):
                 program = progs.get(f"{kind}/exposed/{coll.name}")
                 add(PartitionWork((), coll), [piece(program)], f"{si}/{kind} collective alone")
         redo = pset.recompute.get("backward", ())
         if redo and redo == pset.recomputed("full").recompute["backward"]:
-            # Full recompute: each forward partition's compute, then the rest of the layers'
-            # forward (the blocks' pieces; not the embedding, head and loss).
+            # Full recompute (PartitionSet.recomputed): each forward partition's compute, then
+            # the rest of the layers' forward; a forward without layer blocks re-runs whole.
             forward = [p for p in pset.partitions if p.instruction == "forward"]
             parts = [piece(progs.get(p.type_key), alone=True) for p in forward]
-            blocks = outside["forward"][1:] if pset.other.get("forward") else outside["forward"]
-            add(PartitionWork(redo), parts + blocks, f"{si}/backward recompute")
+            head, blocks = rest["forward"]
+            add(PartitionWork(redo), parts + blocks or head, f"{si}/backward recompute")
     return by_work, names
 
 

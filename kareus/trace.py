@@ -277,6 +277,17 @@ block overlaps nothing before it, and a block's first partition takes in the tai
 block run before it, so the third is the first whose neighbours are all ordinary."""
 
 
+def template_block(pset: PartitionSet, kind: str) -> str | None:
+    """Return the block that stands for the untraced layers in ``kind``'s graph, if any.
+
+    The block at :data:`TEMPLATE_POSITION` in execution order: of the split blocks, else of
+    the blocks left whole.
+    """
+    split = list(dict.fromkeys(p.block for p in pset.partitions if p.instruction == kind))
+    order = split or list(pset.block_other.get(kind, {}))
+    return order[TEMPLATE_POSITION] if len(order) > TEMPLATE_POSITION else None
+
+
 def extrapolate(pset: PartitionSet, traced: int, total: int, family: str = "layers") -> None:
     """Add the work of ``total - traced`` more layers, copying an ordinary layer's.
 
@@ -301,21 +312,17 @@ def extrapolate(pset: PartitionSet, traced: int, total: int, family: str = "laye
     added: list[Partition] = []
     counted = False
     for kind in kinds:
-        split = list(dict.fromkeys(p.block for p in pset.partitions if p.instruction == kind))
-        blocks = pset.block_other.get(kind, {})
-        order = split or list(blocks)
-        if len(order) <= TEMPLATE_POSITION:
+        block = template_block(pset, kind)
+        if block is None:
             continue
         counted = True
-        template_block = order[TEMPLATE_POSITION]
-        template = [
-            p for p in pset.partitions if p.instruction == kind and p.block == template_block
-        ]
+        template = [p for p in pset.partitions if p.instruction == kind and p.block == block]
+        blocks = pset.block_other.get(kind, {})
         for extra in range(traced, total):
             name = f"{family}.{extra}"
             added.extend(dataclasses.replace(p, block=name) for p in template)
-            if template_block in blocks:
-                blocks[name] = blocks[template_block]
+            if block in blocks:
+                blocks[name] = blocks[block]
     if not counted:
         raise TraceError(
             f"found no layer blocks among the {traced} layers traced to count the other "

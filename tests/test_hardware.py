@@ -144,7 +144,7 @@ def test_overlap_hides_communication_and_sm_share_trades_off():
     assert greedy.time_s > overlapped.time_s
 
 
-def test_collective_slows_beside_compute_not_by_the_ops_memory_traffic():
+def test_collective_slows_by_a_constant_beside_compute():
     spec = gpu("a100-sxm4-40gb")
     emu, f = Emulator(spec), spec.clock_max_mhz
     knobs = Knobs(f, 4)

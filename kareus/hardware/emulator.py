@@ -14,13 +14,12 @@ Every figure it returns is *modelled* (``Estimate.source == "modelled"``). The m
   collective starts when compute reaches its launch slot (a PyTorch collective waits on the
   compute stream). While both run, compute has N-n SMs and the memory bandwidth the
   collective leaves, and the collective copies 1/(1 + contention) as fast as alone: its
-  CTAs share SMs, issue slots and the memory system with the compute kernels' (fitted
-  constant; an earlier form that scaled with the overlapped op's memory-boundness pinned
-  the fit at its bounds).
+  CTAs share SMs, issue slots and the memory system with the compute kernels' (a fitted
+  constant).
 - **Power**: static power (a constant part and leakage, which scales with V(f)) plus the
   dynamic power of what is active — per-SM activity of each class scaled by f·V(f)², plus
-  memory traffic. Above TDP the chip throttles: the
-  clock drops until power fits, so a locked clock is then not reached.
+  memory traffic. Above TDP the chip throttles: the clock drops until power fits, so a
+  locked clock is then not reached.
 - **Energy** is the integral of power over the timeline.
 """
 
