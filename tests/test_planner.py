@@ -202,6 +202,22 @@ def test_a_relaxation_glop_ends_abnormally_is_solved_afresh():
     assert comp.evaluate(got.choices) == pytest.approx(comp.evaluate(want.choices), rel=1e-9)
 
 
+def test_a_relaxation_below_the_fastest_plan_is_none_and_quiet(capfd):
+    # Reading GLOP's objective after an infeasible solve makes OR-Tools log "No solution
+    # exists" to the terminal; the relaxation reads it only from optimal solves.
+    from kareus.planner.relax import Relaxation
+
+    it = one_f_one_b(2, 4)
+    opts = {g: _tradeoff_options(g, (810, 1200, 1410)) for g in {i.group for i in it.instructions}}
+    comp = Composer(it, opts, static_power_w=20.0, gpus=4)
+    relaxation = Relaxation(it, comp.model_options, static_power_w=20.0, gpus=4, gpus_per_stage=1)
+    capfd.readouterr()
+    assert relaxation.at(0.5 * comp.fastest_choice().time_s) is None
+    assert relaxation.at(1.1 * comp.fastest_choice().time_s) is not None  # still usable
+    out, err = capfd.readouterr()
+    assert "No solution" not in out + err and "INFEASIBLE" not in out + err
+
+
 def test_dive_finds_plans_no_worse_than_rounding_and_within_the_bound():
     # 64 instructions, seven clocks, two profiles: rounding leaves up to a few percent; the
     # dive (asked for by a gap limit of 0) never does worse, and at some bound better.

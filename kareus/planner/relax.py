@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -329,10 +330,10 @@ class Relaxation:
         self._lp.SetSolverSpecificParametersAsString(
             "initial_basis: TRIANGULAR" if primal else "use_dual_simplex: true"
         )
-        status = self._lp.Solve()
+        status, objective = self._lp.Solve(), math.nan
         if status == self._abnormal:
             status, objective = self._solve_afresh()
-        else:
+        elif status == self._optimal:  # reading it otherwise logs "No solution exists"
             objective = self._lp.Objective().Value()
         if status == self._infeasible:
             return None
@@ -359,10 +360,11 @@ class Relaxation:
         fresh = pywraplp.Solver.CreateSolver("GLOP")
         fresh.LoadModelFromProto(model)  # GLOP's defaults: the primal simplex
         status = fresh.Solve()
-        if status == self._optimal:
-            response = linear_solver_pb2.MPSolutionResponse()
-            fresh.FillSolutionResponseProto(response)
-            self._lp.LoadSolutionFromProto(response)
+        if status != self._optimal:
+            return status, math.nan
+        response = linear_solver_pb2.MPSolutionResponse()
+        fresh.FillSolutionResponseProto(response)
+        self._lp.LoadSolutionFromProto(response)
         return status, fresh.Objective().Value()
 
 
