@@ -242,7 +242,8 @@ def markdown(rows: list[dict[str, Any]], total_s: float, command: str) -> str:
         "# kareus vs Megatron-LM, Perseus and nanobatching + Perseus",
         "",
         "All times and energies are **modelled** (the kareus hardware model; H100 and H200 "
-        "borrow the A100's fitted factors); wall times are **measured** on the machine that "
+        "borrow the A100's fitted factors, with GEMM and attention efficiencies scaled by "
+        "their published kernel ceilings); wall times are **measured** on the machine that "
         f"ran `{command}` ({total_s / 60:.1f} min in all). Energy is per iteration, all GPUs "
         "of one pipeline. Iso-time: least energy among the method's plans no slower than "
         "Perseus's fastest, as a reduction of that plan's energy (positive = saves). "

@@ -223,6 +223,30 @@ def test_shipped_a100_calibration_is_fitted_and_says_so():
     assert 70 <= spec.calibration.static_power_w <= 100
 
 
+def test_other_gpus_scale_the_a100_efficiencies_by_their_published_ceilings():
+    a100, h100 = gpu("a100-sxm4-40gb"), gpu("h100-sxm")
+    # H100: MAMF 792.1 of 989 TFLOP/s against the A100's 267.9 of 312; FlashAttention-2, the
+    # kernel PyTorch's SDPA runs by default, reaches 35 % of the H100's peak, 73 % of the A100's.
+    gemm = h100.calibration.eff_gemm / a100.calibration.eff_gemm
+    attention = h100.calibration.eff_attention / a100.calibration.eff_attention
+    assert gemm == pytest.approx((792.1 / 989) / (267.9 / 312), rel=2e-3)
+    assert attention == pytest.approx(0.35 / 0.73)
+    for spec in (a100, h100, gpu("h200"), gpu("a40")):
+        cited = " ".join(k for k in spec.sources)
+        assert "gemm_ceiling" in cited and "attention_ceiling" in cited
+    # Every other fitted factor is the A100's.
+    same = {"eff_gemm", "eff_attention", "static_power_w"}
+    for field in dataclasses.fields(a100.calibration):
+        if field.name not in same:
+            assert getattr(h100.calibration, field.name) == getattr(a100.calibration, field.name)
+    # A compute-bound GEMM at the same fraction of each maximum clock: the peaks' ratio,
+    # stretched by the H100's lower ceiling.
+    peak_ratio = a100.peak_flops("bf16") / h100.peak_flops("bf16")
+    t_a100 = Emulator(a100).ops((GEMM,), a100.clock_max_mhz * 0.7).time_s
+    t_h100 = Emulator(h100).ops((GEMM,), h100.clock_max_mhz * 0.7).time_s
+    assert t_h100 / t_a100 == pytest.approx(peak_ratio / gemm, rel=0.01)
+
+
 @pytest.mark.slow
 def test_calibration_fit_reduces_the_error(tmp_path):
     from kareus.hardware import calibrate

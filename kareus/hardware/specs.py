@@ -4,7 +4,9 @@ Datasheet numbers are fixed here. What datasheets do not give (op-class efficien
 per-SM copy rate of a collective, activity factors of power) lives in :class:`Calibration`,
 fitted to measurements by :mod:`kareus.hardware.calibrate` and loaded from
 ``calibration/*.json`` with its provenance. GPUs without measurements of their own borrow
-the A100's fitted factors; :attr:`GPUSpec.calibration_source` says so.
+the A100's fitted factors, their GEMM and attention efficiencies scaled by the published
+ceilings of their kernels (:attr:`GPUSpec.gemm_ceiling`, :attr:`GPUSpec.attention_ceiling`);
+:attr:`GPUSpec.calibration_source` says so.
 """
 
 from __future__ import annotations
@@ -34,6 +36,19 @@ _LEAK = (
     "assumption: a quarter of the static power is leakage, which scales with the core "
     "voltage (leakage power = V x leakage current, first order); the rest (board, memory "
     "refresh, I/O) is constant. No vendor figure is published"
+)
+_MAMF = (
+    "maximum achievable matmul FLOP/s (bf16, best of a brute-force shape search) over the dense "
+    "peak: A100 SXM 267.9 of 312 TFLOP/s = 0.859 (CUDA 12.1), H100 SXM 792.1 of 989 = 0.801 "
+    "(CUDA 12.1); S. Bekman, 'Machine Learning Engineering', MAMF comparison table "
+    "(github.com/stas00/ml-engineering, compute/accelerator)"
+)
+_FLASH = (
+    "best FlashAttention-2 utilization of the dense peak, the kernel PyTorch's "
+    "scaled_dot_product_attention runs by default (its backend priority puts FlashAttention "
+    "first; huggingface/transformers PR 48163): 0.73 on A100 (Dao, 'FlashAttention-2', ICLR "
+    "2024), 0.35 on H100 (Shah et al., 'FlashAttention-3', NeurIPS 2024, abstract). cuDNN's "
+    "attention is 1.7-2.3x faster on Hopper (same PR)"
 )
 _VF_A100 = (
     f"{_VF}. A100 knee 0.75 (1058 MHz), floor 0.80 with a leakage share of 0.25: least "
@@ -202,6 +217,8 @@ class GPUSpec:
     vf_knee: float  # fraction of the max clock below which voltage stays at its floor
     v_floor: float  # voltage at and below the knee, as a fraction of the max voltage
     leakage_fraction: float  # share of the static power that is leakage, scaling with voltage
+    gemm_ceiling: float  # best measured matmul FLOP/s over the dense peak (MAMF)
+    attention_ceiling: float  # best flash-attention utilization of the dense peak
     sources: dict[str, str]
     calibration: Calibration = dataclasses.field(default_factory=Calibration)
     calibration_source: str = "uncalibrated priors"
@@ -257,12 +274,16 @@ def _a100(name: str, memory_gb: float, bandwidth_gbs: float, bw_source: str) -> 
         vf_knee=0.75,
         v_floor=0.80,
         leakage_fraction=0.25,
+        gemm_ceiling=0.859,
+        attention_ceiling=0.73,
         sources={
             "sm_count, peak_tflops, peak_clock_mhz, tdp_w": _DATASHEET_A100,
             "clocks": _SMI,
             "memory_bandwidth_gbs": bw_source,
             "static_power_w": _STATIC_A100,
             "vf_knee, v_floor, leakage_fraction": _VF_A100,
+            "gemm_ceiling": _MAMF,
+            "attention_ceiling": _FLASH,
         },
     )
 
@@ -274,6 +295,8 @@ _H100_SOURCES = {
     "static_power_w": "estimate: A100's measured 85 W scaled by TDP (700/400); uncalibrated",
     "vf_knee, v_floor": _VF,
     "leakage_fraction": _LEAK,
+    "gemm_ceiling": _MAMF,
+    "attention_ceiling": _FLASH,
 }
 
 
@@ -293,6 +316,8 @@ def _hopper(name: str, memory_gb: float, bandwidth_gbs: float, sources: dict[str
         vf_knee=0.55,
         v_floor=0.70,
         leakage_fraction=0.25,
+        gemm_ceiling=0.801,
+        attention_ceiling=0.35,
         sources={**_H100_SOURCES, **sources},
     )
 
@@ -312,6 +337,8 @@ GPUS: dict[str, GPUSpec] = {
         4800.0,
         {
             "sm_count, peak_tflops, tdp_w": f"{_DATASHEET_H200} (same GH100 compute as H100 SXM)",
+            "gemm_ceiling": f"{_MAMF}. H200: the H100's (the same GH100 die and 700 W); the "
+            "table's GH200, with a larger power budget, reaches 0.830",
             "memory_bandwidth_gbs": f"{_DATASHEET_H200}: HBM3e, 4.8 TB/s",
         },
     ),
@@ -330,12 +357,15 @@ GPUS: dict[str, GPUSpec] = {
         vf_knee=0.55,
         v_floor=0.70,
         leakage_fraction=0.25,
+        gemm_ceiling=0.859,
+        attention_ceiling=0.73,
         sources={
             "sm_count, peak_tflops, tdp_w, memory_bandwidth_gbs": _DATASHEET_A40,
             "clocks": _SMI,
             "static_power_w": "estimate: A100's measured 85 W scaled by TDP (300/400)",
             "vf_knee, v_floor": _VF,
             "leakage_fraction": _LEAK,
+            "gemm_ceiling, attention_ceiling": "no published figure: the A100's (Ampere too)",
         },
     ),
 }
@@ -391,10 +421,18 @@ def gpu(name: str) -> GPUSpec:
     cal, provenance = load_calibration()
     if key.startswith("a100"):
         return spec.with_calibration(cal, provenance)
-    # Other GPUs: the A100's fitted efficiencies, static power scaled by TDP, stated as such.
-    scaled = dataclasses.replace(cal, static_power_w=cal.static_power_w * _STATIC_SCALED[key])
+    # Other GPUs: the A100's fitted factors, with the GEMM and attention efficiencies scaled
+    # by what each GPU's kernels reach of its peak against the A100's, static power by TDP.
+    a100 = GPUS["a100-sxm4-40gb"]
+    scaled = dataclasses.replace(
+        cal,
+        eff_gemm=cal.eff_gemm * spec.gemm_ceiling / a100.gemm_ceiling,
+        eff_attention=cal.eff_attention * spec.attention_ceiling / a100.attention_ceiling,
+        static_power_w=cal.static_power_w * _STATIC_SCALED[key],
+    )
     return spec.with_calibration(
         scaled,
-        f"borrowed from the A100 calibration ({provenance}); static power scaled by TDP; "
-        "not measured on this GPU",
+        f"borrowed from the A100 calibration ({provenance}); GEMM and attention efficiencies "
+        "scaled by this GPU's published kernel ceilings against the A100's, static power by "
+        "TDP; not measured on this GPU",
     )
