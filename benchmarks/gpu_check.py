@@ -1,6 +1,6 @@
 """One prepared GPU check: kareus on a real GPU, measured against its own model.
 
-Six steps, each reported even when another fails:
+Seven steps, each reported even when another fails:
 
 1. ``compile``: kareus.compile of a tiny Llama (python and Inductor codegen, with and
    without a clock plan; the dry run leaves Inductor to the test suite) trains like eager:
@@ -14,9 +14,13 @@ Six steps, each reported even when another fails:
    for one nanobatch (4 x 4096 tokens), causal flash attention forward and backward, and
    memory-bound ops, timed with CUDA events at the clock as found, each against the hardware
    model at that clock (the ratio per op class is what recalibration needs).
-5. ``profile``: one partition type of Llama 3.2 3B (TP 8) extracted and measured as
+5. ``sizes``: GEMMs (square, and the 3B FC1 shape at four token counts), causal attention
+   forward and backward at four sequence lengths, and copies of 1 MiB to 1 GiB: achieved
+   throughput as a fraction of the peak at the clock as found, beside the model (what
+   efficiencies by size would be fitted to).
+6. ``profile``: one partition type of Llama 3.2 3B (TP 8) extracted and measured as
    ``kareus profile`` does, on this one GPU (its collective left out), against the model.
-6. ``nccl``: with 2+ GPUs, all-reduce time of a 64 MiB tensor under NCCL CTA limits
+7. ``nccl``: with 2+ GPUs, all-reduce time of a 64 MiB tensor under NCCL CTA limits
    (the SM share) against the model.
 
 It never changes clocks, the power limit or any other setting: the clock controller is a
@@ -464,6 +468,96 @@ def step_ops(ctx: Context) -> StepResult:
     )
 
 
+def _size_cases(ctx: Context) -> list[tuple[str, str, str, Callable[..., Any], list[torch.Tensor]]]:
+    """GEMMs, causal attention and copies over a range of sizes (what efficiency-by-size needs)."""
+    cuda = ctx.device.type == "cuda"
+    dt = torch.bfloat16 if cuda else torch.float32
+    scale = 1 if cuda else 16
+    gen = torch.Generator().manual_seed(1)
+
+    def t(*shape: int, grad: bool = False) -> torch.Tensor:
+        x = torch.randn(*shape, generator=gen).to(ctx.device, dt)
+        return x.requires_grad_(grad)
+
+    cases = []
+    for n in (1024, 2048, 4096, 8192):
+        n //= scale
+        cases.append(("gemm", f"square {n}", "gemm", torch.mm, [t(n, n), t(n, n)]))
+    for m in (1024, 4096, 16384, 32768):  # the 3B layer's FC1 at TP 4 (k 3072, n 4096)
+        m //= scale
+        a, b = t(m, 3072 // scale), t(3072 // scale, 4096 // scale)
+        cases.append(("gemm", f"fc1 tokens {m}", "gemm", torch.mm, [a, b]))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return sdpa(q, k, v, is_causal=True)
+
+    def fwd_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        out = sdpa(q, k, v, is_causal=True)
+        return torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    hd = 128 // min(scale, 4)
+    for seq in (1024, 2048, 4096, 8192):  # 32768 tokens, 6 heads (3B at TP 4)
+        seq //= scale
+        qkv = [t(32768 // scale // seq, 6, seq, hd, grad=True) for _ in range(3)]
+        cases.append(("attention", f"causal forward seq {seq}", "attention", fwd, qkv))
+        cases.append(("attention", f"causal fwd+bwd seq {seq}", "attention", fwd_bwd, qkv))
+    for mib in (1, 16, 256, 1024):
+        x = t(mib * 2**20 // 2 // scale)
+        size = x.numel() * x.element_size() / 2**20
+        cases.append(("memory", f"copy {size:g} MiB", "memory", torch.clone, [x]))
+    return cases
+
+
+def step_sizes(ctx: Context) -> StepResult:
+    """Achieved throughput by size, against the peak at the clock as found and the model."""
+    emu = ctx.emulator
+    window = 0.3 if ctx.device.type == "cuda" else 0.02
+    speed = ctx.clock_mhz / ctx.spec.clock_max_mhz
+    rows = []
+    for family, name, cls, fn, inputs in _size_cases(ctx):
+        costs = _costs(fn, inputs)
+        measured = _time(ctx, fn, inputs, window)
+        flops, nbytes = sum(c.flops for c in costs), sum(c.bytes for c in costs)
+        if cls == "memory":
+            achieved = nbytes / measured / 1e9
+            peak = ctx.spec.memory_bandwidth_gbs
+            unit = "GB/s"
+        else:
+            achieved = flops / measured / 1e12
+            peak = ctx.spec.peak_flops("bf16") / 1e12 * speed
+            unit = "TFLOP/s"
+        rows.append(
+            {
+                "family": family,
+                "op": name,
+                "class": cls,
+                "gflop": round(flops / 1e9, 3),
+                "mbytes": round(nbytes / 1e6, 3),
+                "clock_mhz": ctx.clock_mhz,
+                "measured_s": measured,
+                "modelled_s": emu.ops(costs, ctx.clock_mhz).time_s,
+                "achieved": achieved,
+                "unit": unit,
+                "fraction_of_peak": achieved / peak,
+            }
+        )
+    what = "CPU against the GPU's peak: not a GPU figure" if ctx.dry_run else "measured"
+    parts = []
+    for family in dict.fromkeys(r["family"] for r in rows):
+        fam = [r for r in rows if r["family"] == family]
+        parts.append(
+            f"{family} {min(r['fraction_of_peak'] for r in fam) * 100:.0f}-"
+            f"{max(r['fraction_of_peak'] for r in fam) * 100:.0f} % of peak"
+        )
+    return StepResult(
+        "sizes",
+        "passed",
+        f"{len(rows)} sizes at {ctx.clock_mhz:g} MHz ({what}): " + ", ".join(parts),
+        rows,
+    )
+
+
 # ---- 5. one partition, as kareus profile measures it ------------------------------------------
 
 
@@ -609,7 +703,15 @@ def step_nccl(ctx: Context) -> StepResult:
 
 # ---- driver -----------------------------------------------------------------------------------
 
-STEPS = (step_compile, step_switches, step_energy, step_ops, step_profile, step_nccl)
+STEPS = (
+    step_compile,
+    step_switches,
+    step_energy,
+    step_ops,
+    step_sizes,
+    step_profile,
+    step_nccl,
+)
 
 
 def _sm_clock(index: int) -> float | None:

@@ -21,7 +21,7 @@ def test_dry_run_runs_every_step_and_writes_summary_and_data(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     assert "dry run: no figure here measures a GPU" in summary
     assert "No clock, power limit or other setting was changed" in summary
-    steps = ("compile", "switches", "energy", "ops", "profile", "nccl")
+    steps = ("compile", "switches", "energy", "ops", "sizes", "profile", "nccl")
     for step in steps:
         assert f"| {step} | passed |" in summary, summary
         rows = list(csv.DictReader((tmp_path / "data" / "dry-run" / f"{step}.csv").open()))
@@ -37,6 +37,10 @@ def test_dry_run_runs_every_step_and_writes_summary_and_data(tmp_path):
     ops = list(csv.DictReader((data / "ops.csv").open()))
     assert {r["class"] for r in ops} == {"gemm", "attention", "memory"}
     assert all(float(r["measured_s"]) > 0 and float(r["modelled_s"]) > 0 for r in ops)
+    sizes = list(csv.DictReader((data / "sizes.csv").open()))
+    assert {r["class"] for r in sizes} == {"gemm", "attention", "memory"}
+    assert len({r["op"] for r in sizes}) == len(sizes) == 20  # every size its own row
+    assert all(float(r["fraction_of_peak"]) > 0 and float(r["modelled_s"]) > 0 for r in sizes)
     assert "README" not in summary and (data / "README.md").is_file()
 
 
