@@ -94,7 +94,8 @@ def test_explain_prints_a_saved_plan_through_the_entry_point(planned):
         (
             ["plan", "--model", "tiny", "--cp", "3", "--seq-len", "32"],
             EXIT_BAD_INPUT,
-            "seq_len=32 is not divisible by the context-parallel size 3",
+            "seq_len=32 is not divisible by the doubled context-parallel size (two chunks per "
+            "rank) 6",
         ),
         (["plan", "--model", "tiny", "--microbatch-size", "2"], EXIT_BAD_INPUT, "at least 4"),
         (["plan", "--model", "tiny", "--select", "deadline_s"], EXIT_BAD_INPUT, "--deadline"),

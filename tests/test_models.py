@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import kareus
-from kareus.models import PRESETS, Llama, LlamaConfig, preset
+from kareus.models import PRESETS, Llama, LlamaConfig, cp_shard, preset
 from kareus.runtime.clocks import EmulatedClocks
 from kareus.testing import run_ranks
 
@@ -32,13 +32,22 @@ def test_unknown_preset_lists_the_known_ones():
     [
         ({"tp": 16}, "num_kv_heads=8 is not divisible by the tensor-parallel size 16"),
         ({"pp": 3}, "num_layers=28 is not divisible by the pipeline-parallel size 3"),
-        ({"cp": 3, "seq_len": 4096}, "seq_len=4096 is not divisible by the context-parallel"),
+        (
+            {"cp": 3, "seq_len": 4096},
+            "seq_len=4096 is not divisible by the doubled context-parallel size",
+        ),
         ({"tp": 0}, "must be at least 1"),
     ],
 )
 def test_parallel_sizes_that_do_not_divide_are_named(sizes, message):
     with pytest.raises(ValueError, match=message):
         preset("llama3.2-3b").check_parallel(**sizes)
+
+
+def test_cp_shard_gives_each_rank_an_early_and_a_late_chunk():
+    seq = torch.arange(8).view(1, 8)
+    assert [cp_shard(seq, r, 2).tolist() for r in range(2)] == [[[0, 1, 6, 7]], [[2, 3, 4, 5]]]
+    assert cp_shard(seq, 0, 1) is seq
 
 
 def test_pipeline_stages_hold_their_layers_and_chain_to_the_full_model():
@@ -66,6 +75,7 @@ def _sharded_vs_full(rank, mode):
     labels = torch.randint(0, CFG.vocab_size, (4, 8))
     ref_loss, ref_grads = _step(full, full, ids, labels)
     out = {}
+    attention_flops: dict[str, float] = {}
     hows = ("eager", "kareus", "planned") if mode == "tp" else ("eager", "kareus")
     for how in hows:
         if mode == "tp":
@@ -73,7 +83,7 @@ def _sharded_vs_full(rank, mode):
             x, y = ids, labels
         else:
             model = Llama(CFG, cp_group=dist.group.WORLD)
-            x, y = ids.chunk(2, dim=1)[rank], labels.chunk(2, dim=1)[rank]
+            x, y = cp_shard(ids, rank, 2), cp_shard(labels, rank, 2)
         model.load_unsharded(full.state_dict())
         run = model
         if how == "kareus":
@@ -100,6 +110,12 @@ def _sharded_vs_full(rank, mode):
         if how != "eager":
             region = kareus.explain(run).regions[0]
             split = region.findings["find_blocks"].split
+            pset = region.findings["cut_partitions"]
+            ops = list(pset.outside("forward"))
+            for p in pset.partitions:
+                if p.instruction == "forward":
+                    ops += pset.types[p.type_key].compute
+            attention_flops[how] = sum(o.flops for o in ops if o.op_class == "attention")
         if how == "planned":
             plan = region.findings["plan"]
             split = (
@@ -109,6 +125,7 @@ def _sharded_vs_full(rank, mode):
                 region.findings["clock_runtime"].switches,
             )
         out[how] = (loss, ref_loss, diffs, split)
+    out["attention_flops"] = attention_flops["kareus"]
     return out
 
 
@@ -116,7 +133,17 @@ def _sharded_vs_full(rank, mode):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["tp", "cp"])
 def test_tensor_and_context_parallel_match_the_unsharded_model(mode):
-    for rank, result in enumerate(run_ranks(_sharded_vs_full, mode)):
+    results = run_ranks(_sharded_vs_full, mode)
+    flops = [result.pop("attention_flops") for result in results]
+    b, s, d, layers = 4, 8, CFG.dim_per_head, CFG.num_layers
+    if mode == "cp":
+        # Each rank's two chunks (c = s / 4 tokens) attend to their key prefixes, c and 4c
+        # keys on rank 0, 2c and 3c on rank 1: the same (2 CP + 1) c^2 scores on both.
+        c = s // 4
+        assert flops == [layers * 4 * b * CFG.num_heads * d * 5 * c * c] * 2
+    else:  # causal over the whole sequence, heads split over the two ranks
+        assert flops == [layers * 4 * b * CFG.num_heads // 2 * d * s * (s + 1) / 2] * 2
+    for rank, result in enumerate(results):
         for how, (loss, ref_loss, diffs, split) in result.items():
             torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=f"{how} loss")
             for key, (got, want) in diffs.items():

@@ -9,9 +9,12 @@ Parallelism, from kareus's building blocks (:mod:`kareus.parallel`):
 - **tensor** (``tp_group``): attention heads and MLP columns are split Megatron-style, so
   each layer all-reduces twice in the forward and twice in the backward; the embedding,
   the output head and the cross-entropy are split by vocabulary.
-- **context** (``cp_group``): each rank holds a contiguous chunk of the sequence; K and V
-  are all-gathered along the sequence before attention (their gradients reduce-scattered
-  in the backward), with the causal mask and rotary positions offset to the chunk.
+- **context** (``cp_group``): the sequence is cut into 2 x CP chunks and rank r holds chunks
+  r and 2·CP - 1 - r (Megatron-LM's load-balanced layout: every rank gets the same causal
+  work; :func:`cp_shard` cuts a batch so); K and V are all-gathered along the sequence
+  before attention (their gradients reduce-scattered in the backward), and each chunk's
+  queries attend to the keys up to their own (the prefix, causally masked on the diagonal
+  chunk), with rotary positions at the chunks' places.
 - **pipeline** (``stage=(index, count)``): the model holds one stage's layers; the first
   stage embeds token ids, the last applies the head and the loss, the others map hidden
   states to hidden states.
@@ -89,8 +92,10 @@ class LlamaConfig:
             (tp, "tensor-parallel size", "vocab_size", self.vocab_size),
             (pp, "pipeline-parallel size", "num_layers", self.num_layers),
         ]
-        if seq_len:
-            checks.append((cp, "context-parallel size", "seq_len", seq_len))
+        if seq_len and cp > 1:  # two chunks per rank: the load-balanced layout
+            checks.append(
+                (2 * cp, "doubled context-parallel size (two chunks per rank)", "seq_len", seq_len)
+            )
         for size, what, dim, value in checks:
             if size < 1:
                 raise ValueError(f"the {what} must be at least 1, got {size}")
@@ -234,11 +239,31 @@ def rope_tables(
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def cp_shard(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:
+    """Return context-parallel rank ``rank``'s part of ``x``: chunks rank and 2·size-1-rank.
+
+    ``x`` is cut into 2 x ``size`` chunks along ``dim`` (the sequence); a rank's two chunks,
+    one early and one late in the sequence, carry equal causal-attention work.
+    """
+    if size == 1:
+        return x
+    chunks = x.chunk(2 * size, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=dim)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` of shape [batch, heads, seq, head_dim]."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def _repeat_kv(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Repeat grouped K and V heads to ``heads`` (grouped-query attention)."""
+    groups = heads // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return k, v
 
 
 class Attention(nn.Module):
@@ -256,6 +281,7 @@ class Attention(nn.Module):
         self.tp_group = group_name(tp_group) if tp_group is not None else None
         self.cp_group = group_name(cp_group) if cp_group is not None else None
         self.cp_rank = group_rank(cp_group) if cp_group is not None else 0
+        self.cp_size = _size(cp_group)
         self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
 
@@ -271,27 +297,36 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        mask = None
-        if self.cp_group is not None:
-            # One all-gather of K and V together along the sequence.
-            kv = gather_from_sp(torch.cat([k, v], dim=1), self.cp_group, dim=2)
-            k, v = kv.chunk(2, dim=1)
-            # Query i of this chunk sits at position offset + i and sees keys up to there.
-            mask = torch.ones(s, kv.shape[2], dtype=torch.bool, device=x.device).tril(
-                self.cp_rank * s
+        dropout = self.cfg.dropout if self.training else 0.0
+        if self.cp_group is None:
+            k, v = _repeat_kv(k, v, q.shape[1])
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+            return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        # One all-gather of K and V together along the sequence; the ranks' chunks are put
+        # back in sequence order: every rank's first chunk, then the second ones in reverse.
+        cp, c = self.cp_size, s // 2
+        kv = gather_from_sp(torch.cat([k, v], dim=1), self.cp_group, dim=2)
+        kv = kv.reshape(*kv.shape[:2], cp, 2, c, kv.shape[-1])
+        kv = torch.cat([kv[:, :, :, 0], kv[:, :, :, 1].flip(2)], dim=2).flatten(2, 3)
+        k, v = kv.chunk(2, dim=1)
+        k, v = _repeat_kv(k, v, q.shape[1])
+        outs = []
+        for half, chunk in enumerate((self.cp_rank, 2 * cp - 1 - self.cp_rank)):
+            # Query i of chunk g sits at position g·c + i and sees the keys up to there.
+            # (Every chunk through a mask, the first too: each rank then computes the same
+            # (2·CP + 1)·c² scores, and the rank traced costs as much as any.)
+            seen = (chunk + 1) * c
+            mask = torch.ones(c, seen, dtype=torch.bool, device=x.device).tril(chunk * c)
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, half * c : (half + 1) * c],
+                    k[:, :, :seen],
+                    v[:, :, :seen],
+                    attn_mask=mask,
+                    dropout_p=dropout,
+                )
             )
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=mask is None,
-            dropout_p=self.cfg.dropout if self.training else 0.0,
-        )
+        out = torch.cat(outs, dim=2)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -344,10 +379,10 @@ class Llama(nn.Module):
         cfg: the shape.
         tp_group: a process group to split each layer, the embedding and the head across
             (tensor parallelism), or None.
-        cp_group: a process group whose ranks each hold a contiguous chunk of the sequence
-            (context parallelism), or None. Each rank's loss is the mean over its chunk;
-            average the loss and sum-then-average the gradients over the group as with
-            data parallelism.
+        cp_group: a process group over which the sequence is split (context parallelism),
+            or None. Each rank holds two of its 2 x CP chunks, ``cp_shard``'s (the
+            load-balanced layout); its loss is the mean over them: average the loss and
+            sum-then-average the gradients over the group as with data parallelism.
         stage: ``(index, count)`` to hold only one pipeline stage's layers.
 
     The first stage's ``forward`` takes token ids, the others hidden states [batch, seq,
@@ -372,6 +407,7 @@ class Llama(nn.Module):
         self.first, self.last = index == 0, index == count - 1
         self.tp_group = group_name(tp_group) if tp_group is not None else None
         self.cp_rank = group_rank(cp_group) if cp_group is not None else 0
+        self.cp_size = _size(cp_group)
         per_stage = cfg.num_layers // count
         self.layer_offset = index * per_stage
         self.embed: nn.Module | None = None
@@ -409,14 +445,24 @@ class Llama(nn.Module):
         if self.embed is not None:
             x = self.embed(x)
             dtype = x.dtype
-        cos, sin = rope_tables(
-            seq,
-            self.cfg.dim_per_head,
-            self.cfg.rope_theta,
-            offset=self.cp_rank * seq,
-            dtype=dtype,
-            device=x.device,
-        )
+        if self.cp_size == 1:
+            cos, sin = rope_tables(
+                seq, self.cfg.dim_per_head, self.cfg.rope_theta, dtype=dtype, device=x.device
+            )
+        else:  # this rank's two chunks, at their places in the sequence
+            c = seq // 2
+            tables = [
+                rope_tables(
+                    c,
+                    self.cfg.dim_per_head,
+                    self.cfg.rope_theta,
+                    offset=chunk * c,
+                    dtype=dtype,
+                    device=x.device,
+                )
+                for chunk in (self.cp_rank, 2 * self.cp_size - 1 - self.cp_rank)
+            ]
+            cos, sin = (torch.cat(parts) for parts in zip(*tables, strict=True))
         for layer in self.layers:
             x = layer(x, cos, sin)
         if self.norm is None or self.lm_head is None:
