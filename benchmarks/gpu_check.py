@@ -380,6 +380,15 @@ def _time(
     return (time.perf_counter() - start) / reps
 
 
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _causal_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+    out = _causal(q, k, v)
+    return torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+
 def _op_cases(ctx: Context) -> list[tuple[str, str, str, Callable[..., Any], list[torch.Tensor]]]:
     dt = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
     scale = 1 if ctx.device.type == "cuda" else 16
@@ -405,17 +414,10 @@ def _op_cases(ctx: Context) -> list[tuple[str, str, str, Callable[..., Any], lis
     # Attention of the 3B layer (24 heads / TP 8 = 3 per rank), causal, 4 sequences.
     heads, hd, b = 3, 128 // min(scale, 4), 4
     q, k, v = (t(b, heads, seq, hd, grad=True) for _ in range(3))
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return sdpa(q, k, v, is_causal=True)
-
-    def fwd_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
-        out = sdpa(q, k, v, is_causal=True)
-        return torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-
-    cases.append(("llama3.2-3b", "attention forward", "attention", fwd, [q, k, v]))
-    cases.append(("llama3.2-3b", "attention forward+backward", "attention", fwd_bwd, [q, k, v]))
+    cases.append(("llama3.2-3b", "attention forward", "attention", _causal, [q, k, v]))
+    cases.append(
+        ("llama3.2-3b", "attention forward+backward", "attention", _causal_grads, [q, k, v])
+    )
     h = 3072 // scale
     x, w = t(tokens, h), t(h)
 
@@ -487,21 +489,12 @@ def _size_cases(ctx: Context) -> list[tuple[str, str, str, Callable[..., Any], l
         m //= scale
         a, b = t(m, 3072 // scale), t(3072 // scale, 4096 // scale)
         cases.append(("gemm", f"fc1 tokens {m}", "gemm", torch.mm, [a, b]))
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return sdpa(q, k, v, is_causal=True)
-
-    def fwd_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
-        out = sdpa(q, k, v, is_causal=True)
-        return torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-
     hd = 128 // min(scale, 4)
     for seq in (1024, 2048, 4096, 8192):  # 32768 tokens, 6 heads (3B at TP 4)
         seq //= scale
         qkv = [t(32768 // scale // seq, 6, seq, hd, grad=True) for _ in range(3)]
-        cases.append(("attention", f"causal forward seq {seq}", "attention", fwd, qkv))
-        cases.append(("attention", f"causal fwd+bwd seq {seq}", "attention", fwd_bwd, qkv))
+        cases.append(("attention", f"causal forward seq {seq}", "attention", _causal, qkv))
+        cases.append(("attention", f"causal fwd+bwd seq {seq}", "attention", _causal_grads, qkv))
     for mib in (1, 16, 256, 1024):
         x = t(mib * 2**20 // 2 // scale)
         size = x.numel() * x.element_size() / 2**20
