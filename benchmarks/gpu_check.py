@@ -15,7 +15,8 @@ Seven steps, each reported even when another fails:
    memory-bound ops, timed with CUDA events at the clock as found, each against the hardware
    model at that clock (the ratio per op class is what recalibration needs).
 5. ``sizes``: GEMMs (square, and the 3B FC1 shape at four token counts), causal attention
-   forward and backward at four sequence lengths, and copies of 1 MiB to 1 GiB: achieved
+   forward and backward at four sequence lengths, the masked prefix attention of
+   ``kareus.models``' context parallelism, and copies of 1 MiB to 1 GiB: achieved
    throughput as a fraction of the peak at the clock as found, beside the model (what
    efficiencies by size would be fitted to).
 6. ``profile``: one partition type of Llama 3.2 3B (TP 8) extracted and measured as
@@ -495,6 +496,23 @@ def _size_cases(ctx: Context) -> list[tuple[str, str, str, Callable[..., Any], l
         qkv = [t(32768 // scale // seq, 6, seq, hd, grad=True) for _ in range(3)]
         cases.append(("attention", f"causal forward seq {seq}", "attention", _causal, qkv))
         cases.append(("attention", f"causal fwd+bwd seq {seq}", "attention", _causal_grads, qkv))
+    # kareus.models' context-parallel attention: the last of four 1024-token chunks against
+    # its 4096-key prefix through a mask (PyTorch's memory-efficient kernel, not flash).
+    c = 1024 // scale
+    q = t(8, 6, c, hd, grad=True)
+    k, v = (t(8, 6, 4 * c, hd, grad=True) for _ in range(2))
+    mask = torch.ones(c, 4 * c, dtype=torch.bool, device=ctx.device).tril(3 * c)
+
+    def prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> Any:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    def prefix_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> Any:
+        out = prefix(q, k, v, m)
+        return torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    name = f"masked prefix {c} x {4 * c}"
+    cases.append(("attention", f"{name} forward", "attention", prefix, [q, k, v, mask]))
+    cases.append(("attention", f"{name} fwd+bwd", "attention", prefix_grads, [q, k, v, mask]))
     for mib in (1, 16, 256, 1024):
         x = t(mib * 2**20 // 2 // scale)
         size = x.numel() * x.element_size() / 2**20
