@@ -48,6 +48,10 @@ def test_cp_shard_gives_each_rank_an_early_and_a_late_chunk():
     seq = torch.arange(8).view(1, 8)
     assert [cp_shard(seq, r, 2).tolist() for r in range(2)] == [[[0, 1, 6, 7]], [[2, 3, 4, 5]]]
     assert cp_shard(seq, 0, 1) is seq
+    with pytest.raises(ValueError, match="multiple of 6"):
+        cp_shard(seq, 0, 3)
+    with pytest.raises(ValueError, match="rank 2 is not one of the 2"):
+        cp_shard(seq, 2, 2)
 
 
 def test_pipeline_stages_hold_their_layers_and_chain_to_the_full_model():

@@ -245,8 +245,15 @@ def cp_shard(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tenso
     ``x`` is cut into 2 x ``size`` chunks along ``dim`` (the sequence); a rank's two chunks,
     one early and one late in the sequence, carry equal causal-attention work.
     """
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is not one of the {size} context-parallel ranks")
     if size == 1:
         return x
+    if x.shape[dim] % (2 * size):
+        raise ValueError(
+            f"a sequence of {x.shape[dim]} does not cut into 2 x {size} equal chunks: make "
+            f"its length a multiple of {2 * size}"
+        )
     chunks = x.chunk(2 * size, dim=dim)
     return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=dim)
 
@@ -441,6 +448,11 @@ class Llama(nn.Module):
         stage, the mean cross-entropy when ``labels`` are given, hidden states otherwise.
         """
         seq = x.shape[1]
+        if self.cp_size > 1 and seq % 2:
+            raise ValueError(
+                f"a context-parallel rank holds two equal chunks of the sequence (cp_shard), "
+                f"but got {seq} tokens"
+            )
         dtype = x.dtype if x.is_floating_point() else torch.get_default_dtype()
         if self.embed is not None:
             x = self.embed(x)
