@@ -134,6 +134,9 @@ class PartitionSet:
             tail; a block left whole entirely). Kept per block so that counting repeated
             layers counts it too.
         exposed: per instruction, collectives that overlap no compute.
+        block_exposed: per instruction and block, those of :attr:`exposed` that a block
+            runs (a block left whole runs its collectives alone): kept per block so that
+            counting repeated layers, and activation recompute, count them too.
         notes: per instruction, why its graph has no partitions; ``recompute``: what the
             recompute mode could not tell apart (:meth:`recomputed`).
         recompute: per instruction, compute it re-runs for activation recompute (the
@@ -146,6 +149,9 @@ class PartitionSet:
     other: dict[str, tuple[OpCost, ...]] = dataclasses.field(default_factory=dict)
     block_other: dict[str, dict[str, tuple[OpCost, ...]]] = dataclasses.field(default_factory=dict)
     exposed: dict[str, tuple[CollectiveCost, ...]] = dataclasses.field(default_factory=dict)
+    block_exposed: dict[str, dict[str, tuple[CollectiveCost, ...]]] = dataclasses.field(
+        default_factory=dict
+    )
     notes: dict[str, str] = dataclasses.field(default_factory=dict)
     recompute: dict[str, tuple[OpCost, ...]] = dataclasses.field(default_factory=dict)
     recompute_collectives: dict[str, tuple[CollectiveCost, ...]] = dataclasses.field(
@@ -157,7 +163,8 @@ class PartitionSet:
 
         ``full``: the layers' forward, as Megatron-LM's full recompute checkpoints each
         transformer layer: every op of the forward's partitions and of its blocks outside
-        them (:attr:`block_other`), and the partitions' collectives; the embedding, head and
+        them (:attr:`block_other`), and the collectives of both (the partitions', and
+        :attr:`block_exposed`: those of blocks left whole); the embedding, head and
         loss (:attr:`other`) are not re-run. A forward with no layer blocks found (a stage of
         one layer) re-runs all of its forward, collectives included: kareus cannot tell its
         layer from the rest there, and says so in :attr:`notes`. ``selective``: the attention
@@ -173,7 +180,9 @@ class PartitionSet:
             o for block_ops in blocks.values() for o in block_ops
         )
         overlapped = [self.types[p.type_key].collective for p in forward]
-        colls = tuple(c for c in overlapped if c is not None)
+        colls = tuple(c for c in overlapped if c is not None) + tuple(
+            c for block in self.block_exposed.get("forward", {}).values() for c in block
+        )
         notes = {k: v for k, v in self.notes.items() if k != "recompute"}
         if not ops:  # no layer blocks found: the whole forward
             ops, colls = self.other.get("forward", ()), self.exposed.get("forward", ())

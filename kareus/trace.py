@@ -198,6 +198,7 @@ def trace_stage(
     groups: tuple[Any, Any] = (None, None),
     extract: bool = False,
     device: str = "cpu",
+    nanobatches: int = 2,
 ) -> StageTrace:
     """Trace ``layers`` layers of one pipeline stage.
 
@@ -213,6 +214,8 @@ def trace_stage(
             group is then named by role (``"tp"`` or ``"cp"``), to be bound to a real group.
         device: the device the fake tensors claim (the one the programs will run on: the
             attention kernels differ between CPU and CUDA).
+        nanobatches: 2 traces the nanobatched graphs kareus plans; 1 the original ones
+            (blocks left whole), as Megatron-LM runs them.
     """
     import kareus
     from kareus.api import find_backend
@@ -238,7 +241,7 @@ def trace_stage(
         compiled = kareus.compile(
             model,
             disable_passes=("schedule_overlap", "insert_clock_switches"),
-            nanobatches=2,  # the nanobatched workload is what is planned, collectives or not
+            nanobatches=nanobatches,  # 2: what is planned, collectives or not
             extract_partitions=extract,
         )
         out = compiled(x, ids if model.last else None)
@@ -292,10 +295,10 @@ def extrapolate(pset: PartitionSet, traced: int, total: int, family: str = "laye
     """Add the work of ``total - traced`` more layers, copying an ordinary layer's.
 
     Per instruction (forward, backward: the backward runs the layers in reverse), the
-    block at :data:`TEMPLATE_POSITION` in execution order is copied: its partitions and its
-    compute outside them; a stage whose blocks were left whole copies a whole block's
-    compute. Needs ``traced >= TEMPLATE_POSITION + 2`` so that the template is not the last
-    block either.
+    block at :data:`TEMPLATE_POSITION` in execution order is copied: its partitions, its
+    compute outside them and the collectives it runs alone; a stage whose blocks were left
+    whole copies a whole block's compute and collectives. Needs ``traced >=
+    TEMPLATE_POSITION + 2`` so that the template is not the last block either.
 
     Raises:
         TraceError: too few layers traced to count the rest, or no layer blocks found to
@@ -318,11 +321,15 @@ def extrapolate(pset: PartitionSet, traced: int, total: int, family: str = "laye
         counted = True
         template = [p for p in pset.partitions if p.instruction == kind and p.block == block]
         blocks = pset.block_other.get(kind, {})
+        alone = pset.block_exposed.get(kind, {})
         for extra in range(traced, total):
             name = f"{family}.{extra}"
             added.extend(dataclasses.replace(p, block=name) for p in template)
             if block in blocks:
                 blocks[name] = blocks[block]
+            if block in alone:
+                alone[name] = alone[block]
+                pset.exposed[kind] = pset.exposed.get(kind, ()) + alone[block]
     if not counted:
         raise TraceError(
             f"found no layer blocks among the {traced} layers traced to count the other "
@@ -336,6 +343,7 @@ def trace(
     *,
     layers: int = TEMPLATE_POSITION + 2,
     progress: Callable[[str], None] | None = None,
+    nanobatches: int = 2,
 ) -> tuple[list[PartitionSet], list[str]]:
     """Partition sets of every pipeline stage of ``work`` (identical stages share one).
 
@@ -344,11 +352,14 @@ def trace(
         layers: layers traced per stage (at least 4 when the stage has more; the rest are
             counted from an ordinary layer, see :func:`extrapolate`).
         progress: called with a short description before each stage is traced.
+        nanobatches: 2 for the nanobatched graphs kareus plans, 1 for the original ones.
 
     Returns:
         One partition set per pipeline stage, and the notes the passes recorded.
     """
-    stages, notes, _programs = trace_programs(work, layers=layers, progress=progress, extract=False)
+    stages, notes, _programs = trace_programs(
+        work, layers=layers, progress=progress, extract=False, nanobatches=nanobatches
+    )
     return stages, notes
 
 
@@ -359,6 +370,7 @@ def trace_programs(
     progress: Callable[[str], None] | None = None,
     extract: bool = True,
     device: str = "cpu",
+    nanobatches: int = 2,
 ) -> tuple[list[PartitionSet], list[str], list[dict[str, PartitionProgram]]]:
     """:func:`trace`, also keeping each partition type as a runnable program.
 
@@ -368,6 +380,7 @@ def trace_programs(
         progress: called with a short description before each stage is traced.
         extract: keep the programs (:mod:`kareus.passes.extract_partitions`).
         device: the device the programs will run on (see :func:`trace_stage`).
+        nanobatches: as in :func:`trace`.
 
     Returns:
         As :func:`trace`, and per pipeline stage its programs by type key.
@@ -388,7 +401,13 @@ def trace_programs(
             note(f"tracing stage {kind} ({traced[kind]} of {per_stage[kind]} layers, fake tensors)")
             _log.info("tracing stage kind %d: %d of %d layers", kind, traced[kind], per_stage[kind])
             found = trace_stage(
-                work, kind, layers=traced[kind], groups=groups, extract=extract, device=device
+                work,
+                kind,
+                layers=traced[kind],
+                groups=groups,
+                extract=extract,
+                device=device,
+                nanobatches=nanobatches,
             )
             _log.info(
                 "stage kind %d: %d partitions, %d notes",

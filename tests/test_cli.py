@@ -238,6 +238,24 @@ def test_counting_repeated_layers_equals_tracing_them_all():
     assert len(full.partitions) == 5 * 2 * 2 * 2  # layers x nanobatches x segments x kinds
 
 
+def test_counting_repeated_layers_left_whole_counts_their_collectives():
+    """Blocks left whole (the original graph): their forward collectives run alone, and
+    four traced layers, the rest counted, count and recompute them as tracing all five."""
+    cfg = LlamaConfig(
+        num_layers=5, hidden_size=16, num_heads=2, num_kv_heads=2, intermediate_size=32
+    )
+    work = Workload(model=cfg, tp=2, microbatch_size=4, seq_len=8, microbatches=1)
+    [counted], _ = trace(work, layers=4, nanobatches=1)
+    [full], _ = trace(work, layers=5, nanobatches=1)
+    assert not full.partitions and len(full.block_exposed["forward"]) == 5
+    assert all(len(c) == 2 for c in full.block_exposed["forward"].values())  # f and g
+    assert sorted(_costs(counted.exposed["forward"])) == sorted(_costs(full.exposed["forward"]))
+    assert sorted(_costs(counted.recomputed("full").recompute_collectives["backward"])) == sorted(
+        _costs(full.recomputed("full").recompute_collectives["backward"])
+    )
+    assert len(full.recomputed("full").recompute_collectives["backward"]) == 10
+
+
 def _costs(items):
     """Costs without node names (names differ between traces)."""
     return [tuple(v for k, v in vars(c).items() if k != "name") for c in items]

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from kareus.costs import Knobs, OpCost
+from kareus.costs import CollectiveCost, Knobs, OpCost
 from kareus.errors import KareusError
 from kareus.hardware import Emulator, gpu
 from kareus.hardware.calibrate import attention_partition
@@ -784,9 +784,19 @@ def test_layers_not_traced_are_counted_from_an_ordinary_block_split_or_whole():
         other={"forward": (OpCost("gemm", 1e9, 1e6, "bf16", "head"),)},
         block_other={"forward": {f"layers.{i}": layer for i in range(4)}},
     )
+    # ... and the collectives such a block runs alone (a tensor-parallel layer left whole):
+    # counted for the untraced layers and re-run by activation recompute.
+    reduce = CollectiveCost("all_reduce", 2**20, 2, "all_reduce")
+    head = CollectiveCost("all_reduce", 2**21, 2, "head_all_reduce")
+    whole.exposed = {"forward": (*(reduce,) * 8, head)}
+    whole.block_exposed = {"forward": {f"layers.{i}": (reduce, reduce) for i in range(4)}}
     extrapolate(whole, 4, 6)
     assert list(whole.block_other["forward"]) == [f"layers.{i}" for i in range(6)]
-    assert len(whole.recomputed("full").recompute["backward"]) == 6
+    assert list(whole.block_exposed["forward"]) == [f"layers.{i}" for i in range(6)]
+    assert whole.exposed["forward"].count(reduce) == 12 and head in whole.exposed["forward"]
+    redo = whole.recomputed("full")
+    assert len(redo.recompute["backward"]) == 6
+    assert redo.recompute_collectives["backward"] == (reduce,) * 12  # not the head's
     # No blocks at all: the other layers cannot be counted, and kareus says so.
     with pytest.raises(TraceError, match="no layer blocks"):
         extrapolate(PartitionSet(other={"forward": layer}), 4, 6)
