@@ -135,9 +135,8 @@ class PartitionSet:
             layers counts it too.
         exposed: per instruction, collectives that overlap no compute.
         block_exposed: per instruction and block, those of :attr:`exposed` that a block
-            runs (a block left whole runs its collectives alone; the forward's only: the
-            backward's cannot be told apart by block): kept per block so that counting
-            repeated layers, and activation recompute, count them too.
+            runs (a block left whole runs its collectives alone): kept per block so that
+            counting repeated layers, and activation recompute, count them too.
         notes: per instruction, why its graph has no partitions; ``recompute``: what the
             recompute mode could not tell apart (:meth:`recomputed`).
         recompute: per instruction, compute it re-runs for activation recompute (the

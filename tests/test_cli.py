@@ -239,8 +239,8 @@ def test_counting_repeated_layers_equals_tracing_them_all():
 
 
 def test_counting_repeated_layers_left_whole_counts_their_collectives():
-    """Blocks left whole (the original graph): their forward collectives run alone, and
-    four traced layers, the rest counted, count and recompute them as tracing all five."""
+    """Blocks left whole (the original graph): their collectives run alone, and four
+    traced layers, the rest counted, count and recompute them as tracing all five."""
     cfg = LlamaConfig(
         num_layers=5, hidden_size=16, num_heads=2, num_kv_heads=2, intermediate_size=32
     )
@@ -249,7 +249,9 @@ def test_counting_repeated_layers_left_whole_counts_their_collectives():
     [full], _ = trace(work, layers=5, nanobatches=1)
     assert not full.partitions and len(full.block_exposed["forward"]) == 5
     assert all(len(c) == 2 for c in full.block_exposed["forward"].values())  # f and g
-    assert sorted(_costs(counted.exposed["forward"])) == sorted(_costs(full.exposed["forward"]))
+    for kind in ("forward", "backward"):  # each layer's backward collectives are its own
+        assert len(full.block_exposed[kind]) == 5
+        assert sorted(_costs(counted.exposed[kind])) == sorted(_costs(full.exposed[kind]))
     assert sorted(_costs(counted.recomputed("full").recompute_collectives["backward"])) == sorted(
         _costs(full.recomputed("full").recompute_collectives["backward"])
     )

@@ -229,17 +229,12 @@ def cut_graph(
     }
     pset.other[kind] = partition_costs(rest, fuse)
     pset.exposed[kind] = tuple(collective_cost(n) for n in exposed)
-    if kind == "forward":
-        # The forward's collectives belong to blocks by their module stacks. The backward's
-        # collectives of blocks left whole cannot be told apart (an autograd.Function's
-        # backward collectives share one sequence number and take the residual gradient
-        # from the block run before): they stay in ``exposed`` only.
-        owner = _owners(spans)
-        by_block: dict[str, list[CollectiveCost]] = {}
-        for n in exposed:
-            if n.name in owner:
-                by_block.setdefault(owner[n.name], []).append(collective_cost(n))
-        pset.block_exposed[kind] = {block: tuple(colls) for block, colls in by_block.items()}
+    owner = _owners(spans)
+    by_block: dict[str, list[CollectiveCost]] = {}
+    for n in exposed:
+        if n.name in owner:
+            by_block.setdefault(owner[n.name], []).append(collective_cost(n))
+    pset.block_exposed[kind] = {block: tuple(colls) for block, colls in by_block.items()}
 
 
 def _owners(spans: dict[str, Any]) -> dict[str, str]:

@@ -280,8 +280,9 @@ def map_blocks(
             continue
         tag = get_tag(node) or _tag_from_stack(node, stack_key, by_path)
         seq_nr = node.meta.get("seq_nr")
+        by_seq_nr = None
         if tag is None and kind == "backward" and seq_nr is not None:
-            tag = blockset._by_seq_nr.get(seq_nr)
+            by_seq_nr = blockset._by_seq_nr.get(seq_nr)
         from_inputs = _tag_from_inputs(node.all_input_nodes, where, kind == "backward", order)
         if "_c10d_functional" in str(node.target) and from_inputs is not None:
             # Collectives traced inside an autograd.Function's backward carry neither tag
@@ -289,8 +290,12 @@ def map_blocks(
             tag = from_inputs
         elif tag is None and (_untraceable(node) or not node.meta.get(stack_key)):
             # No module information (an autograd.Function's backward, accumulation adds):
-            # the node belongs to the block copy whose data it reads.
-            tag = from_inputs
+            # the node belongs to the block copy whose data it reads. Its sequence number
+            # only when the inputs tell nothing: in the backward of blocks left whole the
+            # accumulation adds of every layer share one (that of the first block run).
+            tag = from_inputs if from_inputs is not None else by_seq_nr
+        elif tag is None:
+            tag = by_seq_nr
         elif (
             tag is not None
             and tag.nanobatch is None
