@@ -8,9 +8,9 @@ are ignored) or a Perseus / Zeus pipeline-frequency-optimizer frequency file (a 
 literal: per stage, the ``(instruction, MHz)`` pairs in order) — checks each row against
 the schedule, and predicts the iteration time and energy of every plan from the workload's
 traced partition sets on one evaluator (the GPU's hardware model unless another is given),
-with each collective run as the method says: ``megatron`` (no nanobatching or overlap) or
-``nanobatch`` (two nanobatches, each collective launched at its partition's start on the
-default communicator). The workload is traced once for all plans.
+with each collective run as the method says: ``megatron`` (the original graphs: no
+nanobatching or overlap) or ``nanobatch`` (two nanobatches, each collective launched at its
+partition's start on the default communicator). The workload is traced once for all plans.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ from kareus.trace import Workload
 
 PROFILES = {"megatron": "no-overlap", "nanobatch": "nanobatch"}
 """Each method ``evaluate`` prices, and the decision profile its instructions run with."""
+
+NANOBATCHES = {"megatron": 1, "nanobatch": 2}
+"""The nanobatches of the graphs each method runs (1: the original graphs)."""
 
 COLUMNS = ("plan_id", "stage", "position", "kind", "freq_mhz")
 """Columns a clocks CSV must have (``microbatch`` is checked when present)."""
@@ -344,7 +347,9 @@ def evaluate_clock_plans(
             default overlap).
         evaluator: times and energies (say a replay of measured partitions).
         layers: layers traced per pipeline stage.
-        partitions: an earlier run's ``partitions.json`` of this workload (no tracing).
+        partitions: an earlier run's ``partitions.json`` of this workload (no tracing; its
+            graphs are priced as they are, nanobatched when ``kareus plan`` wrote it,
+            whatever the method).
         cache: read and write the trace cache.
         progress: called with a short description before each long step.
 
@@ -375,7 +380,12 @@ def evaluate_clock_plans(
                 f"({min(clocks)}-{max(clocks)} MHz)"
             )
     stages, _, _ = traced_stages(
-        work, layers=layers, partitions=partitions, cache=cache, progress=progress
+        work,
+        layers=layers,
+        partitions=partitions,
+        cache=cache,
+        progress=progress,
+        nanobatches=NANOBATCHES[method],
     )
     stages = with_recompute(stages, work.recompute)
     settings = PlannerSettings()

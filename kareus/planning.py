@@ -268,22 +268,25 @@ def traced_stages(
     partitions: str | pathlib.Path | None = None,
     cache: bool = True,
     progress: Callable[[str], None] | None = None,
+    nanobatches: int = 2,
 ) -> tuple[list[PartitionSet], list[str], pathlib.Path | None]:
     """Return each pipeline stage's partition set, the passes' notes and the cache entry read.
 
     From ``partitions`` (an earlier run's ``partitions.json``) if given, else from the trace
     cache, else by tracing (and writing the cache). The sets are as traced: activation
-    recompute is not applied (:func:`with_recompute`).
+    recompute is not applied (:func:`with_recompute`). ``nanobatches``: 2 for the
+    nanobatched graphs kareus plans, 1 for the original ones (not read from ``partitions``,
+    which hold what the run that wrote them traced).
     """
     if partitions is not None:
         stages = load_stages(work, partitions)
         _log.info("read %d pipeline stages' partitions from %s", len(stages), partitions)
         return stages, [], None
-    entry = trace_cache_dir() / _cache_key(work, layers) if cache else None
+    entry = trace_cache_dir() / _cache_key(work, layers, nanobatches) if cache else None
     if entry is not None and (found := _read_cache(work, entry)) is not None:
         _log.info("partitions from the trace cache: %s", entry)
         return found[0], found[1], entry
-    stages, notes = trace(work, layers=layers, progress=progress)
+    stages, notes = trace(work, layers=layers, progress=progress, nanobatches=nanobatches)
     if entry is not None:
         _write_cache(work, stages, notes, entry)
     return stages, notes, None
@@ -316,9 +319,11 @@ def _code_digest() -> str:
     return digest.hexdigest()
 
 
-def _cache_key(work: Workload, layers: int) -> str:
+def _cache_key(work: Workload, layers: int, nanobatches: int = 2) -> str:
     record = workload_record(work)
     fields = {k: record.get(k) for k in _TRACED_FIELDS} | {"layers": layers, "code": _code_digest()}
+    if nanobatches != 2:  # the nanobatched trace keeps the keys it always had
+        fields["nanobatches"] = nanobatches
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
 
 
