@@ -239,6 +239,11 @@ def rope_tables(
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def cp_chunks(rank: int, size: int) -> tuple[int, int]:
+    """Return the two of the sequence's 2 x ``size`` chunks context-parallel ``rank`` holds."""
+    return rank, 2 * size - 1 - rank
+
+
 def cp_shard(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:
     """Return context-parallel rank ``rank``'s part of ``x``: chunks rank and 2·size-1-rank.
 
@@ -255,7 +260,7 @@ def cp_shard(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tenso
             f"its length a multiple of {2 * size}"
         )
     chunks = x.chunk(2 * size, dim=dim)
-    return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=dim)
+    return torch.cat([chunks[i] for i in cp_chunks(rank, size)], dim=dim)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -318,7 +323,7 @@ class Attention(nn.Module):
         k, v = kv.chunk(2, dim=1)
         k, v = _repeat_kv(k, v, q.shape[1])
         outs = []
-        for half, chunk in enumerate((self.cp_rank, 2 * cp - 1 - self.cp_rank)):
+        for half, chunk in enumerate(cp_chunks(self.cp_rank, cp)):
             # Query i of chunk g sits at position g·c + i and sees the keys up to there.
             # (Every chunk through a mask, the first too: each rank then computes the same
             # (2·CP + 1)·c² scores, and the rank traced costs as much as any.)
@@ -472,7 +477,7 @@ class Llama(nn.Module):
                     dtype=dtype,
                     device=x.device,
                 )
-                for chunk in (self.cp_rank, 2 * self.cp_size - 1 - self.cp_rank)
+                for chunk in cp_chunks(self.cp_rank, self.cp_size)
             ]
             cos, sin = (torch.cat(parts) for parts in zip(*tables, strict=True))
         for layer in self.layers:

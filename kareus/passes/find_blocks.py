@@ -283,19 +283,20 @@ def map_blocks(
         by_seq_nr = None
         if tag is None and kind == "backward" and seq_nr is not None:
             by_seq_nr = blockset._by_seq_nr.get(seq_nr)
+        stackless = _untraceable(node) or not node.meta.get(stack_key)
+        if not stackless:
+            tag = tag or by_seq_nr
         from_inputs = _tag_from_inputs(node.all_input_nodes, where, kind == "backward", order)
         if "_c10d_functional" in str(node.target) and from_inputs is not None:
             # Collectives traced inside an autograd.Function's backward carry neither tag
             # nor module stack; they belong to the block copy whose data they move.
             tag = from_inputs
-        elif tag is None and (_untraceable(node) or not node.meta.get(stack_key)):
+        elif tag is None and stackless:
             # No module information (an autograd.Function's backward, accumulation adds):
-            # the node belongs to the block copy whose data it reads. Its sequence number
-            # only when the inputs tell nothing: in the backward of blocks left whole the
-            # accumulation adds of every layer share one (that of the first block run).
+            # the node belongs to the block copy whose data it reads; its sequence number
+            # counts only when the inputs tell nothing (in the backward of blocks left
+            # whole, every layer's accumulation adds share that of the first block run).
             tag = from_inputs if from_inputs is not None else by_seq_nr
-        elif tag is None:
-            tag = by_seq_nr
         elif (
             tag is not None
             and tag.nanobatch is None
