@@ -18,6 +18,7 @@ findings; the graph does not change.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import torch
@@ -224,6 +225,8 @@ def cut_graph(
     else:
         _interleave(graph, kind, chain, pset, fuse)
     rest, per_block, exposed = outside_nodes(graph, kind, pset, spans)
+    if fuse:
+        _join_tails(graph, per_block)
     pset.block_other[kind] = {
         block: partition_costs(nodes, fuse) for block, nodes in per_block.items()
     }
@@ -235,6 +238,34 @@ def cut_graph(
         if n.name in owner:
             by_block.setdefault(owner[n.name], []).append(collective_cost(n))
     pset.block_exposed[kind] = {block: tuple(colls) for block, colls in by_block.items()}
+
+
+def _join_tails(graph: fx.Graph, per_block: dict[str, list[fx.Node]]) -> None:
+    """Move a block's trailing memory ops to the next block where one kernel runs both.
+
+    A fused kernel does not stop at a layer boundary: the residual add that ends one layer
+    and the norm that starts the next are adjacent memory ops, as the split graphs' residual
+    tail joins the next block's first segment. Without this, a block left whole paid one
+    more write and read of the residual stream per layer than the same layers split.
+    Adjacent: no other compute or collective between them in the graph (views aside).
+    """
+    steps = [n for n in graph.nodes if n.op == "call_function" and cost_of(n).op_class != "view"]
+    index = {n: i for i, n in enumerate(steps)}
+    runs = {b: [n for n in nodes if n in index] for b, nodes in per_block.items()}
+    ordered = sorted((b for b in runs if runs[b]), key=lambda b: index[runs[b][0]])
+    for a, b in itertools.pairwise(ordered):
+        tail = list(itertools.takewhile(_memory, reversed(runs[a])))[::-1]
+        head = runs[b][0]
+        if not tail or not _memory(head) or index[head] != index[tail[-1]] + 1:
+            continue
+        cut = per_block[a].index(tail[0])
+        per_block[b][:0] = per_block[a][cut:]
+        del per_block[a][cut:]
+        runs[b][:0] = tail
+
+
+def _memory(node: fx.Node) -> bool:
+    return cost_of(node).op_class == "memory"
 
 
 def _owners(spans: dict[str, Any]) -> dict[str, str]:
