@@ -75,6 +75,15 @@ class KareusBackend:
             raise TypeError(f"config must be a kareus.Config, got {type(base).__name__}")
         self.config = base.replace(**overrides) if overrides else base
         self.plan = Plan.load(plan) if isinstance(plan, (str, pathlib.Path)) else plan
+        if self.plan is not None and self.plan.nanobatches == 1:
+            # The plan found that splitting does not pay here: it runs the original graphs.
+            if self.config.nanobatches == 2:
+                raise PlanMismatchError(
+                    "the plan runs the original graphs (nanobatches 1: no split plan beat "
+                    "per-instruction clocks alone), but nanobatches=2 was asked for: drop "
+                    "nanobatches=2, or plan again"
+                )
+            self.config = self.config.replace(nanobatches=1)
         # Without a plan or decisions, compile plans by itself for a known GPU type.
         self._plan_for = (
             (self.config.gpu or _this_gpu()) if plan is None and decisions is None else None
@@ -449,7 +458,7 @@ class _Decisions(dict):  # type: ignore[type-arg]
 
     def to_text(self) -> str:
         if not self:
-            return "none given: every partition type launches at its start (nanobatching)"
+            return "none given: a split block's collectives launch at their partitions' start"
         return "\n".join(f"{k}: {v}" for k, v in self.items())
 
 

@@ -448,14 +448,16 @@ def _plan(args: argparse.Namespace) -> int:
     out = check_output_dir(args.out)  # before minutes of tracing, not after
     print(f"kareus plan: {work.describe()} on {spec.name} ({args.evaluator})", flush=True)
 
-    def traced(stages: Any) -> None:
+    def traced(stages: Any, originals: Any) -> None:
         # Saved at once: an infeasible policy or a later failure still leaves it to re-plan
         # from (--partitions).
-        save_stages(work, stages, out / "partitions.json")
-        progress.start("planning", planning_steps(stages))
+        save_stages(work, stages, out / "partitions.json", originals)
+        progress.start("planning", planning_steps(stages, originals is not None))
 
     with _Progress(enabled=not args.quiet) as progress:
-        progress.start("tracing", len(stage_kinds(work.stages)))
+        # the split graphs, then the original ones (a replay plans the split ones only)
+        graphs = 1 if args.evaluator == "replay" else 2
+        progress.start("tracing", graphs * len(stage_kinds(work.stages)))
         planned = plan_workload(
             work,
             args.gpu,

@@ -213,13 +213,28 @@ class PartitionSet:
 
         Two workloads with equal fingerprints have the same partitions: the same layers,
         shapes, collectives and parallel sizes. Plans carry it (:attr:`kareus.Plan.fingerprint`).
+        An instruction without partitions (the original graphs, or nothing split) is told by
+        its matmuls and its collectives instead, under the key ``whole`` (memory-bound ops,
+        which differ with what the loss and fusion leave, are not counted).
         """
         counts = self.counts(instruction)
-        return {
+        out = {
             key: f"{t.describe(exact=True)} x{counts.get(key, 0)}"
             for key, t in self.types.items()
             if t.instruction == instruction
         }
+        if out:
+            return out
+        mix = collections.Counter(
+            o.op_class for o in self.outside(instruction) if o.op_class in ("gemm", "attention")
+        )
+        colls = collections.Counter(
+            f"{c.kind} {c.bytes / 2**10:.1f} KiB x{c.world_size}"
+            for c in self.exposed.get(instruction, ())
+        )
+        ops = ", ".join(f"{n} {k}" for k, n in sorted(mix.items())) or "no matmul"
+        alone = ", ".join(f"{k} x{n}" for k, n in sorted(colls.items())) or "no collective"
+        return {"whole": f"{ops} ‖ {alone}"}
 
     def outside(self, instruction: str) -> tuple[OpCost, ...]:
         """All compute of one instruction outside partitions (``other`` and ``block_other``)."""

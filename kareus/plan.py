@@ -31,12 +31,14 @@ class FrontierPoint:
 
     ``lower_bound_j``: the solver's proof that no plan on the same options as fast as this
     one uses less energy (None where none was proven); the gap to ``energy_j`` is what the
-    limited search may have left.
+    limited search may have left. ``nanobatches``: 2 for a plan of the graphs split in two
+    nanobatches, 1 for one of the original graphs (no split, no overlap: clocks only).
     """
 
     time_s: float
     energy_j: float
     lower_bound_j: float | None = None
+    nanobatches: int = 2
 
     @property
     def gap(self) -> float | None:
@@ -78,6 +80,11 @@ class Plan:
     fingerprint: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     pipeline_schedule: str = "1F1B"  # "1F1B", "GPipe" or "Interleaved1F1B"
     version: int = PLAN_VERSION
+
+    @property
+    def nanobatches(self) -> int:
+        """Return the chosen plan's nanobatches: 1 leaves the graphs unsplit (clocks only)."""
+        return self.chosen.nanobatches
 
     def stages(self) -> list[int]:
         """Return the pipeline stages the plan schedules."""
@@ -162,6 +169,11 @@ class Plan:
                 out.append(f"schedule[{i}].freq_mhz: {s.freq_mhz:g} is outside {allowed}")
             if s.stage < 0 or s.microbatch < 0:
                 out.append(f"schedule[{i}]: stage and microbatch must be >= 0")
+        for name, point in [*(("frontier", p) for p in self.frontier), ("chosen", self.chosen)]:
+            if point.nanobatches not in (1, 2):
+                out.append(f"{name}: nanobatches {point.nanobatches!r} is neither 1 nor 2")
+        if self.nanobatches == 1 and any(self.decisions.values()):
+            out.append("decisions: a plan of the original graphs (nanobatches 1) has none")
         for group, decs in self.decisions.items():
             stage, _, kind = group.partition("/")
             if not stage.isdigit() or kind not in ("forward", "backward", "inference"):
@@ -192,15 +204,21 @@ class Plan:
         head = f"kareus plan for {self.gpu} ({par}), policy {self.policy}; all figures {src}"
         if self.workload.get("describe"):
             head += f"\nworkload: {self.workload['describe']}"
+        if self.nanobatches == 1:
+            head += (
+                "\nthe chosen plan leaves the graphs unsplit (no nanobatches, no overlap): "
+                "no split plan beats per-instruction clocks alone at its time"
+            )
         front = render_table(
             f"kareus frontier ({src})",
-            ("#", "iteration time s", "energy J", "proven gap", "chosen"),
+            ("#", "iteration time s", "energy J", "proven gap", "graphs", "chosen"),
             [
                 (
                     i,
                     f"{p.time_s:.6f}",
                     f"{p.energy_j:.3f}",
                     "n/a" if p.gap is None else f"{100 * p.gap:.1f} %",
+                    "split" if p.nanobatches == 2 else "original",
                     "<-" if p == self.chosen else "",
                 )
                 for i, p in enumerate(self.frontier)

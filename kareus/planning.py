@@ -43,6 +43,8 @@ class WorkloadPlan:
         spec: the GPU type.
         result: the planner's result (``result.plan`` is the plan).
         stages: each pipeline stage's partition set (identical stages share one).
+        originals: the same for the original graphs (blocks whole), or None where they
+            were not available (a replay, a partitions file that lacks them).
         trace_s, plan_s: wall time of tracing and of planning (measured).
         peak_rss_mib: peak resident memory of this process so far (measured).
         cached: the trace cache entry the partition sets were read from, if they were.
@@ -56,6 +58,7 @@ class WorkloadPlan:
     plan_s: float
     peak_rss_mib: float
     cached: pathlib.Path | None = None
+    originals: list[PartitionSet] | None = None
 
     @property
     def plan(self) -> Plan:
@@ -82,15 +85,37 @@ _TRACED_FIELDS = (
 """Workload fields the partition sets depend on (the micro-batch count does not)."""
 
 
-def save_stages(work: Workload, stages: Sequence[PartitionSet], path: str | pathlib.Path) -> None:
-    """Write the stages' partition sets (each distinct set once) with their workload."""
+def save_stages(
+    work: Workload,
+    stages: Sequence[PartitionSet],
+    path: str | pathlib.Path,
+    originals: Sequence[PartitionSet] | None = None,
+) -> None:
+    """Write the stages' partition sets (each distinct set once) with their workload.
+
+    ``originals``, the original graphs' sets, are written beside them when given.
+    """
+    data: dict[str, Any] = {"workload": workload_record(work), **_indexed(stages)}
+    if originals is not None:
+        data["original"] = _indexed(originals)
+    write_text(path, json.dumps(data, indent=1) + "\n")
+
+
+def _indexed(stages: Sequence[PartitionSet]) -> dict[str, Any]:
+    """Each distinct set once, and per stage the index of its set."""
     distinct = [pset for _, pset in _distinct(stages)]
-    data = {
-        "workload": workload_record(work),
+    return {
         "stages": [next(i for i, d in enumerate(distinct) if d is p) for p in stages],
         "sets": [d.to_dict() for d in distinct],
     }
-    write_text(path, json.dumps(data, indent=1) + "\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class _StageSets:
+    """Per stage the index of its set, and the distinct sets."""
+
+    stages: list[int]
+    sets: list[PartitionSet]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +125,7 @@ class _PartitionsFile:
     workload: dict[str, Any]
     stages: list[int]
     sets: list[PartitionSet]
+    original: _StageSets | None = None  # the original graphs' (files before them lack it)
 
 
 class PartitionsFileError(KareusError, ValueError):
@@ -112,6 +138,21 @@ def load_stages(work: Workload, path: str | pathlib.Path) -> list[PartitionSet]:
     Raises:
         PartitionsFileError: the file cannot be read or was traced for another workload.
     """
+    return _load(work, path)[0]
+
+
+def load_originals(work: Workload, path: str | pathlib.Path) -> list[PartitionSet] | None:
+    """Read the original graphs' sets of a :func:`save_stages` file (None if it has none).
+
+    Raises:
+        PartitionsFileError: as :func:`load_stages`.
+    """
+    return _load(work, path)[1]
+
+
+def _load(
+    work: Workload, path: str | pathlib.Path
+) -> tuple[list[PartitionSet], list[PartitionSet] | None]:
     from kareus.schema import FileFormatError, parse, read_text
 
     try:
@@ -120,13 +161,16 @@ def load_stages(work: Workload, path: str | pathlib.Path) -> list[PartitionSet]:
         )
     except FileFormatError as err:
         raise PartitionsFileError(str(err)) from None
-    saved, order, sets = data.workload, data.stages, data.sets
-    bad = [i for i in order if not 0 <= i < len(sets)]
-    if bad:
-        raise PartitionsFileError(
-            f"{path} is not a valid partitions file: stages refers to set {bad[0]}, but it "
-            f"holds {len(sets)} set(s)"
-        )
+    saved = data.workload
+    groups = [("stages", _StageSets(data.stages, data.sets))]
+    groups += [("original.stages", data.original)] if data.original is not None else []
+    for name, group in groups:
+        bad = [i for i in group.stages if not 0 <= i < len(group.sets)]
+        if bad:
+            raise PartitionsFileError(
+                f"{path} is not a valid partitions file: {name} refers to set {bad[0]}, but "
+                f"it holds {len(group.sets)} set(s)"
+            )
     want = workload_record(work)
     # A field a file predates holds its default (virtual_stages came after the first files).
     defaults = {f.name: f.default for f in dataclasses.fields(Workload)}
@@ -137,7 +181,8 @@ def load_stages(work: Workload, path: str | pathlib.Path) -> list[PartitionSet]:
     ]
     if diff:
         raise PartitionsFileError(f"{path} was traced for another workload: {', '.join(diff)}")
-    return [sets[i] for i in order]
+    split, *original = [[g.sets[i] for i in g.stages] for _name, g in groups]
+    return split, (original[0] if original else None)
 
 
 def _distinct(stages: Sequence[PartitionSet]) -> list[tuple[int, PartitionSet]]:
@@ -158,9 +203,9 @@ def with_recompute(stages: Sequence[PartitionSet], mode: str) -> list[PartitionS
     return [done[id(p)] for p in stages]
 
 
-def planning_steps(stages: Sequence[PartitionSet]) -> int:
-    """Return how many progress steps planning these stages reports."""
-    return sum(len(p.types) for _, p in _distinct(stages)) + 3
+def planning_steps(stages: Sequence[PartitionSet], originals: bool = True) -> int:
+    """Return how many progress steps planning these stages reports (with originals')."""
+    return sum(len(p.types) for _, p in _distinct(stages)) + 3 + originals
 
 
 def plan_workload(
@@ -175,7 +220,7 @@ def plan_workload(
     layers: int = 4,
     partitions: str | pathlib.Path | None = None,
     cache: bool = True,
-    on_traced: Callable[[list[PartitionSet]], None] | None = None,
+    on_traced: Callable[[list[PartitionSet], list[PartitionSet] | None], None] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> WorkloadPlan:
     """Trace ``work``, plan it on ``gpu_name`` (the emulator unless ``evaluator``), return all.
@@ -190,10 +235,12 @@ def plan_workload(
         evaluator: times and energies; the emulator of ``gpu_name`` by default.
         layers: layers traced per pipeline stage; the rest are counted.
         partitions: a ``partitions.json`` of an earlier run of this workload: its partition
-            sets are used instead of tracing again.
+            sets are used instead of tracing again (and its original graphs' sets, if it
+            holds them; else the baselines are priced on the split graphs).
         cache: read and write traced partition sets in the trace cache
             (:func:`trace_cache_dir`), keyed by everything tracing depends on.
-        on_traced: called with the stages' partition sets once tracing is done.
+        on_traced: called with the stages' partition sets and the original graphs' (None
+            where there are none) once tracing is done.
         progress: called with a short description before each long step.
 
     Raises:
@@ -205,6 +252,9 @@ def plan_workload(
     stages, notes, cached = traced_stages(
         work, layers=layers, partitions=partitions, cache=cache, progress=progress
     )
+    originals = _originals(work, layers, partitions, cache, evaluator, progress)
+    if originals is None:
+        notes = [*notes, UNTRACED_ORIGINALS]
     traced = time.perf_counter()
     _log.info(
         "%d partitions over %d stages; planning on %s",
@@ -213,8 +263,10 @@ def plan_workload(
         spec.name,
     )
     if on_traced is not None:
-        on_traced(stages)
+        on_traced(stages, originals)
     stages = with_recompute(stages, work.recompute)
+    if originals is not None:
+        originals = with_recompute(originals, work.recompute)
     notes = notes + [
         f"stage {i}: {pset.notes['recompute']}"
         for i, pset in enumerate(stages)
@@ -239,6 +291,7 @@ def plan_workload(
         skip_reasons=notes,
         progress=progress,
         workload=workload_record(work),
+        original=originals,
     )
     done = time.perf_counter()
     _log.info(
@@ -258,7 +311,36 @@ def plan_workload(
         done - traced,
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         cached,
+        originals,
     )
+
+
+UNTRACED_ORIGINALS = (
+    "the original graphs were not traced (a replay answers only what was recorded, or the "
+    "partitions file predates them): the Megatron-LM and Perseus baselines are priced on the "
+    "split graphs, each collective alone"
+)
+
+
+def _originals(
+    work: Workload,
+    layers: int,
+    partitions: str | pathlib.Path | None,
+    cache: bool,
+    evaluator: Evaluator | None,
+    progress: Callable[[str], None] | None,
+) -> list[PartitionSet] | None:
+    """Return the original graphs' sets: from ``partitions``, else traced (None: neither).
+
+    A replay is not traced for: it answers only the evaluations it recorded.
+    """
+    from kareus.planner import ReplayEvaluator
+
+    if partitions is not None:
+        return load_originals(work, partitions)
+    if isinstance(evaluator, ReplayEvaluator):
+        return None
+    return traced_stages(work, layers=layers, cache=cache, progress=progress, nanobatches=1)[0]
 
 
 def traced_stages(
@@ -507,7 +589,7 @@ def write_outputs(planned: WorkloadPlan, out: str | pathlib.Path) -> dict[str, p
     }
     planned.plan.save(paths["plan"])
     plot_frontiers(planned.plan, paths["plot"])
-    save_stages(planned.work, planned.stages, paths["partitions"])
+    save_stages(planned.work, planned.stages, paths["partitions"], planned.originals)
     write_text(paths["report"], report_markdown(planned, plot_name=paths["plot"].name))
     return paths
 
@@ -586,6 +668,16 @@ def report_markdown(planned: WorkloadPlan, plot_name: str = "frontier.png") -> s
         f"{100 * (chosen.time_s - mega[0]) / mega[0]:+.1f} % time, "
         f"{100 * (chosen.energy_j - mega[1]) / mega[1]:+.1f} % energy. " + _gap_sentence(chosen),
         "",
+        *(
+            [
+                "It leaves the graphs unsplit (no nanobatches, no overlap): at its time no "
+                "split plan beats per-instruction clocks alone, so `kareus.compile` applies "
+                "its clocks only.",
+                "",
+            ]
+            if plan.nanobatches == 1
+            else []
+        ),
         "## Methods side by side",
         "",
         "Iso-time saving: least energy among kareus's plans no slower than the method's "
@@ -602,7 +694,9 @@ def report_markdown(planned: WorkloadPlan, plot_name: str = "frontier.png") -> s
     lines += [
         "Proven gap: how far each point's energy may be above the least energy of any plan as "
         "fast, on the same options (the better of the linear relaxation's and CP-SAT's proven "
-        "lower bounds); 0.0 % is proven optimal.",
+        "lower bounds); 0.0 % is proven optimal. Graphs: *split* in two nanobatches, or the "
+        "*original* ones (blocks whole, each collective alone), which Megatron-LM and Perseus "
+        "run and which kareus keeps where no split plan beats them.",
         "",
     ]
     methods: dict[str, Sequence[FrontierPoint]] = {"kareus": plan.frontier, **plan.baselines}
@@ -613,11 +707,12 @@ def report_markdown(planned: WorkloadPlan, plot_name: str = "frontier.png") -> s
                 f"{p.time_s:.4f}",
                 f"{p.energy_j:.1f}",
                 _pct(p.gap),
+                "split" if p.nanobatches == 2 else "original",
                 "chosen" if name == "kareus" and p == chosen else "",
             )
             for i, p in enumerate(pts)
         ]
-        header = ("#", "time s", "energy J", "proven gap", "")
+        header = ("#", "time s", "energy J", "proven gap", "graphs", "")
         lines += [f"### {name} ({src})", "", _md_table(header, rows), ""]
     lines += [
         "## Where the saving comes from",

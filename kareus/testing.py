@@ -369,17 +369,20 @@ def megatron_partition_set(
     tp: int,
     dtype: str = "bf16",
     vocab: int = 32000,
+    nanobatches: int = 2,
 ) -> Any:
     """Return a partition set for Megatron-style layers, from shapes alone (no tracing).
 
     For planner tests and benchmarks: per layer and direction, an attention and an MLP
     partition per nanobatch, each overlapping a tensor-parallel all-reduce of the other
     nanobatch's activation. Backward ops cost twice the forward (input and weight grads).
+    ``nanobatches=1``: the original graphs' set instead, each layer whole (its ops at the
+    whole micro-batch, outside partitions) with its two all-reduces alone.
     """
     from kareus.costs import CollectiveCost, OpCost
     from kareus.partitions import Partition, PartitionSet, PartitionType, Slot
 
-    tokens = microbatch // 2 * seq  # one nanobatch
+    tokens = microbatch // nanobatches * seq  # one nanobatch (or the whole micro-batch)
     b = 2 if dtype in ("bf16", "fp16") else 4
     act = tokens * hidden * b
     hd = hidden // heads
@@ -397,7 +400,7 @@ def megatron_partition_set(
         mem("rope", 4 * tokens * 2 * hidden // tp * b),
         OpCost(
             "attention",
-            4.0 * (microbatch // 2) * h_tp * seq * seq * hd / 2,
+            4.0 * (microbatch // nanobatches) * h_tp * seq * seq * hd / 2,
             4.0 * tokens * hidden // tp * b,
             dtype,
             "attention",
@@ -418,14 +421,22 @@ def megatron_partition_set(
         )
 
     pset = PartitionSet()
+    whole = microbatch * seq
     head = (
-        gemm("lm_head", tokens * 2, hidden, vocab // tp),
-        mem("loss", tokens * 2 * vocab // tp * 4),
+        gemm("lm_head", whole, hidden, vocab // tp),
+        mem("loss", whole * vocab // tp * 4),
     )
     for kind, attn, mlp in (
         ("forward", attn_ops, mlp_ops),
         ("backward", backward(mlp_ops), backward(attn_ops)),
     ):
+        pset.other[kind] = head if kind == "forward" else backward(head)
+        if nanobatches == 1:
+            blocks = [f"layers.{layer}" for layer in range(layers)]
+            pset.block_other[kind] = {b: attn + mlp for b in blocks}
+            pset.block_exposed[kind] = {b: (coll, coll) for b in blocks}
+            pset.exposed[kind] = (coll,) * (2 * layers)
+            continue
         for label, ops in (("a", attn), ("b", mlp)):
             key = f"{kind}.{label}"
             slots = tuple(Slot(f"{key}.{i}", (o,)) for i, o in enumerate(ops))
@@ -444,7 +455,6 @@ def megatron_partition_set(
                             (f"issue{layer}{nb}{label}", f"wait{layer}{nb}{label}"),
                         )
                     )
-        pset.other[kind] = head if kind == "forward" else backward(head)
         pset.exposed[kind] = (coll,)
     return pset
 

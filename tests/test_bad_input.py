@@ -2,6 +2,7 @@
 no traceback, nothing half-written; plans applied to the wrong model or stage refused."""
 
 import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -62,6 +63,17 @@ PLAN_CASES = [
     ("bad decision", _edit(_set(["decisions", "0/forward"], {"t": {"sm_share": -2}})), "sm_share"),
     ("bad group key", _edit(_set(["decisions"], {"forward": {}})), "'STAGE/forward'"),
     ("negative stage", _edit(_set(["schedule", 0, "stage"], -1)), "must be >= 0"),
+    ("three nanobatches", _edit(_set(["chosen", "nanobatches"], 3)), "neither 1 nor 2"),
+    (
+        "unsplit with decisions",
+        _edit(
+            lambda d: (
+                _set(["chosen", "nanobatches"], 1)(d),
+                _set(["decisions", "0/forward"], {"forward.0": {"launch_slot": 0}})(d),
+            )
+        ),
+        "nanobatches 1) has none",
+    ),
 ]
 
 
@@ -193,6 +205,42 @@ def test_a_plan_that_fits_is_applied_without_a_word(recwarn):
     assert not [w for w in recwarn if "another workload" in str(w.message)]
     assert kareus.api.find_backend(compiled).runtime.switches == [1410, 1200]
     kareus.api.find_backend(compiled).runtime.close()
+
+
+def _unsplit_plan(fingerprint):
+    plan = good_plan(fingerprint)
+    point = FrontierPoint(1.0, 100.0, nanobatches=1)
+    return dataclasses.replace(plan, frontier=(point,), chosen=point)
+
+
+MLP_WHOLE = {  # three layers and no collective, as the plan saw them
+    "0/forward": {"whole": "3 gemm ‖ no collective"},
+    "0/backward": {"whole": "5 gemm ‖ no collective"},
+}
+
+
+def test_a_plan_of_the_original_graphs_runs_them_unsplit_and_checks_the_model(recwarn):
+    model = MLP()
+    ref = copy.deepcopy(model)
+    compiled = kareus.compile(model, plan=_unsplit_plan(MLP_WHOLE), nanobatches=None)
+    x = torch.randn(6, 8)
+    loss = compiled(x)
+    loss.backward()
+    ref(x).backward()
+    assert torch.equal(loss, ref(x))  # the same ops in the same order
+    pairs = zip(model.parameters(), ref.parameters(), strict=True)
+    assert all(torch.equal(a.grad, b.grad) for a, b in pairs)
+    backend = kareus.api.find_backend(compiled)
+    assert backend.config.nanobatches == 1 and backend.runtime.switches == [1410, 1200]
+    assert not [w for w in recwarn if "another workload" in str(w.message)]
+    backend.runtime.close()
+    # the same plan on a model of another depth is refused, naming what differs
+    other = {k: {"whole": v["whole"].replace("3 gemm", "4 gemm")} for k, v in MLP_WHOLE.items()}
+    with pytest.raises(PlanMismatchError, match="type whole: plan 4 gemm"):
+        kareus.compile(MLP(), plan=_unsplit_plan(other))(x)
+    # and asking to split what the plan runs whole is a contradiction, said at once
+    with pytest.raises(PlanMismatchError, match="runs the original graphs"):
+        kareus.compile(MLP(), plan=_unsplit_plan(MLP_WHOLE), nanobatches=2)
 
 
 def test_a_stage_outside_the_plan_is_refused_at_compile():

@@ -29,9 +29,19 @@ def test_plan_writes_plan_report_plot_and_partitions(planned, capsys):
     plan = Plan.load(out / "plan.json")
     assert plan.parallel == {"tp": 2, "cp": 2, "pp": 2, "microbatches": 4}
     assert plan.workload["model"] == "tiny-4l" and plan.source == "modelled"
-    # The workload's fingerprint, which kareus.compile(plan=...) checks the model against.
+    # Layers this small gain less from overlap than a second nanobatch's launches cost:
+    # the plan runs the original graphs, clocks only, which Megatron-LM's and Perseus's
+    # points run too; the split graphs and the original ones are both kept to re-plan from.
+    assert plan.nanobatches == 1 and not any(plan.decisions.values())
+    assert all(p.nanobatches == 1 for m in ("megatron", "perseus") for p in plan.baselines[m])
+    saved = json.loads((out / "partitions.json").read_text())
+    assert len(saved["original"]["sets"]) == 2 and not saved["original"]["sets"][0]["partitions"]
+    # The fingerprint of the graphs the plan runs, which kareus.compile(plan=...) checks the
+    # model against: each instruction whole, told by its matmuls and collectives.
     assert set(plan.fingerprint) == {f"{s}/{k}" for s in (0, 1) for k in ("forward", "backward")}
-    assert all("all_reduce" in " ".join(fp.values()) for fp in plan.fingerprint.values())
+    assert all(set(fp) == {"whole"} for fp in plan.fingerprint.values())
+    assert all("all_reduce" in fp["whole"] for fp in plan.fingerprint.values())
+    assert "all_gather" in plan.fingerprint["0/forward"]["whole"]  # context parallel
     assert set(plan.baselines) == {"megatron", "perseus", "nanobatch+perseus"}
     assert len(plan.schedule) == 2 * 2 * 4  # stages x (F, B) x micro-batches
     report = (out / "report.md").read_text()
@@ -276,7 +286,9 @@ def test_the_trace_cache_serves_a_traced_workload_and_retraces_when_asked(tmp_pa
     work = Workload(model="tiny-4l", tp=2, microbatch_size=4, seq_len=32, microbatches=2)
     first = plan_workload(work, "a100-40gb")
     assert first.cached is None
-    (entry,) = (tmp_path / "cache").iterdir()
+    # the split graphs and the original ones, cached apart
+    entry, original = (tmp_path / "cache" / _cache_key(work, 4, n) for n in (2, 1))
+    assert sorted((tmp_path / "cache").iterdir()) == sorted([entry, original])
     assert entry.parent == trace_cache_dir() and (entry / "partitions.json").is_file()
     # The same workload from the cache plans exactly as from the trace.
     again = plan_workload(work, "a100-40gb")

@@ -199,3 +199,58 @@ def test_four_context_parallel_ranks_match_the_unsharded_model():
                 torch.testing.assert_close(
                     got, want, rtol=1e-5, atol=1e-5, msg=f"{how} r{rank} {key}"
                 )
+
+
+def _tensor_parallel_with_plan(rank, plan_json):
+    """One step of the TP model eager and compiled with a plan of the original graphs."""
+    from kareus.plan import Plan
+
+    torch.manual_seed(0)
+    full = Llama(CFG)
+    ids = torch.randint(0, CFG.vocab_size, (4, 8))
+    labels = torch.randint(0, CFG.vocab_size, (4, 8))
+    out = {}
+    for how in ("eager", "planned"):
+        model = Llama(CFG, tp_group=dist.group.WORLD)
+        model.load_unsharded(full.state_dict())
+        clocks = EmulatedClocks()
+        run = model
+        if how == "planned":
+            run = kareus.compile(model, strict=True, plan=Plan.from_json(plan_json), clocks=clocks)
+        out[how] = _step(model, run, ids, labels)
+        if how == "planned":
+            region = kareus.explain(run).regions[0]
+            backend = kareus.api.find_backend(run)
+            out["split"] = region.findings["find_blocks"].split
+            out["switches"] = backend.runtime.switches
+            backend.runtime.close()
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_plan_that_runs_the_original_graphs_applies_under_tensor_parallelism():
+    """`kareus plan` finds that splitting this small model does not pay: its plan runs the
+    original graphs. Applied on two gloo ranks, the model's collectives and matmuls match
+    the traced plan's fingerprint (a bf16 plan for this fp32 model is refused: its
+    all-reduces are half the size), nothing is split, its clocks are switched, and the
+    losses and gradients are those of the eager model bit for bit."""
+    from kareus.planner import PlannerSettings
+    from kareus.planning import plan_workload
+    from kareus.trace import Workload
+
+    work = Workload(model=CFG, tp=2, microbatch_size=4, seq_len=8, microbatches=1, dtype="fp32")
+    settings = PlannerSettings(clocks_mhz=(1410, 1005), sweep_points=2)
+    plan = plan_workload(work, "a100-40gb", settings=settings, cache=False).plan
+    assert plan.nanobatches == 1
+    assert "all_reduce" in plan.fingerprint["0/forward"]["whole"]
+    for result in run_ranks(_tensor_parallel_with_plan, plan.to_json()):
+        (loss, grads), (ref_loss, ref_grads) = result["planned"], result["eager"]
+        assert torch.equal(loss, ref_loss)
+        assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+        assert not result["split"]
+        # a switch is made where the clock changes
+        clocks = [s.freq_mhz for s in plan.schedule]
+        assert result["switches"] == [
+            c for i, c in enumerate(clocks) if not i or c != clocks[i - 1]
+        ]

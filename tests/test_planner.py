@@ -800,3 +800,73 @@ def test_layers_not_traced_are_counted_from_an_ordinary_block_split_or_whole():
     # No blocks at all: the other layers cannot be counted, and kareus says so.
     with pytest.raises(TraceError, match="no layer blocks"):
         extrapolate(PartitionSet(other={"forward": layer}), 4, 6)
+
+
+def _split_and_whole(**shape):
+    return megatron_partition_set(**shape), megatron_partition_set(**shape, nanobatches=1)
+
+
+def _covered(front, point):
+    return any(
+        p.time_s <= point.time_s * (1 + 1e-6) and p.energy_j <= point.energy_j * (1 + 1e-6)
+        for p in front
+    )
+
+
+def test_baselines_run_the_original_graphs_and_kareus_never_loses_to_them():
+    """Megatron-LM and Perseus are priced on the original graphs; where the split pays
+    (large all-reduces at TP 8) kareus splits, and every Perseus plan is still matched."""
+    split, whole = _split_and_whole(
+        hidden=4096, ffn=14336, heads=32, seq=4096, microbatch=4, layers=2, tp=8
+    )
+    settings = PlannerSettings(sweep_points=4, clocks_mhz=(1410, 1200, 1005))
+    parallel = Parallelism(tp=8, pp=2, microbatches=2)
+    result = plan_for_gpu(split, SPEC, parallel=parallel, settings=settings, original=whole)
+    plan = result.plan
+    assert plan.nanobatches == 2 and plan.decisions_for(0)
+    assert all(p.nanobatches == 1 for m in ("megatron", "perseus") for p in plan.baselines[m])
+    assert all(p.nanobatches == 2 for p in plan.baselines["nanobatch+perseus"])
+    for method in ("megatron", "perseus", "nanobatch+perseus"):
+        for b in plan.baselines[method]:
+            assert _covered(plan.frontier, b), (method, b)
+    # Megatron-LM's point is the original graphs at the highest clock: the same work as
+    # the split graphs' without overlap, in half the kernel launches.
+    on_split = plan_for_gpu(split, SPEC, parallel=parallel, settings=settings).plan
+    (mega,), (mega_split,) = plan.baselines["megatron"], on_split.baselines["megatron"]
+    assert mega.time_s < mega_split.time_s
+    assert plan.fingerprint["0/forward"] == split.fingerprint("forward")
+    for p in plan.frontier:  # each bound holds for the plans of both graphs as fast
+        assert p.lower_bound_j is not None and p.lower_bound_j <= p.energy_j * (1 + 1e-9)
+        for b in plan.baselines["perseus"]:
+            if b.time_s <= p.time_s:
+                assert p.lower_bound_j <= b.energy_j * (1 + 1e-6)
+
+
+def test_where_splitting_does_not_pay_the_plan_runs_the_original_graphs():
+    """Small layers at TP 2: overlap hides less than the second nanobatch's launches cost,
+    so kareus's frontier is Perseus's and the chosen plan leaves the graphs unsplit."""
+    split, whole = _split_and_whole(
+        hidden=256, ffn=512, heads=4, seq=128, microbatch=2, layers=2, tp=2
+    )
+    settings = PlannerSettings(sweep_points=4, clocks_mhz=(1410, 1200, 1005, 810))
+    parallel = Parallelism(tp=2, pp=2, microbatches=2)
+    result = plan_for_gpu(split, SPEC, parallel=parallel, settings=settings, original=whole)
+    plan = result.plan
+    assert plan.nanobatches == 1 and not any(plan.decisions.values())
+    assert [(p.time_s, p.energy_j) for p in plan.frontier] == [
+        (p.time_s, p.energy_j) for p in plan.baselines["perseus"]
+    ]
+    assert all(p.nanobatches == 1 for p in plan.frontier)
+    # the fingerprint is that of the graphs the plan runs: each instruction whole
+    assert plan.fingerprint["0/forward"] == whole.fingerprint("forward")
+    # 2 layers of 4 matmuls and the head; per layer two all-reduces of 2 x 128 x 256 bf16
+    assert plan.fingerprint["0/forward"] == {
+        "whole": "2 attention, 9 gemm ‖ all_reduce 128.0 KiB x2 x4"
+    }
+    assert "leaves the graphs unsplit" in plan.to_text()
+    assert Plan.from_json(plan.to_json()) == plan
+    # Without the original graphs the baselines stay on the split ones, each collective
+    # alone, and kareus plans the split graphs.
+    alone = plan_for_gpu(split, SPEC, parallel=parallel, settings=settings).plan
+    assert alone.nanobatches == 2
+    assert all(p.nanobatches == 2 for pts in alone.baselines.values() for p in pts)

@@ -4,6 +4,12 @@ Every method is computed by the same machinery on the same evaluator, so compari
 side by side: ``megatron`` (max clock, no overlap), ``perseus`` (clock per instruction, no
 overlap), ``nanobatch+perseus`` (overlap at the partition start with the default
 communicator, then clocks) and ``kareus`` (clocks and overlap jointly).
+
+Given the original graphs' partition sets too (blocks left whole), Megatron-LM and Perseus
+are priced on them, as those systems run, and kareus's frontier holds every Perseus plan
+that no split plan beats: a plan never loses to the simpler plan of not splitting at all
+(such a point has ``nanobatches == 1``; ``kareus.compile`` then leaves the graphs unsplit
+and applies the plan's clocks only).
 """
 
 from __future__ import annotations
@@ -142,11 +148,16 @@ def plan_iteration(
     skip_reasons: Sequence[str] = (),
     progress: Any = None,
     workload: dict[str, Any] | None = None,
+    original: PartitionSet | Sequence[PartitionSet] | None = None,
 ) -> PlanningResult:
     """Plan one training iteration.
 
     Args:
         psets: the partition set of each pipeline stage (one set is used for every stage).
+        original: the same for the original graphs (no block split). Given, the Megatron-LM
+            and Perseus baselines are priced on them and their Perseus plans join kareus's
+            frontier where no split plan beats them; None prices the baselines on the split
+            graphs, each collective alone (one nanobatch's launches more per kernel).
         evaluator: times and energies (the emulator, a replay, a profiler).
         gpu: GPU name, recorded in the plan.
         clocks_mhz: the GPU's supported clocks.
@@ -174,26 +185,27 @@ def plan_iteration(
             f"schedule {parallel.schedule} with {parallel.virtual_stages} stage(s) per rank: "
             "Interleaved1F1B needs 2 or more stages per rank, the other schedules one"
         )
-    stages = list(psets) if isinstance(psets, Sequence) else [psets] * parallel.stages
-    if len(stages) != parallel.stages:
-        stages = [stages[0]] * parallel.stages
+    stages = _per_stage(psets, parallel.stages)
+    originals = None if original is None else _per_stage(original, parallel.stages)
     ev = CountingEvaluator(evaluator)
     freqs = tuple(settings.clocks_mhz or default_clocks(clocks_mhz))
     note = progress or (lambda _step: None)
-    evaluated = evaluate_options(stages, ev, freqs, static_power_w, settings, note)
+    evaluated = evaluate_options(stages, ev, freqs, static_power_w, settings, note, originals)
     options, profiles_by_group = evaluated.options, evaluated.profiles
     searches, grid, searched = evaluated.searches, evaluated.grid, evaluated.searched
     iteration = schedule_iteration(
         parallel.schedule, parallel.pp, parallel.microbatches, parallel.virtual_stages
     )
 
-    # Compose every method on the same options.
+    # Compose every method on the same options (Megatron-LM's and Perseus's on the original
+    # graphs' where they were given).
     fmax = max(freqs)
+    alone = ORIGINAL if originals is not None else "no-overlap"
     restrict = {
-        "megatron": lambda o: o.freq_mhz == fmax and o.profile == "no-overlap",
-        "perseus": lambda o: o.profile == "no-overlap",
+        "megatron": lambda o: o.freq_mhz == fmax and o.profile == alone,
+        "perseus": lambda o: o.profile == alone,
         "nanobatch+perseus": lambda o: o.profile == "nanobatch",
-        "kareus": lambda o: True,
+        "kareus": lambda o: o.profile != ORIGINAL,
     }
     comps = {
         method: Composer(
@@ -232,13 +244,20 @@ def plan_iteration(
     )
     note("proving kareus's frontier against the baselines")
 
-    # Every baseline plan is also a kareus plan (its options are a subset of kareus's): a
-    # point kareus's solves missed (CP-SAT stopped at its work limit) must not make kareus
-    # look worse.
+    # Every baseline plan on the split graphs is also a kareus plan (its options are a
+    # subset of kareus's): a point kareus's solves missed (CP-SAT stopped at its work limit)
+    # must not make kareus look worse.
     # Its lower bounds are those kareus's own solves proved (a baseline's hold for its
     # options only); a baseline point left on it between kareus's bounds is solved at its
     # time by kareus's composer, so that it is improved or proven.
-    frontiers["kareus"] = comps["kareus"].prove([s for sols in frontiers.values() for s in sols])
+    split = [s for sols in frontiers.values() for s in sols if s.choices[0].profile != ORIGINAL]
+    frontiers["kareus"] = comps["kareus"].prove(split)
+    if originals is not None:
+        # A Perseus plan leaves the graphs unsplit; where no split plan beats it, it is
+        # kareus's plan too (on a tie the simpler plan stays), proven by either bound.
+        frontiers["kareus"] = _with_unsplit(
+            frontiers["kareus"], frontiers["perseus"], comps["kareus"], comps["perseus"]
+        )
 
     # Select and write the plan.
     chosen = select(
@@ -261,15 +280,17 @@ def plan_iteration(
         for instr, opt in zip(iteration.instructions, chosen.choices, strict=True)
     )
     decisions: dict[str, dict[str, Decision]] = {}
+    unsplit = _nanobatches(chosen) == 1
     for instr, opt in zip(iteration.instructions, chosen.choices, strict=True):
-        pairs = profiles_by_group[instr.group][opt.profile]
+        pairs = {} if unsplit else profiles_by_group[instr.group][opt.profile]
         decisions[f"{instr.stage}/{instr.kind}"] = {
             key: Decision(slot, share) for key, (slot, share) in pairs.items()
         }
     source = getattr(evaluator, "source", "modelled")
+    # The fingerprint is that of the graphs the chosen plan runs.
     fingerprint = {
         f"{i}/{kind}": pset.fingerprint(kind)
-        for i, pset in enumerate(stages)
+        for i, pset in enumerate(originals if unsplit and originals else stages)
         for kind in ("forward", "backward")
     }
     plan = Plan(
@@ -336,8 +357,48 @@ def _alongside(
     return {**out["baselines"], "kareus": mine}
 
 
+ORIGINAL = "original"
+"""The decision profile of the original graphs' options: blocks whole, collectives alone."""
+
+
+def _per_stage(psets: PartitionSet | Sequence[PartitionSet], stages: int) -> list[PartitionSet]:
+    """Return one set per pipeline stage (a single set, or too few, repeat the first)."""
+    out = list(psets) if isinstance(psets, Sequence) else [psets] * stages
+    return out if len(out) == stages else [out[0]] * stages
+
+
+def _nanobatches(s: Solution) -> int:
+    """Return 1 for a plan of the original graphs, 2 for one of the split graphs."""
+    return 1 if s.choices and s.choices[0].profile == ORIGINAL else 2
+
+
+def _with_unsplit(
+    split: Sequence[Solution], unsplit: Sequence[Solution], mine: Composer, theirs: Composer
+) -> list[Solution]:
+    """Return the front of both frontiers, each point with the lower of both proven bounds.
+
+    A split point's bound holds for split plans only; the least energy of any plan within
+    its time is the lower of that and what the Perseus solves proved for unsplit plans
+    (none is faster than Perseus's fastest: no bound is needed below it). Unsplit points
+    come first, so that of two equal points the one that does not split stays.
+    """
+    from kareus.planner.pareto import pareto_front
+
+    front = pareto_front([*unsplit, *split], key=lambda s: (s.time_s, s.energy_j))
+    fastest_unsplit = min((s.time_s for s in unsplit), default=float("inf"))
+    out = []
+    for p in front:
+        ours = Composer.lower_bounds([p], mine.solves)[0]
+        other = Composer.lower_bounds([p], theirs.solves)[0]
+        if p.time_s < fastest_unsplit:
+            other = float("inf")
+        bound = None if ours is None or other is None else min(ours, other)
+        out.append(dataclasses.replace(p, within_s=p.time_s, bound_j=bound))
+    return out
+
+
 def _point(s: Solution) -> FrontierPoint:
-    return FrontierPoint(s.time_s, s.energy_j, s.bound_j)
+    return FrontierPoint(s.time_s, s.energy_j, s.bound_j, _nanobatches(s))
 
 
 @dataclasses.dataclass
@@ -366,11 +427,14 @@ def evaluate_options(
     static_power_w: float,
     settings: PlannerSettings,
     note: Any = None,
+    originals: Sequence[PartitionSet] | None = None,
 ) -> Evaluated:
     """Search each partition type and build every instruction's options.
 
     Every evaluation planning needs happens here (composing evaluates nothing), so a
-    profiler that runs this records everything a later replay is asked for.
+    profiler that runs this records everything a later replay is asked for. ``originals``
+    (the original graphs' sets, one per stage) add each instruction's options on them, at
+    every clock with every collective alone (profile :data:`ORIGINAL`).
     """
     note = note or (lambda _step: None)
     freqs = tuple(freqs)
@@ -404,6 +468,15 @@ def evaluate_options(
             if prof not in profiles.values():  # a profile is tried once, by its first name
                 profiles[name] = prof
     options = instruction_options(stages, ev, freqs, static_power_w, settings, profiles_by_group)
+    if originals is not None:
+        note("building the original graphs' options")
+        alone = {
+            group: {ORIGINAL: profiles["no-overlap"]}
+            for group, profiles in default_profiles(originals, settings).items()
+        }
+        extra = instruction_options(originals, ev, freqs, static_power_w, settings, alone)
+        for group, opts in extra.items():
+            options[group] = options[group] + opts
     return Evaluated(searches, options, profiles_by_group, grid, searched)
 
 
