@@ -676,6 +676,43 @@ def test_frontier_plot_is_written(small_plan, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
+def test_the_plot_marks_plans_that_leave_the_graphs_unsplit(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from kareus.planner.plot import plot_frontiers
+
+    plan = small_plan_of_whole_graphs()
+    monkeypatch.setattr(plt, "close", lambda fig: None)  # keep the figure to read it
+    plot_frontiers(plan, tmp_path / "f.png")
+    ax = plt.gcf().axes[0]
+    _handles, labels = ax.get_legend_handles_labels()
+    title = ax.get_title()
+    plt.close("all")
+    assert "kareus, original graphs (not split)" in labels
+    # the long workload description is wrapped to fit the figure
+    assert len(title.splitlines()) == 3 and all(len(t) <= 70 for t in title.splitlines())
+
+
+def small_plan_of_whole_graphs():
+    """A plan whose frontier is Perseus's on the original graphs (splitting does not pay)."""
+    split, whole = _split_and_whole(
+        hidden=256, ffn=512, heads=4, seq=128, microbatch=2, layers=2, tp=2
+    )
+    settings = PlannerSettings(sweep_points=3, clocks_mhz=(1410, 1005))
+    parallel = Parallelism(tp=2, pp=2, microbatches=2)
+    describe = "llama-like bf16, TP 2 x CP 1 x PP 2, 2 micro-batches x 2 x 128 tokens, 1F1B"
+    plan = plan_for_gpu(
+        split,
+        SPEC,
+        parallel=parallel,
+        settings=settings,
+        original=whole,
+        workload={"describe": describe},
+    ).plan
+    assert plan.nanobatches == 1
+    return plan
+
+
 def _busy(seconds):
     import time
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import textwrap
 
 from kareus.plan import Plan
 
@@ -24,13 +25,25 @@ def plot_frontiers(plan: Plan, path: str | pathlib.Path) -> pathlib.Path:
             linestyle="--",
             label=name,
         )
-    ax.plot(
+    (line,) = ax.plot(
         [p.time_s for p in plan.frontier],
         [p.energy_j for p in plan.frontier],
         marker="o",
         linewidth=2,
         label="kareus",
     )
+    unsplit = [p for p in plan.frontier if p.nanobatches == 1]
+    if unsplit:  # plans of the original graphs: clocks only, nothing split
+        ax.plot(
+            [p.time_s for p in unsplit],
+            [p.energy_j for p in unsplit],
+            marker="o",
+            markersize=9,
+            markerfacecolor="white",
+            color=line.get_color(),
+            linestyle="none",
+            label="kareus, original graphs (not split)",
+        )
     ax.plot(
         [plan.chosen.time_s],
         [plan.chosen.energy_j],
@@ -47,7 +60,9 @@ def plot_frontiers(plan: Plan, path: str | pathlib.Path) -> pathlib.Path:
         )
     ax.set_xlabel("iteration time (s)")
     ax.set_ylabel("energy per iteration, all GPUs (J)")
-    ax.set_title(f"{_workload(plan)} on {plan.gpu}\ntime-energy frontiers ({plan.source})")
+    # the workload's description is long: wrapped, so that the title fits the figure
+    head = textwrap.fill(f"{_workload(plan)} on {plan.gpu}", width=70)
+    ax.set_title(f"{head}\ntime-energy frontiers ({plan.source})", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     out = pathlib.Path(path)
