@@ -266,7 +266,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--partitions",
         type=pathlib.Path,
-        help="partitions.json of an earlier run of this workload: no tracing",
+        help="partitions.json of an earlier `kareus plan` of this workload: no tracing "
+        "(megatron prices its original graphs, nanobatch its split ones)",
     )
     v.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     v.add_argument("--no-cache", action="store_true", help="trace again; do not write the cache")

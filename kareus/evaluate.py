@@ -347,16 +347,17 @@ def evaluate_clock_plans(
             default overlap).
         evaluator: times and energies (say a replay of measured partitions).
         layers: layers traced per pipeline stage.
-        partitions: an earlier run's ``partitions.json`` of this workload (no tracing; its
-            graphs are priced as they are, nanobatched when ``kareus plan`` wrote it,
-            whatever the method).
+        partitions: an earlier run's ``partitions.json`` of this workload (no tracing).
+            ``kareus plan`` writes both graphs there: ``megatron`` prices the original ones,
+            ``nanobatch`` the split ones; a file with the split graphs only (older, or from
+            ``kareus profile``) is priced as it is, whatever the method.
         cache: read and write the trace cache.
         progress: called with a short description before each long step.
 
     Raises:
         ClockPlanError: a bad clocks file. KareusError: an unknown method or GPU.
     """
-    from kareus.planning import traced_stages, with_recompute
+    from kareus.planning import load_originals, traced_stages, with_recompute
 
     if method not in PROFILES:
         raise KareusError(f"unknown method {method!r}: evaluate prices {sorted(PROFILES)}")
@@ -379,14 +380,18 @@ def evaluate_clock_plans(
                 f"plan {plan.plan_id}: clock {outside[0]:g} MHz is outside the GPU's range "
                 f"({min(clocks)}-{max(clocks)} MHz)"
             )
-    stages, _, _ = traced_stages(
-        work,
-        layers=layers,
-        partitions=partitions,
-        cache=cache,
-        progress=progress,
-        nanobatches=NANOBATCHES[method],
-    )
+    stages = None
+    if partitions is not None and NANOBATCHES[method] == 1:
+        stages = load_originals(work, partitions)
+    if stages is None:
+        stages, _, _ = traced_stages(
+            work,
+            layers=layers,
+            partitions=partitions,
+            cache=cache,
+            progress=progress,
+            nanobatches=NANOBATCHES[method],
+        )
     stages = with_recompute(stages, work.recompute)
     settings = PlannerSettings()
     profile = PROFILES[method]

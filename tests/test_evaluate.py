@@ -16,7 +16,7 @@ from kareus.evaluate import (
 )
 from kareus.hardware.calibrate import shared_data_dir
 from kareus.planner import PlannerSettings
-from kareus.planning import plan_workload, save_stages
+from kareus.planning import load_stages, plan_workload, save_stages
 from kareus.trace import Workload
 
 WORK = Workload(
@@ -65,9 +65,18 @@ def test_max_clocks_price_as_the_planners_megatron_plan(tmp_path):
     assert cost.time_s == pytest.approx(megatron.time_s, rel=1e-9)
     assert cost.energy_j == pytest.approx(megatron.energy_j, rel=1e-9)
     assert cost.energy_per_gpu_column_j == pytest.approx(cost.energy_j / 2)
-    # --partitions prices the graphs given as they are: here the nanobatched ones
-    split = evaluate_clock_plans(WORK, "a100-40gb", [uniform("max", 1410)], partitions=traced)
-    assert split.plans[0].time_s > cost.time_s  # the same work in twice the kernel launches
+    # kareus plan's partitions.json holds both graphs: megatron prices its original ones
+    (saved,) = evaluate_clock_plans(
+        WORK, "a100-40gb", [uniform("max", 1410)], partitions=traced
+    ).plans
+    assert (saved.time_s, saved.energy_j) == (cost.time_s, cost.energy_j)
+    # a file with the split graphs only is priced as it is
+    split_only = tmp_path / "split.json"
+    save_stages(WORK, load_stages(WORK, traced), split_only)
+    (split,) = evaluate_clock_plans(
+        WORK, "a100-40gb", [uniform("max", 1410)], partitions=split_only
+    ).plans
+    assert split.time_s > cost.time_s  # the same work in twice the kernel launches
 
 
 def test_clock_plans_price_as_the_physics_says():
