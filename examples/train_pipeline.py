@@ -6,7 +6,9 @@ stage module is compiled by kareus with a plan made for this very configuration 
 `kareus plan` (run by rank 0 first if no --plan is given); `ScheduleGPipe`,
 `Schedule1F1B` or `ScheduleInterleaved1F1B`... runs the micro-batches, and kareus gives every
 instruction (stage, micro-batch, forward or backward) the clock the plan chose for it,
-overlapping each TP collective with the other nanobatch's compute.
+overlapping each TP collective with the other nanobatch's compute where the plan splits the
+layers (for this tiny model it finds that splitting does not pay: its plan runs the layers
+whole, clocks only; a plan for a larger model splits them).
 
 On CPU it runs over gloo with the emulated GPU (clocks recorded, energy modelled); on GPUs
 over NCCL, with Zeus controlling the clocks where the process may, and measuring energy.

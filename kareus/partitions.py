@@ -214,8 +214,10 @@ class PartitionSet:
         Two workloads with equal fingerprints have the same partitions: the same layers,
         shapes, collectives and parallel sizes. Plans carry it (:attr:`kareus.Plan.fingerprint`).
         An instruction without partitions (the original graphs, or nothing split) is told by
-        its matmuls and its collectives instead, under the key ``whole`` (memory-bound ops,
-        which differ with what the loss and fusion leave, are not counted).
+        its layer blocks' matmuls and collectives instead, under the key ``whole``: as the
+        types, the blocks only (the embedding, head and loss may run outside the compiled
+        model, as under a pipeline schedule), and no memory-bound ops (which differ with
+        what fusion leaves).
         """
         counts = self.counts(instruction)
         out = {
@@ -226,11 +228,15 @@ class PartitionSet:
         if out:
             return out
         mix = collections.Counter(
-            o.op_class for o in self.outside(instruction) if o.op_class in ("gemm", "attention")
+            o.op_class
+            for ops in self.block_other.get(instruction, {}).values()
+            for o in ops
+            if o.op_class in ("gemm", "attention")
         )
         colls = collections.Counter(
             f"{c.kind} {c.bytes / 2**10:.1f} KiB x{c.world_size}"
-            for c in self.exposed.get(instruction, ())
+            for block in self.block_exposed.get(instruction, {}).values()
+            for c in block
         )
         ops = ", ".join(f"{n} {k}" for k, n in sorted(mix.items())) or "no matmul"
         alone = ", ".join(f"{k} x{n}" for k, n in sorted(colls.items())) or "no collective"

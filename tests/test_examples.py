@@ -1,5 +1,6 @@
 """The CPU examples run as a user runs them, and say what they should."""
 
+import json
 import os
 import pathlib
 import re
@@ -57,6 +58,26 @@ def test_tensor_parallel_example_under_torchrun(tmp_path):
     out = _torchrun(2, "examples/train_tp.py", "--steps", "2", "--layers", "2", tmp_path=tmp_path)
     assert len(_losses(out)) == 2
     assert "all_reduce" in out and "(modelled)" in out
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_example_applies_a_kareus_plan_under_tp_and_pp(tmp_path):
+    """TP 2 x PP 2 under torch.distributed.pipelining with the plan `kareus plan` makes for
+    it: the loss runs outside the compiled stages, which the plan's trace held inside, and
+    the plan (which leaves this tiny model unsplit) is still recognised as this model's."""
+    out = _torchrun(4, "examples/train_pipeline.py", "--steps", "2", tmp_path=tmp_path)
+    losses = _losses(out)
+    assert len(losses) == 4 and losses[0] == losses[1]  # two TP ranks of the last stage
+    applied = re.findall(r"stage (\d), TP rank \d: instructions of iteration 0[^:]*: (.*)", out)
+    assert sorted(s for s, _ in applied) == ["0", "0", "1", "1"]
+    plan = json.loads((tmp_path / "kareus-pipeline" / "plan.json").read_text())
+    for stage, steps in applied:  # each rank ran its stage's planned clocks
+        planned = [s for s in plan["schedule"] if s["stage"] == int(stage)]
+        want = [
+            f"{s['stage']}/{s['kind'][0].upper()}{s['microbatch']}@{s['freq_mhz']:g}"
+            for s in planned
+        ]
+        assert steps.split(", ") == want
 
 
 def _torchrun(nproc, script, *args, tmp_path):

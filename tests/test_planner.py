@@ -896,9 +896,10 @@ def test_where_splitting_does_not_pay_the_plan_runs_the_original_graphs():
     assert all(p.nanobatches == 1 for p in plan.frontier)
     # the fingerprint is that of the graphs the plan runs: each instruction whole
     assert plan.fingerprint["0/forward"] == whole.fingerprint("forward")
-    # 2 layers of 4 matmuls and the head; per layer two all-reduces of 2 x 128 x 256 bf16
+    # 2 layers of 4 matmuls (not the head: it may run outside the compiled model), per
+    # layer two all-reduces of 2 x 128 x 256 bf16
     assert plan.fingerprint["0/forward"] == {
-        "whole": "2 attention, 9 gemm ‖ all_reduce 128.0 KiB x2 x4"
+        "whole": "2 attention, 8 gemm ‖ all_reduce 128.0 KiB x2 x4"
     }
     assert "leaves the graphs unsplit" in plan.to_text()
     assert Plan.from_json(plan.to_json()) == plan
