@@ -233,6 +233,8 @@ def test_a_plan_of_the_original_graphs_runs_them_unsplit_and_checks_the_model(re
     backend = kareus.api.find_backend(compiled)
     assert backend.config.nanobatches == 1 and backend.runtime.switches == [1410, 1200]
     assert not [w for w in recwarn if "another workload" in str(w.message)]
+    skipped = kareus.explain(compiled).regions[0].findings["find_blocks"].skipped
+    assert skipped and all("the plan runs the layers whole" in r for r in skipped.values())
     backend.runtime.close()
     # the same plan on a model of another depth is refused, naming what differs
     other = {k: {"whole": v["whole"].replace("3 gemm", "4 gemm")} for k, v in MLP_WHOLE.items()}

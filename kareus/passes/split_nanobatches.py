@@ -109,8 +109,14 @@ class SplitNanobatches(GraphPass):
         if blockset is None or not blockset.blocks:
             return PassResult(gm, modified=False)
         if ctx.config.nanobatches == 1:
+            plan = ctx.findings.get("plan")
+            reason = (
+                "the plan runs the layers whole: no split plan beat per-instruction clocks alone"
+                if plan is not None and plan.nanobatches == 1
+                else "Config.nanobatches=1 turns the split off"
+            )
             for b in blockset.blocks:
-                blockset.skipped[b.name] = "Config.nanobatches=1 turns the split off"
+                blockset.skipped[b.name] = reason
             return PassResult(gm, modified=False)
         batch = batch_info(gm.graph, ctx.config.batch_dim or 0)
         # Decide on the graph as captured (whose metadata is complete), then rewrite.
