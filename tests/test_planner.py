@@ -249,6 +249,34 @@ def test_dive_finds_plans_no_worse_than_rounding_and_within_the_bound():
     assert max(gains) > 0.005 * rounded  # at 0.5: 2.6 % above the bound rounded, 1.2 % dived
 
 
+def test_a_dive_that_reaches_glops_work_limit_keeps_the_rounded_plan(monkeypatch):
+    """A dive's solve is limited in GLOP's deterministic work (a stalled simplex ran for
+    more than 10 minutes): at a limit nothing meets, the dive is abandoned and the
+    rounded plan, with its bound, is the answer; the same bound with the limit back dives."""
+    import kareus.planner.relax as relax
+
+    it = one_f_one_b(2, 32)
+    freqs = (810, 900, 1005, 1100, 1200, 1305, 1410)
+    opts = {g: _tradeoff_options(g, freqs) for g in {i.group for i in it.instructions}}
+    comp = Composer(it, opts, static_power_w=20.0, gpus=4)
+    lo = comp.fastest_choice().time_s
+    bound = lo + 0.5 * (max(u.time_s for u in comp.uniform_plans()) - lo)
+
+    def solve(limit_j):
+        relaxation = relax.Relaxation(
+            it, comp.model_options, static_power_w=20.0, gpus=4, gpus_per_stage=1
+        )
+        return relaxation.at(bound, limit_j)
+
+    rounded = solve(None)
+    monkeypatch.setattr(relax, "DIVE_WORK_LIMIT", 0.0)
+    stalled = solve(0.0)
+    assert stalled.choices == rounded.choices and stalled.bound_j == rounded.bound_j
+    monkeypatch.undo()
+    dived = solve(0.0)
+    assert comp.evaluate(dived.choices)[1] < comp.evaluate(rounded.choices)[1]
+
+
 def test_a_bound_solved_again_returns_the_first_answer_or_a_better_hint():
     it = one_f_one_b(2, 8)
     opts = {g: _tradeoff_options(g, (810, 1200, 1410)) for g in {i.group for i in it.instructions}}

@@ -327,10 +327,16 @@ class Relaxation:
         44 s at the least time).
         """
         primal = not warm and self._t.ub() < self._loose_ms
+        limit = f" max_deterministic_time: {DIVE_WORK_LIMIT}" if rows is not None else ""
         self._lp.SetSolverSpecificParametersAsString(
-            "initial_basis: TRIANGULAR" if primal else "use_dual_simplex: true"
+            ("initial_basis: TRIANGULAR" if primal else "use_dual_simplex: true") + limit
         )
         status, objective = self._lp.Solve(), math.nan
+        if rows is not None and status not in (self._optimal, self._infeasible):
+            _log.debug(
+                "relaxation: a dive's solve ended with GLOP status %s; dive abandoned", status
+            )
+            return None  # the dive keeps the plan it had
         if status == self._abnormal:
             status, objective = self._solve_afresh()
         elif status == self._optimal:  # reading it otherwise logs "No solution exists"
@@ -366,6 +372,17 @@ class Relaxation:
         fresh.FillSolutionResponseProto(response)
         self._lp.LoadSolutionFromProto(response)
         return status, fresh.Objective().Value()
+
+
+DIVE_WORK_LIMIT = 10.0
+"""GLOP's deterministic work limit for each solve of a dive (its deterministic time units,
+roughly seconds of one core): a limit of work, not of wall-clock time, so that plans never
+depend on machine load. A dive's solve starts from the basis of the solve before it, one
+bound tighter, and normally takes a fraction of a second; but the warm dual simplex can
+stall on a degenerate program (a dive on the traced Llama 3.3 70B PP 8 x 16, with matmul
+costs that depend on their shapes, ran for more than 10 minutes). A dive whose solve
+reaches the limit, or ends any other way but optimal or infeasible, is abandoned: the
+rounded plan stays, with its proven gap."""
 
 
 def _mixes(row: Sequence[tuple[Option, float]]) -> bool:
