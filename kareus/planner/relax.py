@@ -380,9 +380,9 @@ roughly seconds of one core): a limit of work, not of wall-clock time, so that p
 depend on machine load. A dive's solve starts from the basis of the solve before it, one
 bound tighter, and normally takes a fraction of a second; but the warm dual simplex can
 stall on a degenerate program (a dive on the traced Llama 3.3 70B PP 8 x 16 ran for more
-than 10 minutes under a trial cost model whose matmul costs depended on their shapes). A dive whose solve
-reaches the limit, or ends any other way but optimal or infeasible, is abandoned: the
-rounded plan stays, with its proven gap."""
+than 10 minutes under a trial cost model whose matmul costs depended on their shapes). A
+dive whose solve reaches the limit, or ends any other way but optimal or infeasible, is
+abandoned: the rounded plan stays, with its proven gap."""
 
 
 def _mixes(row: Sequence[tuple[Option, float]]) -> bool:
