@@ -37,7 +37,7 @@ def test_plan_writes_plan_report_plot_and_partitions(planned, capsys):
     saved = json.loads((out / "partitions.json").read_text())
     assert len(saved["original"]["sets"]) == 2 and not saved["original"]["sets"][0]["partitions"]
     # The fingerprint of the graphs the plan runs, which kareus.compile(plan=...) checks the
-    # model against: each instruction whole, told by its matmuls and collectives.
+    # model against: each instruction whole, told by its layer blocks' matmuls and collectives.
     assert set(plan.fingerprint) == {f"{s}/{k}" for s in (0, 1) for k in ("forward", "backward")}
     assert all(set(fp) == {"whole"} for fp in plan.fingerprint.values())
     assert all("all_reduce" in fp["whole"] for fp in plan.fingerprint.values())
