@@ -63,15 +63,14 @@ class PartitionType:
         """
         mix = collections.Counter(o.op_class for o in self.compute)
         ops = ", ".join(f"{n} {k}" for k, n in sorted(mix.items()))
-        size = self.collective.bytes if self.collective else 0
-        coll = (
-            f"{self.collective.kind} "
-            f"{f'{size / 2**10:.1f} KiB' if exact else format_bytes(size)} "
-            f"x{self.collective.world_size}"
-            if self.collective
-            else "no collective"
-        )
+        coll = describe_collective(self.collective, exact) if self.collective else "no collective"
         return f"{ops} ‖ {coll}"
+
+
+def describe_collective(coll: CollectiveCost, exact: bool = False) -> str:
+    """Return "kind size xGROUP"; ``exact``: the size in KiB to one decimal (fingerprints)."""
+    size = f"{coll.bytes / 2**10:.1f} KiB" if exact else format_bytes(coll.bytes)
+    return f"{coll.kind} {size} x{coll.world_size}"
 
 
 def format_bytes(n: float) -> str:
@@ -234,7 +233,7 @@ class PartitionSet:
             if o.op_class in ("gemm", "attention")
         )
         colls = collections.Counter(
-            f"{c.kind} {c.bytes / 2**10:.1f} KiB x{c.world_size}"
+            describe_collective(c, exact=True)
             for block in self.block_exposed.get(instruction, {}).values()
             for c in block
         )

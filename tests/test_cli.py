@@ -367,3 +367,23 @@ def test_a_layer_left_whole_fuses_its_residual_add_with_the_next_layers_norm():
     assert kernels == [kernels[0]] * 3 + [kernels[0] + 1]
     first = [blocks[f"layers.{i}"][0].bytes for i in range(4)]  # the norm, the add with it
     assert first[0] < first[1] == first[2] == first[3]
+
+
+@pytest.mark.parametrize("nanobatches", [2, 1])
+def test_extracted_programs_cost_what_the_partition_set_records(recwarn, nanobatches):
+    """Extraction takes the work outside partitions from the same runs as partition cutting
+    (the residual add joined to the next layer's kernel included): every layer's block
+    program is extracted, and none disagrees (a disagreement leaves the graph as captured,
+    with a warning)."""
+    from kareus.trace import fake_world, trace_stage
+
+    work = Workload(model="tiny-4l", tp=2, microbatch_size=4, seq_len=64, microbatches=1)
+    with fake_world(2, 1) as groups:
+        traced = trace_stage(
+            work, 0, layers=4, groups=groups, extract=True, nanobatches=nanobatches
+        )
+    assert not [w for w in recwarn if "runs as captured" in str(w.message)]
+    blocks = {k.split("/")[2] for k in traced.programs if k.startswith("forward/block/")}
+    assert blocks == set(traced.pset.block_other["forward"])
+    if nanobatches == 1:
+        assert blocks == {f"layers.{i}" for i in range(4)}

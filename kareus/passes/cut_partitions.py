@@ -224,20 +224,15 @@ def cut_graph(
         pset.notes[kind] = "no split block with collectives: frequency planning only"
     else:
         _interleave(graph, kind, chain, pset, fuse)
-    rest, per_block, exposed = outside_nodes(graph, kind, pset, spans)
-    if fuse:
-        _join_tails(graph, per_block)
+    rest, per_block, exposed, alone = outside_nodes(graph, kind, pset, spans, fuse)
     pset.block_other[kind] = {
         block: partition_costs(nodes, fuse) for block, nodes in per_block.items()
     }
     pset.other[kind] = partition_costs(rest, fuse)
     pset.exposed[kind] = tuple(collective_cost(n) for n in exposed)
-    owner = _owners(spans)
-    by_block: dict[str, list[CollectiveCost]] = {}
-    for n in exposed:
-        if n.name in owner:
-            by_block.setdefault(owner[n.name], []).append(collective_cost(n))
-    pset.block_exposed[kind] = {block: tuple(colls) for block, colls in by_block.items()}
+    pset.block_exposed[kind] = {
+        block: tuple(collective_cost(n) for n in issues) for block, issues in alone.items()
+    }
 
 
 def _join_tails(graph: fx.Graph, per_block: dict[str, list[fx.Node]]) -> None:
@@ -268,44 +263,49 @@ def _memory(node: fx.Node) -> bool:
     return cost_of(node).op_class == "memory"
 
 
-def _owners(spans: dict[str, Any]) -> dict[str, str]:
-    """Return the block of every node name the blocks' spans hold."""
-    return {
+def outside_nodes(
+    graph: fx.Graph, kind: str, pset: PartitionSet, spans: dict[str, Any], fuse: bool = False
+) -> tuple[list[fx.Node], dict[str, list[fx.Node]], list[fx.Node], dict[str, list[fx.Node]]]:
+    """Return the compute of ``graph`` outside its partitions, and its exposed collectives.
+
+    Partition cutting and extraction both take the work outside partitions from here, so
+    that what is costed and what is extracted are the same runs (``fuse``: a block's
+    trailing memory ops join the next block's, :func:`_join_tails`).
+
+    Returns:
+        The compute outside blocks (embedding, head, loss); per block, its compute outside
+        partitions (a split block's weight gradients and residual tail, a block left whole
+        entirely); the issue nodes of collectives that overlap no compute; and per block,
+        those of them it runs. All in graph order.
+    """
+    parts = [p for p in pset.partitions if p.instruction == kind]
+    inside = {n for p in parts for n in (*p.compute, *(p.collective or ()))}
+    owner = {
         name: block
         for block, per_nb in spans.items()
         for names in per_nb.values()
         for name in names
     }
-
-
-def outside_nodes(
-    graph: fx.Graph, kind: str, pset: PartitionSet, spans: dict[str, Any]
-) -> tuple[list[fx.Node], dict[str, list[fx.Node]], list[fx.Node]]:
-    """Return the compute of ``graph`` outside its partitions, and its exposed collectives.
-
-    Returns:
-        The compute outside blocks (embedding, head, loss); per block, its compute outside
-        partitions (a split block's weight gradients and residual tail, a block left whole
-        entirely); the issue nodes of collectives that overlap no compute. All in graph order.
-    """
-    parts = [p for p in pset.partitions if p.instruction == kind]
-    inside = {n for p in parts for n in (*p.compute, *(p.collective or ()))}
-    owner = _owners(spans)
     rest: list[fx.Node] = []
     per_block: dict[str, list[fx.Node]] = {}
     exposed: list[fx.Node] = []
+    alone: dict[str, list[fx.Node]] = {}
     for n in graph.nodes:
         if n.op != "call_function" or n.name in inside:
             continue
         cls = cost_of(n).op_class
         if cls == "collective_issue":
             exposed.append(n)
+            if n.name in owner:
+                alone.setdefault(owner[n.name], []).append(n)
         elif cls in ("gemm", "attention", "memory", "view"):
             if n.name in owner:
                 per_block.setdefault(owner[n.name], []).append(n)
             else:
                 rest.append(n)
-    return rest, per_block, exposed
+    if fuse:
+        _join_tails(graph, per_block)
+    return rest, per_block, exposed, alone
 
 
 def _interleave(

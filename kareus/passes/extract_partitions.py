@@ -152,7 +152,7 @@ class ExtractPartitions(GraphPass):
                     wanted[alone.key] = alone, PartitionWork((), ptype.collective)
         blockset = ctx.findings.get("find_blocks")
         spans = blockset.spans.get(kind, {}) if blockset is not None else {}
-        rest, per_block, exposed = outside_nodes(gm.graph, kind, pset, spans)
+        rest, per_block, exposed, _alone = outside_nodes(gm.graph, kind, pset, spans, fuse)
         if rest:
             program = extract(gm, [n.name for n in rest], f"{kind}/outside", fuse=fuse)
             wanted[program.key] = program, PartitionWork(pset.other[kind])
