@@ -13,17 +13,24 @@ TIME_TOLERANCE = 1e-4
 instruction, so equal plans may differ by a few microseconds."""
 
 
-def pareto_front(items: Iterable[T], key: Callable[[T], tuple[float, float]]) -> list[T]:
+def pareto_front(
+    items: Iterable[T], key: Callable[[T], tuple[float, float]], time_resolution: float = 0.0
+) -> list[T]:
     """Return the items no other item beats in both time and energy, fastest first.
 
-    Of items with equal (time, energy) the first is kept.
+    Of items with equal (time, energy) the first is kept. Times less than
+    ``time_resolution`` apart count as equal: an item is also dropped when one at most that
+    much slower uses less energy (a plan a fraction of a microsecond faster at a few percent
+    more energy is not a trade-off the model can tell from rounding).
     """
     ordered = sorted(items, key=key)
     front: list[T] = []
     best_energy = float("inf")
     for item in ordered:
-        _t, e = key(item)
+        t, e = key(item)
         if e < best_energy:
+            while front and t - key(front[-1])[0] <= time_resolution:
+                front.pop()  # as fast, to the resolution, and hungrier
             front.append(item)
             best_energy = e
     return front

@@ -26,6 +26,7 @@ from kareus.partitions import Decision, PartitionSet
 from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
 from kareus.planner.compose import (
     SCHEDULES,
+    TIME_RESOLUTION_S,
     Composer,
     Option,
     Solution,
@@ -384,7 +385,11 @@ def _with_unsplit(
     """
     from kareus.planner.pareto import pareto_front
 
-    front = pareto_front([*unsplit, *split], key=lambda s: (s.time_s, s.energy_j))
+    front = pareto_front(
+        [*unsplit, *split],
+        key=lambda s: (s.time_s, s.energy_j),
+        time_resolution=TIME_RESOLUTION_S,
+    )
     fastest_unsplit = min((s.time_s for s in unsplit), default=float("inf"))
     out = []
     for p in front:
