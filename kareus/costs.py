@@ -27,6 +27,7 @@ class OpCost:
     bytes: float
     dtype: str = "bf16"
     name: str = ""
+    dims: tuple[int, ...] = ()  # a matmul's (batch, M, N, K); empty for other ops
 
 
 @dataclasses.dataclass(frozen=True)

@@ -304,3 +304,53 @@ def test_causal_attention_costs_the_unmasked_part_only(seq_q, seq_kv):
     for backward in (False, True):
         assert full[backward] == 4.0 * 2 * 4 * seq_q * seq_kv * 8 * (2.5 if backward else 1)
         assert causal[backward] == pytest.approx(full[backward] * seen / (seq_q * seq_kv))
+
+
+def test_matmul_shapes_are_recorded_for_the_wave_model():
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from kareus.passes.annotate_costs import annotate_node
+
+    def matmuls(a, b, c, x, y):
+        return torch.mm(a, b), torch.addmm(c, a, b), torch.bmm(x, y)
+
+    args = (
+        torch.randn(5, 3),
+        torch.randn(3, 7),
+        torch.randn(7),
+        torch.randn(2, 5, 3),
+        torch.randn(2, 3, 4),
+    )
+    gm = make_fx(matmuls, tracing_mode="fake")(*args)
+    dims = {
+        str(n.target).split(".")[1]: annotate_node(n).dims
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+    }
+    assert dims == {"mm": (1, 5, 7, 3), "addmm": (1, 5, 7, 3), "bmm": (2, 5, 4, 3)}
+
+
+def test_a_matmul_runs_slower_by_the_share_of_the_sms_its_tiles_leave_idle():
+    from kareus.hardware.emulator import matmul_fill
+
+    sms = 108
+    # 9 x 12 tiles of 256 x 128: one full wave.
+    assert matmul_fill((1, 2304, 1536, 8192), sms) == 1.0
+    # one 128 x 128 output and K too short to split: two 128 x 64 tiles of 108 SMs
+    assert matmul_fill((1, 128, 128, 256), sms) == pytest.approx(2 / 108)
+    # a weight gradient (M = 128 rows, K = 16384 tokens): 48 tiles of 128 x 64, split in 2
+    # along K, 96 CTAs in one wave of 108
+    assert matmul_fill((1, 128, 3072, 16384), sms) == pytest.approx(96 / 108)
+    # a large square GEMM fills all but the last wave's few idle SMs
+    assert 0.99 < matmul_fill((1, 8192, 8192, 8192), sms) < 1.0
+    # The model: a compute-bound matmul of that shape takes 1 / fill as long.
+    em = Emulator(gpu("a100-sxm4-40gb"))
+    m, n, k = 2432, 1536, 1000  # a row of tiles more than a full wave; K too short to split
+    plain = OpCost("gemm", 2.0 * m * n * k, 2.0 * (m * k + k * n + m * n))
+    shaped = dataclasses.replace(plain, dims=(1, m, n, k))
+    fill = matmul_fill(shaped.dims, sms)
+    assert fill < 0.9
+    launch = em.cal.launch_overhead_us * 1e-6
+    slow, fast = (em.run_op(o, 1410, sms).time_s - launch for o in (shaped, plain))
+    assert slow == pytest.approx(fast / fill)

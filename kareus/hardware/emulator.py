@@ -5,7 +5,8 @@ Every figure it returns is *modelled* (``Estimate.source == "modelled"``). The m
 - **Kernel time** at clock f with n SMs: the roofline of compute
   (FLOPs / (peak · f/f_max · n/N · efficiency of the op class)) against memory
   (bytes / (bandwidth · efficiency)), where memory needs enough SMs and clock to saturate
-  and does not otherwise scale with f; plus a launch overhead.
+  and does not otherwise scale with f; plus a launch overhead. A matmul's efficiency is
+  also scaled by the share of the SMs its tiles fill (:func:`matmul_fill`).
 - **Collective time**: the bus traffic of the algorithm (an all-reduce moves 2(p-1)/p of
   the tensor, all-gather and reduce-scatter (p-1)/p), copied by the collective's SMs at a
   rate that scales with their number and the clock, and carried by the link at its
@@ -69,6 +70,36 @@ class OpRun:
     mem_bytes_per_s: float
 
 
+_TILES = ((256, 128), (128, 256), (128, 128), (128, 64), (64, 128))
+_SPLIT_K = (1, 2, 4, 8)
+_MIN_SPLIT_K = 512
+
+
+def matmul_fill(dims: tuple[int, ...], sms: int) -> float:
+    """Return the share of the SMs' time a matmul's tiles fill (tile and wave quantization).
+
+    A GEMM runs as tiles of its output, one CTA per tile (per K slice with split-K), in
+    waves of one CTA per SM: the last wave, and the edge tiles, leave SMs idle (NVIDIA,
+    "Matrix Multiplication Background" user's guide, "Dimension quantization effects").
+    Of the tile shapes cuBLAS uses (same guide, "Typical tile dimensions in cuBLAS"), those
+    of 128 x 64 and larger, and split-K into up to 8 slices of at least 512, the best fill
+    is taken. Smaller tiles are left out: a 64 x 64 tile needs 64 bytes per clock per SM of
+    operands at the full bf16 tensor rate (1024 MACs per clock per SM), more than the
+    A100's L2 supplies (5120 bytes per clock for 108 SMs, 47; NVIDIA A100 whitepaper),
+    where a 128 x 64 tile needs 48. ``dims`` is (batch, M, N, K).
+    """
+    batch, m, n, k = dims
+    best = 0.0
+    for tm, tn in _TILES:
+        tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+        for sk in _SPLIT_K:
+            if sk > 1 and k / sk < _MIN_SPLIT_K:
+                break
+            waves = math.ceil(tiles * sk / sms)
+            best = max(best, batch * m * n * sk / (waves * sms * tm * tn))
+    return min(1.0, best)
+
+
 def bus_bytes(coll: CollectiveCost) -> float:
     """Return the bytes each rank sends for ``coll`` (ring/NVLS algorithm traffic)."""
     p = coll.world_size
@@ -104,6 +135,8 @@ class Emulator:
         else:
             peak = spec.peak_flops(op.dtype)
             eff = cal.eff_gemm if op.op_class == "gemm" else cal.eff_attention
+            if op.dims:  # a matmul whose shape is known: the SMs its tiles leave idle
+                eff *= matmul_fill(op.dims, spec.sm_count)
         t_compute = op.flops / (peak * speed * sm_frac * eff)
         bw = spec.memory_bandwidth_gbs * 1e9 * cal.eff_memory * bw_fraction
         bw *= min(1.0, sm_frac / _MEM_SAT_SM_FRACTION) * min(1.0, speed / cal.mem_clock_knee)

@@ -212,7 +212,31 @@ def annotate_node(node: fx.Node) -> OpCost:
     written = sum(_nbytes(t) for t in _tensors(out))
     if cls in ("collective_issue", "collective_wait"):
         return OpCost(cls, 0.0, float(read), name, node.name)
-    return OpCost(cls, _flops(node), float(read + written), name, node.name)
+    dims = _matmul_dims(node) if cls == "gemm" else ()
+    return OpCost(cls, _flops(node), float(read + written), name, node.name, dims)
+
+
+_MATMUL_OPERANDS: dict[Any, tuple[int, int]] = {  # the (a, b) operands of a @ b
+    _aten.mm: (0, 1),
+    _aten.addmm: (1, 2),
+    _aten.bmm: (0, 1),
+    _aten.baddbmm: (1, 2),
+    _aten._scaled_mm: (0, 1),
+}
+
+
+def _matmul_dims(node: fx.Node) -> tuple[int, ...]:
+    """Return (batch, M, N, K) of a matmul node, or () for other GEMM-class ops."""
+    where = _MATMUL_OPERANDS.get(getattr(node.target, "overloadpacket", None))
+    if where is None or len(node.args) <= max(where):
+        return ()
+    a, b = (node.args[i] for i in where)
+    a, b = (x.meta.get("val") if isinstance(x, fx.Node) else None for x in (a, b))
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() < 2:
+        return ()
+    shape_a, shape_b = concrete(tuple(a.shape)), concrete(tuple(b.shape))
+    batch = shape_a[0] if len(shape_a) == 3 else 1
+    return (int(batch), int(shape_a[-2]), int(shape_b[-1]), int(shape_a[-1]))
 
 
 class AnnotateCosts(GraphPass):
