@@ -183,10 +183,10 @@ def _pts(points: list[dict[str, float]]) -> list[tuple[float, float]]:
 def analyse(row: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
     """Per-method figures of one configuration, and the sanity-check failures."""
     from kareus.planner.pareto import (
-        TIME_TOLERANCE,
         is_monotone,
         iso_energy_time_reduction,
         iso_time_energy_reduction,
+        no_slower,
     )
 
     fronts = {m: _pts(p) for m, p in row["frontiers"].items()}
@@ -203,8 +203,7 @@ def analyse(row: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
         if method != "kareus":
             for t, e in pts:
                 covered = any(
-                    kt <= t * (1 + TIME_TOLERANCE) and ke <= e * (1 + 1e-9)
-                    for kt, ke in fronts["kareus"]
+                    no_slower(kt, t) and ke <= e * (1 + 1e-9) for kt, ke in fronts["kareus"]
                 )
                 if not covered:
                     failures.append(f"{where}: {method} point ({t}, {e}) lies below kareus's")

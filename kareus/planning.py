@@ -499,7 +499,7 @@ def contribution_lines(plan: Plan, default_sm_share: int) -> list[str]:
     (overlap at its defaults, then clocks), kareus (overlap decisions and clocks together).
     Then the overlap decisions that differ from nanobatching's defaults.
     """
-    from kareus.planner.pareto import TIME_TOLERANCE
+    from kareus.planner.pareto import no_slower
 
     chosen = plan.chosen
     mega = plan.baselines["megatron"][0]
@@ -507,9 +507,7 @@ def contribution_lines(plan: Plan, default_sm_share: int) -> list[str]:
     fronts = {**plan.baselines, "kareus": plan.frontier}
 
     def least_at_ref(method: str) -> float | None:
-        ok = [
-            p.energy_j for p in fronts.get(method, ()) if p.time_s <= t_ref * (1 + TIME_TOLERANCE)
-        ]
+        ok = [p.energy_j for p in fronts.get(method, ()) if no_slower(p.time_s, t_ref)]
         return min(ok) if ok else None
 
     steps = [

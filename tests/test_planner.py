@@ -8,7 +8,7 @@ from kareus.errors import KareusError
 from kareus.hardware import Emulator, gpu
 from kareus.hardware.calibrate import attention_partition
 from kareus.partitions import PartitionSet
-from kareus.plan import Plan
+from kareus.plan import FrontierPoint, Plan
 from kareus.planner.compose import Composer, Option, chain, gpipe, makespan, one_f_one_b, pipeline
 from kareus.planner.knobs import (
     CountingEvaluator,
@@ -639,6 +639,15 @@ def test_selection_policies_and_infeasible_requests(small_plan):
         select(front, "deadline_s", deadline_s=0)
     with pytest.raises(ValueError, match="energy_budget_j must be positive, got -1"):
         select(front, "energy_budget_j", energy_budget_j=-1)
+
+
+def test_no_slower_than_a_time_is_to_the_models_resolution():
+    # A frontier whose fastest point is 0.5 us slower than the baseline (the front kept the
+    # cheaper of two plans as fast to the composer's microsecond) still meets iso-time.
+    front = [FrontierPoint(0.0024585, 10.0), FrontierPoint(0.003, 8.0)]
+    assert select(front, "iso_time", baseline_time_s=0.002458) is front[0]
+    with pytest.raises(InfeasiblePlanError, match="fastest achievable is 0.002459"):
+        select(front, "iso_time", baseline_time_s=0.002457)  # 1.5 us: slower
 
 
 def test_replay_reproduces_a_recorded_plan(tmp_path):

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kareus.errors import KareusError
+from kareus.planner.pareto import TIME_RESOLUTION_S, pareto_front
 
 if TYPE_CHECKING:
     from kareus.planner.relax import Relaxation
@@ -34,12 +35,6 @@ _log = logging.getLogger(__name__)
 WALL_CLOCK_GUARD_S = 600.0
 """A wall-clock stop for one solve, far beyond its deterministic limit: it only guards
 against a hung machine (a solve it stops reports it in its status)."""
-
-
-TIME_RESOLUTION_S = 1e-6
-"""The composer's unit of time (CP-SAT's, and the sweep's offset): plans whose iteration
-times differ by less are equally fast, so a frontier keeps the cheaper (the fastest point is
-the least energy within this of the least time)."""
 
 
 REFINE_GAP = 0.005
@@ -672,8 +667,6 @@ class Composer:
         much cheaper keeps its large gap: the report shows it rather than hiding the point
         (it may be the one an iso-time comparison needs).
         """
-        from kareus.planner.pareto import pareto_front
-
         known = list(candidates)
         front = pareto_front(known, key=_time_energy, time_resolution=TIME_RESOLUTION_S)
         loose = max(REFINE_GAP, self.gap_limit)

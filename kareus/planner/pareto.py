@@ -12,6 +12,16 @@ TIME_TOLERANCE = 1e-4
 """Relative slack of "no slower than": the composer rounds times to microseconds per
 instruction, so equal plans may differ by a few microseconds."""
 
+TIME_RESOLUTION_S = 1e-6
+"""The composer's unit of time (CP-SAT's, and the sweep's offset): plans whose iteration
+times differ by less are equally fast, so a frontier keeps the cheaper (its fastest point is
+the least energy within this of the least time) and "no slower than" allows it too."""
+
+
+def no_slower(time_s: float, limit_s: float) -> bool:
+    """Whether ``time_s`` is no slower than ``limit_s``, to the model's precision."""
+    return time_s <= limit_s * (1 + TIME_TOLERANCE) + TIME_RESOLUTION_S
+
 
 def pareto_front(
     items: Iterable[T], key: Callable[[T], tuple[float, float]], time_resolution: float = 0.0
@@ -72,11 +82,10 @@ def iso_time_energy_reduction(
     """Energy saved at the baseline's best time, as a fraction of the baseline's energy there.
 
     Least energy among ``frontier`` points no slower than the baseline's fastest point
-    (within :data:`TIME_TOLERANCE`),
-    against that fastest point's energy. None when no point is that fast.
+    (:func:`no_slower`), against that fastest point's energy. None when no point is that fast.
     """
     t0, e0 = min(baseline)
-    ok = [e for t, e in frontier if t <= t0 * (1 + TIME_TOLERANCE)]
+    ok = [e for t, e in frontier if no_slower(t, t0)]
     return (e0 - min(ok)) / e0 if ok else None
 
 

@@ -26,13 +26,13 @@ from kareus.partitions import Decision, PartitionSet
 from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
 from kareus.planner.compose import (
     SCHEDULES,
-    TIME_RESOLUTION_S,
     Composer,
     Option,
     Solution,
     schedule_iteration,
 )
 from kareus.planner.knobs import CountingEvaluator, KnobSpace, Setting, default_clocks, knobs_of
+from kareus.planner.pareto import TIME_RESOLUTION_S, pareto_front
 from kareus.planner.search import SearchResult, exhaustive, search
 from kareus.planner.select import select
 
@@ -383,8 +383,6 @@ def _with_unsplit(
     (none is faster than Perseus's fastest: no bound is needed below it). Unsplit points
     come first, so that of two equal points the one that does not split stays.
     """
-    from kareus.planner.pareto import pareto_front
-
     front = pareto_front(
         [*unsplit, *split],
         key=lambda s: (s.time_s, s.energy_j),

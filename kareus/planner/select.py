@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kareus.errors import KareusError
-from kareus.planner.pareto import TIME_TOLERANCE
+from kareus.planner.pareto import no_slower
 
 POLICIES = ("max_throughput", "iso_time", "energy_budget_j", "deadline_s", "min_energy")
 
@@ -31,7 +31,7 @@ def select(
     """Return the frontier point the policy asks for.
 
     Policies: ``max_throughput`` (fastest), ``iso_time`` (least energy no slower than the
-    baseline, within a relative :data:`~kareus.planner.pareto.TIME_TOLERANCE`),
+    baseline, to the model's precision: :func:`~kareus.planner.pareto.no_slower`),
     ``energy_budget_j`` (fastest within the budget), ``deadline_s`` (least energy within
     the deadline), ``min_energy``.
 
@@ -74,7 +74,7 @@ def select(
 def _least_energy_within(
     frontier: Sequence[_Point], limit_s: float, fastest: _Point, what: str
 ) -> _Point:
-    ok = [p for p in frontier if p.time_s <= limit_s * (1 + TIME_TOLERANCE)]
+    ok = [p for p in frontier if no_slower(p.time_s, limit_s)]
     if not ok:
         raise InfeasiblePlanError(
             f"no plan finishes an iteration within {what} ({limit_s:.6f} s); the fastest "
