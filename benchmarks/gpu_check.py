@@ -14,7 +14,8 @@ Seven steps, each reported even when another fails:
    for one nanobatch (4 x 4096 tokens), causal flash attention forward and backward, and
    memory-bound ops, timed with CUDA events at the clock as found, each against the hardware
    model at that clock (the ratio per op class is what recalibration needs).
-5. ``sizes``: GEMMs (square, and the 3B FC1 shape at four token counts), causal attention
+5. ``sizes``: GEMMs (square, the 3B FC1 shape at four token counts, and shapes whose tiles
+   leave SMs idle, beside the model's ``matmul_fill``), causal attention
    forward and backward at four sequence lengths, the masked prefix attention of
    ``kareus.models``' context parallelism, and copies of 1 MiB to 1 GiB: achieved
    throughput as a fraction of the peak at the clock as found, beside the model (what
@@ -57,6 +58,7 @@ import torch
 import kareus
 from kareus.costs import CollectiveCost, Knobs, OpCost, PartitionWork
 from kareus.hardware import Emulator, GPUSpec, gpu
+from kareus.hardware.emulator import matmul_fill
 from kareus.hardware.specs import spec_name_for_device
 
 
@@ -490,6 +492,17 @@ def _size_cases(ctx: Context) -> list[tuple[str, str, str, Callable[..., Any], l
         m //= scale
         a, b = t(m, 3072 // scale), t(3072 // scale, 4096 // scale)
         cases.append(("gemm", f"fc1 tokens {m}", "gemm", torch.mm, [a, b]))
+    # Tile and wave quantization (the model's matmul_fill): one column of 128 x 128 tiles
+    # filling the SMs exactly, then one tile more (a second, nearly empty wave), and the
+    # 3B layer's narrowest matmuls at TP 8 (key projection: n 128; its weight gradient).
+    sms = ctx.spec.sm_count
+    for rows, what in ((sms, "one wave"), (sms + 1, "one wave + 1 tile")):
+        a, b = t(128 * rows // scale, 4096 // scale), t(4096 // scale, 128 // scale)
+        cases.append(("wave", f"{what}: {128 * rows // scale} x 128", "gemm", torch.mm, [a, b]))
+    a, b = t(16384 // scale, 3072 // scale), t(3072 // scale, 128 // scale)
+    cases.append(("wave", "key projection 16384 x 128", "gemm", torch.mm, [a, b]))
+    a, b = t(128 // scale, 16384 // scale), t(16384 // scale, 3072 // scale)
+    cases.append(("wave", "its weight gradient 128 x 3072", "gemm", torch.mm, [a, b]))
     hd = 128 // min(scale, 4)
     for seq in (1024, 2048, 4096, 8192):  # 32768 tokens, 6 heads (3B at TP 4)
         seq //= scale
@@ -538,11 +551,13 @@ def step_sizes(ctx: Context) -> StepResult:
             achieved = flops / measured / 1e12
             peak = ctx.spec.peak_flops("bf16") / 1e12 * speed
             unit = "TFLOP/s"
+        fills = [matmul_fill(c.dims, ctx.spec.sm_count) for c in costs if c.dims]
         rows.append(
             {
                 "family": family,
                 "op": name,
                 "class": cls,
+                "modelled_fill": round(min(fills), 3) if fills else "",
                 "gflop": round(flops / 1e9, 3),
                 "mbytes": round(nbytes / 1e6, 3),
                 "clock_mhz": ctx.clock_mhz,

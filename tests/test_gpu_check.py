@@ -39,7 +39,10 @@ def test_dry_run_runs_every_step_and_writes_summary_and_data(tmp_path):
     assert all(float(r["measured_s"]) > 0 and float(r["modelled_s"]) > 0 for r in ops)
     sizes = list(csv.DictReader((data / "sizes.csv").open()))
     assert {r["class"] for r in sizes} == {"gemm", "attention", "memory"}
-    assert len({r["op"] for r in sizes}) == len(sizes) == 22  # every size its own row
+    assert len({r["op"] for r in sizes}) == len(sizes) == 26  # every size its own row
+    # each matmul row carries the model's share of SMs its tiles fill, the others none
+    assert all((r["modelled_fill"] != "") == (r["class"] == "gemm") for r in sizes)
+    assert {r["family"] for r in sizes if r["op"].startswith("one wave")} == {"wave"}
     assert all(float(r["fraction_of_peak"]) > 0 and float(r["modelled_s"]) > 0 for r in sizes)
     assert "README" not in summary and (data / "README.md").is_file()
 
