@@ -144,6 +144,30 @@ def priced(
     return times, energies
 
 
+def _growth(fastest: dict[tuple[tuple, str], tuple[float, float]]) -> list[str]:
+    """How each method's fastest plan grows with the micro-batch, in kareus and the reference.
+
+    For two configurations that differ only in micro-batch size, the reference's times are
+    fitted as ``a * kareus's + c``: ``c`` is time the reference spends that does not grow with
+    the micro-batch (per iteration), ``a`` how much more it spends per unit of modelled work.
+    """
+    out = []
+    for (key, method), (k1, r1) in sorted(fastest.items()):
+        tp, cp, pp, mbs, seq, micro = key
+        bigger = fastest.get(((tp, cp, pp, 2 * mbs, seq, micro), method))
+        if bigger is None:
+            continue
+        k2, r2 = bigger
+        a = (r2 - r1) / (k2 - k1)
+        c = r1 - a * k1
+        out.append(
+            f"{method} TP{tp} CP{cp} seq{seq}, micro-batch {mbs} -> {2 * mbs}, fastest plan: "
+            f"reference {r1:.3f} -> {r2:.3f} s ({r2 / r1:.2f}x), kareus {k1:.3f} -> {k2:.3f} s "
+            f"({k2 / k1:.2f}x); reference = {a:.3f} x kareus + {c:.3f} s"
+        )
+    return out
+
+
 def fit_voltage_curve(
     recompute: str, knees: tuple[float, ...], floors: tuple[float, ...], leaks: tuple[float, ...]
 ) -> None:
@@ -219,6 +243,7 @@ def main() -> None:
     rest_rhos: list[float] = []
     table = []
     rhos = []
+    fastest: dict[tuple[tuple, str], tuple[float, float]] = {}
     for key, by_method in list(reference().items())[: args.configs]:
         tp, cp, _pp, mbs, seq, _micro = key
         start = time.perf_counter()
@@ -228,6 +253,7 @@ def main() -> None:
             if not plans:
                 continue
             t_pairs, e_pairs = priced(key, plans, method, args.recompute)
+            fastest[(key, ref_method)] = min(t_pairs, key=lambda p: p[1])
             all_t += t_pairs
             all_e += e_pairs
             config_e += e_pairs
@@ -301,6 +327,8 @@ def main() -> None:
         f"median {em:.1f} %, max {ex:.1f} %; Spearman min {min(rest_rhos):.2f}, median "
         f"{statistics.median(rest_rhos):.2f}"
     )
+    for line in _growth(fastest):
+        print(line)
     rows = load_rows(DEFAULT_DATA)
     pred = predict(gpu("a100-sxm4-40gb"), rows, harness=shipped_harness())
     pt = [(p[0], r.time_s) for r, p in zip(rows, pred, strict=True)]
