@@ -1,4 +1,5 @@
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -122,6 +123,33 @@ def test_the_fastest_point_is_not_a_hair_faster_at_much_more_energy():
     assert fastest.bound_j == pytest.approx(fastest.energy_j, rel=1e-5)  # and proven there
     assert is_monotone([(p.time_s, p.energy_j) for p in front])
     assert comp.solve(minimise="time").choices == fastest.choices  # what "least time" means
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_fastest_point_is_the_least_energy_within_a_microsecond_of_the_least_time(seed):
+    # Random small instances where profiles differ by fractions of a microsecond: the
+    # frontier's fastest point is what enumeration finds within the resolution.
+    import random
+
+    rng = random.Random(seed)
+    it = one_f_one_b(2, 2)
+    opts = {}
+    for g in sorted({i.group for i in it.instructions}):
+        base = rng.uniform(0.004, 0.006)
+        opts[g] = [
+            Option(f, p, base * 1410 / f + rng.choice((0.0, 1e-7, 3e-7)), rng.uniform(2.0, 4.0))
+            for f in (1410, 1200)
+            for p in ("a", "b")
+        ]
+    comp = Composer(it, opts, static_power_w=10.0, gpus=2)
+    least = comp.fastest_choice().time_s
+    front = comp.frontier(4)
+    best_e, _t = comp.brute_force(least + 1e-6)
+    # no hungrier than the best plan within the resolution; kept for a point at most one
+    # resolution slower than the least-time solve's plan
+    assert front[0].energy_j <= best_e * (1 + 1e-9)
+    assert front[0].time_s <= least + 2e-6
+    assert all(b.time_s - a.time_s > 1e-6 for a, b in itertools.pairwise(front))
 
 
 def test_pareto_front_counts_times_within_the_resolution_as_equal():

@@ -15,7 +15,8 @@ instruction, so equal plans may differ by a few microseconds."""
 TIME_RESOLUTION_S = 1e-6
 """The composer's unit of time (CP-SAT's, and the sweep's offset): plans whose iteration
 times differ by less are equally fast, so a frontier keeps the cheaper (its fastest point is
-the least energy within this of the least time) and "no slower than" allows it too."""
+the least-time solve's plan, the least energy within this of the least time, or a cheaper
+one at most this much slower) and "no slower than" allows it too."""
 
 
 def no_slower(time_s: float, limit_s: float) -> bool:
@@ -29,21 +30,25 @@ def pareto_front(
     """Return the items no other item beats in both time and energy, fastest first.
 
     Of items with equal (time, energy) the first is kept. Times less than
-    ``time_resolution`` apart count as equal: an item is also dropped when one at most that
-    much slower uses less energy (a plan a fraction of a microsecond faster at a few percent
-    more energy is not a trade-off the model can tell from rounding).
+    ``time_resolution`` apart count as equal: from the slowest point of the front on, a point
+    at most that much faster than the last point kept is dropped for it (which uses less
+    energy): a plan a fraction of a microsecond faster at a few percent more energy is not a
+    trade-off the model can tell from rounding. Points kept are more than the resolution
+    apart, and the fastest is within it of the fastest item.
     """
     ordered = sorted(items, key=key)
     front: list[T] = []
     best_energy = float("inf")
     for item in ordered:
-        t, e = key(item)
+        _t, e = key(item)
         if e < best_energy:
-            while front and t - key(front[-1])[0] <= time_resolution:
-                front.pop()  # as fast, to the resolution, and hungrier
             front.append(item)
             best_energy = e
-    return front
+    kept: list[T] = []
+    for item in reversed(front):  # slowest first; each kept point is cheaper than the faster
+        if not kept or key(kept[-1])[0] - key(item)[0] > time_resolution:
+            kept.append(item)
+    return kept[::-1]
 
 
 def hypervolume(points: Sequence[tuple[float, float]], reference: tuple[float, float]) -> float:
