@@ -249,10 +249,14 @@ def plan_workload(
     """
     spec = gpu(gpu_name)
     start = time.perf_counter()
-    stages, notes, cached = traced_stages(
-        work, layers=layers, partitions=partitions, cache=cache, progress=progress
-    )
-    originals = _originals(work, layers, partitions, cache, evaluator, progress)
+    if partitions is not None:  # both graphs' sets from one read of the file
+        stages, originals = _load(work, partitions)
+        notes: list[str] = []
+        cached = None
+        _log.info("read %d pipeline stages' partitions from %s", len(stages), partitions)
+    else:
+        stages, notes, cached = traced_stages(work, layers=layers, cache=cache, progress=progress)
+        originals = _originals(work, layers, cache, evaluator, progress)
     if originals is None:
         notes = [*notes, UNTRACED_ORIGINALS]
     traced = time.perf_counter()
@@ -325,19 +329,16 @@ UNTRACED_ORIGINALS = (
 def _originals(
     work: Workload,
     layers: int,
-    partitions: str | pathlib.Path | None,
     cache: bool,
     evaluator: Evaluator | None,
     progress: Callable[[str], None] | None,
 ) -> list[PartitionSet] | None:
-    """Return the original graphs' sets: from ``partitions``, else traced (None: neither).
+    """Return the original graphs' sets, traced (None for a replay).
 
     A replay is not traced for: it answers only the evaluations it recorded.
     """
     from kareus.planner import ReplayEvaluator
 
-    if partitions is not None:
-        return load_originals(work, partitions)
     if isinstance(evaluator, ReplayEvaluator):
         return None
     return traced_stages(work, layers=layers, cache=cache, progress=progress, nanobatches=1)[0]

@@ -71,13 +71,18 @@ def _step(model, run, ids, labels):
     return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
-def _sharded_vs_full(rank, mode):
-    """Loss and gradients of the TP or CP model (eager and kareus) against the unsharded."""
+def _unsharded(seq):
+    """The unsharded model, a batch of 4 sequences of ``seq`` tokens, its loss and grads."""
     torch.manual_seed(0)
     full = Llama(CFG)
-    ids = torch.randint(0, CFG.vocab_size, (4, 8))
-    labels = torch.randint(0, CFG.vocab_size, (4, 8))
-    ref_loss, ref_grads = _step(full, full, ids, labels)
+    ids = torch.randint(0, CFG.vocab_size, (4, seq))
+    labels = torch.randint(0, CFG.vocab_size, (4, seq))
+    return full, ids, labels, *_step(full, full, ids, labels)
+
+
+def _sharded_vs_full(rank, mode):
+    """Loss and gradients of the TP or CP model (eager and kareus) against the unsharded."""
+    full, ids, labels, ref_loss, ref_grads = _unsharded(8)
     out = {}
     attention_flops: dict[str, float] = {}
     hows = ("eager", "kareus", "planned") if mode == "tp" else ("eager", "kareus")
@@ -168,11 +173,7 @@ def test_tensor_and_context_parallel_match_the_unsharded_model(mode):
 
 def _context_parallel_4(rank):
     """Loss and gradients of the model over 4 context-parallel ranks, eager and kareus."""
-    torch.manual_seed(0)
-    full = Llama(CFG)
-    ids = torch.randint(0, CFG.vocab_size, (4, 16))
-    labels = torch.randint(0, CFG.vocab_size, (4, 16))
-    ref_loss, ref_grads = _step(full, full, ids, labels)
+    full, ids, labels, ref_loss, ref_grads = _unsharded(16)
     out = {}
     for how in ("eager", "kareus"):
         model = Llama(CFG, cp_group=dist.group.WORLD)
