@@ -346,27 +346,31 @@ def test_uneven_stages_and_full_recompute_are_planned_and_recorded(tmp_path, cap
 def test_a_layer_left_whole_fuses_its_residual_add_with_the_next_layers_norm():
     """Memory-bound kernels do not stop at a layer boundary: in the original graphs the
     residual add ending one layer and the norm starting the next are one fused kernel, as
-    in the split graphs, so the layers' forward moves no more bytes left whole than split
-    (the split adds its own chunk and concatenation traffic). Each layer but the last hands
-    its residual add to the next one's first kernel."""
+    in the split graphs, so the layers move no more bytes left whole than split (the split
+    adds its own chunk and concatenation traffic). A run is costed where it starts: each
+    layer hands its first norm to what runs before it and takes the next one's, so every
+    layer costs the same. In the backward, the residual gradient's accumulation (a chain of
+    adds that block detection gives to one block) stays in each layer's norm backward: no
+    block gathers every layer's adds into one kernel across the others' matmuls."""
     work = Workload(model="tiny-4l", tp=2, microbatch_size=4, seq_len=64, microbatches=1)
     [split], _ = trace(work)
     [whole], _ = trace(work, nanobatches=1)
 
-    def traffic(pset):
-        ops = list(pset.outside("forward"))
-        ops += [
-            o for p in pset.partitions if p.instruction == "forward" for s in p.slots for o in s.ops
-        ]
+    def traffic(pset, kind):
+        ops = list(pset.outside(kind))
+        ops += [o for p in pset.partitions if p.instruction == kind for s in p.slots for o in s.ops]
         return sum(o.bytes for o in ops if o.op_class == "memory")
 
-    assert traffic(whole) <= traffic(split)
-    blocks = whole.block_other["forward"]
-    kernels = [sum(o.op_class == "memory" for o in blocks[f"layers.{i}"]) for i in range(4)]
-    # the last layer's residual add stays its own kernel (the head follows it)
-    assert kernels == [kernels[0]] * 3 + [kernels[0] + 1]
-    first = [blocks[f"layers.{i}"][0].bytes for i in range(4)]  # the norm, the add with it
-    assert first[0] < first[1] == first[2] == first[3]
+    def memory(ops):
+        return [o.bytes for o in ops if o.op_class == "memory"]
+
+    for kind in ("forward", "backward"):
+        assert traffic(whole, kind) <= traffic(split, kind)
+    forward = [memory(whole.block_other["forward"][f"layers.{i}"]) for i in range(4)]
+    assert forward == [forward[0]] * 4
+    backward = [memory(whole.block_other["backward"][f"layers.{i}"]) for i in range(4)]
+    # (the first layer's last kernel also takes the embedding's gradient)
+    assert backward[1] == backward[2] == backward[3] and len(backward[0]) == len(backward[1])
 
 
 @pytest.mark.parametrize("nanobatches", [2, 1])

@@ -148,3 +148,33 @@ def test_run_passes_directly_on_a_traced_graph():
     # symbolic_trace records torch.relu, not aten.relu: nothing to rewrite, honestly reported.
     assert records[0].modified is False and out is gm
     assert ctx.passes_run == ["relu_to_gelu"]
+
+
+def test_memory_ops_outside_partitions_fuse_only_where_adjacent_in_the_graph():
+    """Work outside partitions is a list in graph order but not contiguous: two memory ops
+    of one block's list with another block's matmul (or a collective's wait) between them in
+    the graph are two kernels, not one fused kernel across the matmul."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from kareus.passes.annotate_costs import META_KEY, annotate_node
+    from kareus.passes.cut_partitions import gaps, partition_costs
+
+    def fn(x, w):
+        a = x * 2.0  # this block
+        b = a + 1.0  # this block, adjacent: one kernel with a
+        m = b @ w  # another block's matmul
+        c = x - 3.0  # this block again, after the matmul
+        return m, c
+
+    x, w = torch.randn(64, 64), torch.randn(64, 64)
+    gm = make_fx(fn, tracing_mode="fake")(x, w)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    for n in calls:
+        n.meta[META_KEY] = annotate_node(n)
+    mine = [n for n in calls if n.meta[META_KEY].op_class == "memory"]
+    assert len(mine) == 3
+    assert gaps(gm.graph, mine) == {mine[2].name}
+    fused = partition_costs(mine, fuse=True, breaks=gaps(gm.graph, mine))
+    assert [o.op_class for o in fused] == ["memory", "memory"]
+    assert fused[0].name.startswith("fused[") and fused[1].name == mine[2].name
+    assert len(partition_costs(mine, fuse=True)) == 1  # what a list without breaks would say

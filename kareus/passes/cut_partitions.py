@@ -18,7 +18,6 @@ findings; the graph does not change.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Any
 
 import torch
@@ -109,7 +108,9 @@ def _segments(
     return segs, current
 
 
-def _slots(nodes: list[fx.Node], fuse: bool = False) -> tuple[Slot, ...]:
+def _slots(
+    nodes: list[fx.Node], fuse: bool = False, breaks: frozenset[str] = frozenset()
+) -> tuple[Slot, ...]:
     slots: list[tuple[str, list[fx.Node]]] = []
     pending_views: list[str] = []
     for node in nodes:
@@ -119,20 +120,52 @@ def _slots(nodes: list[fx.Node], fuse: bool = False) -> tuple[Slot, ...]:
             continue
         first = pending_views[0] if pending_views else node.name
         pending_views = []
-        if cost.op_class == "memory" and slots and cost_of(slots[-1][1][-1]).op_class == "memory":
+        if (
+            cost.op_class == "memory"
+            and node.name not in breaks
+            and slots
+            and cost_of(slots[-1][1][-1]).op_class == "memory"
+        ):
             slots[-1][1].append(node)
         else:
             slots.append((first, [node]))
     return tuple(Slot(first, _costs(run, fuse)) for first, run in slots)
 
 
-def partition_costs(nodes: list[fx.Node], fuse: bool) -> tuple[OpCost, ...]:
+def partition_costs(
+    nodes: list[fx.Node], fuse: bool, breaks: frozenset[str] = frozenset()
+) -> tuple[OpCost, ...]:
     """Return the costs of a run of compute nodes, slot by slot (``fuse``: see ``Config``).
 
     Partition types, the work outside partitions and extracted programs are all costed
-    through this one function.
+    through this one function. A memory op named in ``breaks`` starts a kernel of its own
+    (:func:`gaps`).
     """
-    return tuple(c for slot in _slots(nodes, fuse) for c in slot.ops)
+    return tuple(c for slot in _slots(nodes, fuse, breaks) for c in slot.ops)
+
+
+def gaps(graph: fx.Graph, nodes: list[fx.Node]) -> frozenset[str]:
+    """Return the memory ops of ``nodes`` that cannot share a kernel with the one before.
+
+    ``nodes`` is work outside partitions (a block's weight gradients and residual tail, a
+    block left whole, the embedding and head): in graph order, but not contiguous — other
+    blocks' compute, collectives and their waits can run between two of its memory ops.
+    One fused kernel cannot span those (the later op may read what they produce), so two
+    memory ops share one only where nothing but views lies between them in ``graph``.
+    Partition compute needs none: a segment is contiguous, and codegen runs it so.
+    """
+    steps = [n for n in graph.nodes if n.op == "call_function" and cost_of(n).op_class != "view"]
+    index = {n: i for i, n in enumerate(steps)}
+    out: set[str] = set()
+    before: fx.Node | None = None
+    for node in nodes:
+        if node not in index:  # a view
+            continue
+        adjacent = before is not None and index[node] == index[before] + 1
+        if _memory(node) and before is not None and _memory(before) and not adjacent:
+            out.add(node.name)
+        before = node
+    return frozenset(out)
 
 
 def _costs(run: list[fx.Node], fuse: bool) -> tuple[OpCost, ...]:
@@ -226,37 +259,54 @@ def cut_graph(
         _interleave(graph, kind, chain, pset, fuse)
     rest, per_block, exposed, alone = outside_nodes(graph, kind, pset, spans, fuse)
     pset.block_other[kind] = {
-        block: partition_costs(nodes, fuse) for block, nodes in per_block.items()
+        block: partition_costs(nodes, fuse, gaps(graph, nodes))
+        for block, nodes in per_block.items()
     }
-    pset.other[kind] = partition_costs(rest, fuse)
+    pset.other[kind] = partition_costs(rest, fuse, gaps(graph, rest))
     pset.exposed[kind] = tuple(collective_cost(n) for n in exposed)
     pset.block_exposed[kind] = {
         block: tuple(collective_cost(n) for n in issues) for block, issues in alone.items()
     }
 
 
-def _join_tails(graph: fx.Graph, per_block: dict[str, list[fx.Node]]) -> None:
-    """Move a block's trailing memory ops to the next block where one kernel runs both.
+def _join_runs(graph: fx.Graph, rest: list[fx.Node], per_block: dict[str, list[fx.Node]]) -> None:
+    """Give each run of adjacent memory ops outside partitions to one owner, in place.
 
-    A fused kernel does not stop at a layer boundary: the residual add that ends one layer
-    and the norm that starts the next are adjacent memory ops, as the split graphs' residual
-    tail joins the next block's first segment. Without this, a block left whole paid one
-    more write and read of the residual stream per layer than the same layers split.
-    Adjacent: no other compute or collective between them in the graph (views aside).
+    A fused kernel does not stop where block ownership changes: the residual add that ends
+    one layer and the norm that starts the next are adjacent memory ops, and in a backward
+    graph the residual gradient's accumulation (owned by the block whose span holds the
+    chain) sits inside each layer's norm backward. Such a run — memory ops with nothing but
+    views between them in ``graph`` — is one kernel, costed where its first op belongs (the
+    block, or ``rest``); without this a block left whole paid one more write and read of the
+    residual stream per layer than the same layers split. Lists stay in graph order.
     """
+    position = {n: i for i, n in enumerate(graph.nodes)}
     steps = [n for n in graph.nodes if n.op == "call_function" and cost_of(n).op_class != "view"]
     index = {n: i for i, n in enumerate(steps)}
-    runs = {b: [n for n in nodes if n in index] for b, nodes in per_block.items()}
-    ordered = sorted((b for b in runs if runs[b]), key=lambda b: index[runs[b][0]])
-    for a, b in itertools.pairwise(ordered):
-        tail = list(itertools.takewhile(_memory, reversed(runs[a])))[::-1]
-        head = runs[b][0]
-        if not tail or not _memory(head) or index[head] != index[tail[-1]] + 1:
-            continue
-        cut = per_block[a].index(tail[0])
-        per_block[b][:0] = per_block[a][cut:]
-        del per_block[a][cut:]
-        runs[b][:0] = tail
+    owner: dict[fx.Node, str | None] = {n: None for n in rest}
+    owner.update({n: block for block, nodes in per_block.items() for n in nodes})
+    memory = sorted((n for n in owner if n in index and _memory(n)), key=index.__getitem__)
+    runs: list[list[fx.Node]] = []
+    for node in memory:
+        if runs and index[node] == index[runs[-1][-1]] + 1:
+            runs[-1].append(node)
+        else:
+            runs.append([node])
+    moved = False
+    for run in runs:
+        for node in run[1:]:
+            if owner[node] != owner[run[0]]:
+                owner[node] = owner[run[0]]
+                moved = True
+    if not moved:
+        return
+    lists: dict[str | None, list[fx.Node]] = {None: []}
+    lists.update({block: [] for block in per_block})
+    for node in sorted(owner, key=position.__getitem__):
+        lists[owner[node]].append(node)
+    rest[:] = lists[None]
+    for block in per_block:
+        per_block[block][:] = lists[block]
 
 
 def _memory(node: fx.Node) -> bool:
@@ -270,7 +320,7 @@ def outside_nodes(
 
     Partition cutting and extraction both take the work outside partitions from here, so
     that what is costed and what is extracted are the same runs (``fuse``: a block's
-    trailing memory ops join the next block's, :func:`_join_tails`).
+    runs of adjacent memory ops are costed where they start, :func:`_join_runs`).
 
     Returns:
         The compute outside blocks (embedding, head, loss); per block, its compute outside
@@ -304,7 +354,7 @@ def outside_nodes(
             else:
                 rest.append(n)
     if fuse:
-        _join_tails(graph, per_block)
+        _join_runs(graph, rest, per_block)
     return rest, per_block, exposed, alone
 
 

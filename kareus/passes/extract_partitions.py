@@ -31,7 +31,7 @@ from kareus.costs import PartitionWork
 from kareus.partitions import Decision, Partition, PartitionSet
 from kareus.passes.annotate_costs import concrete, cost_of
 from kareus.passes.base import GraphPass, PassContext, PassResult
-from kareus.passes.cut_partitions import collective_cost, outside_nodes, partition_costs
+from kareus.passes.cut_partitions import collective_cost, gaps, outside_nodes, partition_costs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,10 +154,13 @@ class ExtractPartitions(GraphPass):
         spans = blockset.spans.get(kind, {}) if blockset is not None else {}
         rest, per_block, exposed, _alone = outside_nodes(gm.graph, kind, pset, spans, fuse)
         if rest:
-            program = extract(gm, [n.name for n in rest], f"{kind}/outside", fuse=fuse)
+            names = [n.name for n in rest]
+            program = extract(gm, names, f"{kind}/outside", fuse=fuse, breaks=gaps(gm.graph, rest))
             wanted[program.key] = program, PartitionWork(pset.other[kind])
         for block, nodes in per_block.items():
-            program = extract(gm, [n.name for n in nodes], f"{kind}/block/{block}", fuse=fuse)
+            names = [n.name for n in nodes]
+            key = f"{kind}/block/{block}"
+            program = extract(gm, names, key, fuse=fuse, breaks=gaps(gm.graph, nodes))
             wanted[program.key] = program, PartitionWork(pset.block_other[kind][block])
         for issue in exposed:
             names = [issue.name, *(u.name for u in issue.users)]
@@ -191,6 +194,7 @@ def extract(
     *,
     fuse: bool,
     partition: Partition | None = None,
+    breaks: frozenset[str] = frozenset(),
 ) -> PartitionProgram:
     """Copy nodes of ``gm`` into a program of their own (see the module docstring).
 
@@ -200,6 +204,8 @@ def extract(
         key: what the program stands for.
         fuse: cost runs of memory-bound ops as fused kernels (``Config.fuse_memory_ops``).
         partition: the partition the nodes are, if they are one.
+        breaks: memory ops that start a kernel of their own (work outside partitions:
+            :func:`~kareus.passes.cut_partitions.gaps` of the source graph).
 
     Raises:
         ValueError: an input of the nodes is not a tensor or a size.
@@ -238,7 +244,7 @@ def extract(
     compute = [n for n in copied if cost_of(n).op_class not in _COLLECTIVE]
     issues = [n for n in copied if cost_of(n).op_class == "collective_issue"]
     coll = collective_cost(issues[0]) if issues else None
-    work = PartitionWork(partition_costs(compute, fuse), coll)
+    work = PartitionWork(partition_costs(compute, fuse, breaks), coll)
     group = None
     if issues:
         from kareus.runtime.comm_pool import _group_arg
