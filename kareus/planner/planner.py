@@ -25,6 +25,7 @@ from kareus.hardware import Emulator, GPUSpec
 from kareus.partitions import Decision, PartitionSet
 from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
 from kareus.planner.compose import (
+    REFINE_GAP,
     SCHEDULES,
     Composer,
     Option,
@@ -373,6 +374,11 @@ def _nanobatches(s: Solution) -> int:
     return 1 if s.choices and s.choices[0].profile == ORIGINAL else 2
 
 
+UNSPLIT_REFINE_ROUNDS = 4
+"""Rounds of solving interleaved split and unsplit points at their own times (a solve's
+plan can itself land between the other composer's bounds)."""
+
+
 def _with_unsplit(
     split: Sequence[Solution], unsplit: Sequence[Solution], mine: Composer, theirs: Composer
 ) -> list[Solution]:
@@ -381,20 +387,63 @@ def _with_unsplit(
     A split point's bound holds for split plans only; the least energy of any plan within
     its time is the lower of that and what the Perseus solves proved for unsplit plans
     (none is faster than Perseus's fastest: no bound is needed below it). Unsplit points
-    come first, so that of two equal points the one that does not split stays.
+    come first, so that of two equal points the one that does not split stays. Where the
+    two frontiers interleave, a point's time falls between the other composer's swept
+    bounds, whose proof there is loose: a point left outside the refine gap is solved at
+    its own time by each composer whose bound is loose there (once), and what those solves
+    find joins the front (up to :data:`UNSPLIT_REFINE_ROUNDS` times).
     """
-    front = pareto_front(
-        [*unsplit, *split],
-        key=lambda s: (s.time_s, s.energy_j),
-        time_resolution=TIME_RESOLUTION_S,
-    )
-    fastest_unsplit = min((s.time_s for s in unsplit), default=float("inf"))
-    out = []
-    for p in front:
+    known_split, known_unsplit = list(split), list(unsplit)
+    # (no plan of a family is faster than its least time: no bound is needed below it)
+    fastest_split = mine.fastest_choice().time_s
+    fastest_unsplit = theirs.fastest_choice().time_s if unsplit else float("inf")
+
+    def bounds(p: Solution) -> tuple[float | None, float | None]:
         ours = Composer.lower_bounds([p], mine.solves)[0]
         other = Composer.lower_bounds([p], theirs.solves)[0]
-        if p.time_s < fastest_unsplit:
-            other = float("inf")
+        return (
+            float("inf") if p.time_s < fastest_split else ours,
+            float("inf") if p.time_s < fastest_unsplit else other,
+        )
+
+    def best_within(bound: float, known: Sequence[Solution]) -> Solution | None:
+        fits = [s for s in known if s.time_s <= bound + 1e-9]
+        return min(fits, key=lambda s: (s.energy_j, s.time_s), default=None)
+
+    def front() -> list[Solution]:
+        return pareto_front(
+            [*known_unsplit, *known_split],
+            key=lambda s: (s.time_s, s.energy_j),
+            time_resolution=TIME_RESOLUTION_S,
+        )
+
+    def solved_at(comp: Composer, at: float) -> bool:
+        return any(s.within_s is not None and abs(s.within_s - at) < 1e-9 for s in comp.solves)
+
+    for _round in range(UNSPLIT_REFINE_ROUNDS):
+        solved = False
+        for p in front():
+            ours, other = bounds(p)
+            if ours is None or other is None:
+                continue
+            loose = max(REFINE_GAP, mine.gap_limit) * p.energy_j
+            if p.energy_j - min(ours, other) <= loose:
+                continue
+            at = p.time_s + 1e-6
+            split_loose = p.energy_j - ours > loose and p.time_s >= fastest_split
+            if split_loose and not solved_at(mine, at):
+                known_split.append(mine.solve(bound_s=at, hint=best_within(at, known_split)))
+                solved = True
+            unsplit_loose = p.energy_j - other > loose and p.time_s >= fastest_unsplit
+            if unsplit_loose and not solved_at(theirs, at):
+                hint = best_within(at, known_unsplit)
+                known_unsplit.append(theirs.solve(bound_s=at, hint=hint))
+                solved = True
+        if not solved:
+            break
+    out = []
+    for p in front():
+        ours, other = bounds(p)
         bound = None if ours is None or other is None else min(ours, other)
         out.append(dataclasses.replace(p, within_s=p.time_s, bound_j=bound))
     return out
