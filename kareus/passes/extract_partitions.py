@@ -159,8 +159,8 @@ class ExtractPartitions(GraphPass):
             wanted[program.key] = program, PartitionWork(pset.other[kind])
         for block, nodes in per_block.items():
             names = [n.name for n in nodes]
-            key = f"{kind}/block/{block}"
-            program = extract(gm, names, key, fuse=fuse, breaks=gaps(gm.graph, nodes))
+            where = f"{kind}/block/{block}"
+            program = extract(gm, names, where, fuse=fuse, breaks=gaps(gm.graph, nodes))
             wanted[program.key] = program, PartitionWork(pset.block_other[kind][block])
         for issue in exposed:
             names = [issue.name, *(u.name for u in issue.users)]

@@ -390,8 +390,9 @@ def _with_unsplit(
     come first, so that of two equal points the one that does not split stays. Where the
     two frontiers interleave, a point's time falls between the other composer's swept
     bounds, whose proof there is loose: a point left outside the refine gap is solved at
-    its own time by each composer whose bound is loose there (once), and what those solves
-    find joins the front (up to :data:`UNSPLIT_REFINE_ROUNDS` times).
+    its own time by each composer whose bound is loose there (once per composer and time),
+    and what those solves find joins the front, for up to :data:`UNSPLIT_REFINE_ROUNDS`
+    rounds (a solve's plan can itself land between the other composer's bounds).
     """
     known_split, known_unsplit = list(split), list(unsplit)
     # (no plan of a family is faster than its least time: no bound is needed below it)
