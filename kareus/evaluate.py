@@ -357,7 +357,7 @@ def evaluate_clock_plans(
     Raises:
         ClockPlanError: a bad clocks file. KareusError: an unknown method or GPU.
     """
-    from kareus.planning import load_originals, traced_stages, with_recompute
+    from kareus.planning import load_partitions, traced_stages, with_recompute
 
     if method not in PROFILES:
         raise KareusError(f"unknown method {method!r}: evaluate prices {sorted(PROFILES)}")
@@ -380,17 +380,13 @@ def evaluate_clock_plans(
                 f"plan {plan.plan_id}: clock {outside[0]:g} MHz is outside the GPU's range "
                 f"({min(clocks)}-{max(clocks)} MHz)"
             )
-    stages = None
-    if partitions is not None and NANOBATCHES[method] == 1:
-        stages = load_originals(work, partitions)
-    if stages is None:
+    if partitions is not None:
+        split, originals = load_partitions(work, partitions)
+        # (a file without the original graphs is priced as it is, whatever the method)
+        stages = originals if NANOBATCHES[method] == 1 and originals is not None else split
+    else:
         stages, _, _ = traced_stages(
-            work,
-            layers=layers,
-            partitions=partitions,
-            cache=cache,
-            progress=progress,
-            nanobatches=NANOBATCHES[method],
+            work, layers=layers, cache=cache, progress=progress, nanobatches=NANOBATCHES[method]
         )
     stages = with_recompute(stages, work.recompute)
     settings = PlannerSettings()

@@ -138,7 +138,7 @@ def load_stages(work: Workload, path: str | pathlib.Path) -> list[PartitionSet]:
     Raises:
         PartitionsFileError: the file cannot be read or was traced for another workload.
     """
-    return _load(work, path)[0]
+    return load_partitions(work, path)[0]
 
 
 def load_originals(work: Workload, path: str | pathlib.Path) -> list[PartitionSet] | None:
@@ -147,12 +147,19 @@ def load_originals(work: Workload, path: str | pathlib.Path) -> list[PartitionSe
     Raises:
         PartitionsFileError: as :func:`load_stages`.
     """
-    return _load(work, path)[1]
+    return load_partitions(work, path)[1]
 
 
-def _load(
+def load_partitions(
     work: Workload, path: str | pathlib.Path
 ) -> tuple[list[PartitionSet], list[PartitionSet] | None]:
+    """Read a :func:`save_stages` file once: the split graphs' sets, and the original's.
+
+    The original graphs' sets are None where the file has none.
+
+    Raises:
+        PartitionsFileError: as :func:`load_stages`.
+    """
     from kareus.schema import FileFormatError, parse, read_text
 
     try:
@@ -250,7 +257,7 @@ def plan_workload(
     spec = gpu(gpu_name)
     start = time.perf_counter()
     if partitions is not None:  # both graphs' sets from one read of the file
-        stages, originals = _load(work, partitions)
+        stages, originals = load_partitions(work, partitions)
         notes: list[str] = []
         cached = None
         _log.info("read %d pipeline stages' partitions from %s", len(stages), partitions)
@@ -348,23 +355,17 @@ def traced_stages(
     work: Workload,
     *,
     layers: int = 4,
-    partitions: str | pathlib.Path | None = None,
     cache: bool = True,
     progress: Callable[[str], None] | None = None,
     nanobatches: int = 2,
 ) -> tuple[list[PartitionSet], list[str], pathlib.Path | None]:
     """Return each pipeline stage's partition set, the passes' notes and the cache entry read.
 
-    From ``partitions`` (an earlier run's ``partitions.json``) if given, else from the trace
-    cache, else by tracing (and writing the cache). The sets are as traced: activation
-    recompute is not applied (:func:`with_recompute`). ``nanobatches``: 2 for the
-    nanobatched graphs kareus plans, 1 for the original ones (not read from ``partitions``,
-    which hold what the run that wrote them traced).
+    From the trace cache, else by tracing (and writing the cache); an earlier run's
+    ``partitions.json`` is read by :func:`load_partitions` instead. The sets are as traced:
+    activation recompute is not applied (:func:`with_recompute`). ``nanobatches``: 2 for
+    the nanobatched graphs kareus plans, 1 for the original ones.
     """
-    if partitions is not None:
-        stages = load_stages(work, partitions)
-        _log.info("read %d pipeline stages' partitions from %s", len(stages), partitions)
-        return stages, [], None
     entry = trace_cache_dir() / _cache_key(work, layers, nanobatches) if cache else None
     if entry is not None and (found := _read_cache(work, entry)) is not None:
         _log.info("partitions from the trace cache: %s", entry)

@@ -157,7 +157,7 @@ def test_memory_ops_outside_partitions_fuse_only_where_adjacent_in_the_graph():
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from kareus.passes.annotate_costs import META_KEY, annotate_node
-    from kareus.passes.cut_partitions import gaps, partition_costs
+    from kareus.passes.cut_partitions import gaps, partition_costs, step_index
 
     def fn(x, w):
         a = x * 2.0  # this block
@@ -173,8 +173,9 @@ def test_memory_ops_outside_partitions_fuse_only_where_adjacent_in_the_graph():
         n.meta[META_KEY] = annotate_node(n)
     mine = [n for n in calls if n.meta[META_KEY].op_class == "memory"]
     assert len(mine) == 3
-    assert gaps(gm.graph, mine) == {mine[2].name}
-    fused = partition_costs(mine, fuse=True, breaks=gaps(gm.graph, mine))
+    index = step_index(gm.graph)
+    assert gaps(index, mine) == {mine[2].name}
+    fused = partition_costs(mine, fuse=True, breaks=gaps(index, mine))
     assert [o.op_class for o in fused] == ["memory", "memory"]
     assert fused[0].name.startswith("fused[") and fused[1].name == mine[2].name
     assert len(partition_costs(mine, fuse=True)) == 1  # what a list without breaks would say

@@ -144,18 +144,23 @@ def partition_costs(
     return tuple(c for slot in _slots(nodes, fuse, breaks) for c in slot.ops)
 
 
-def gaps(graph: fx.Graph, nodes: list[fx.Node]) -> frozenset[str]:
+def step_index(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Return each op's position among the graph's ops that run (views aside)."""
+    steps = [n for n in graph.nodes if n.op == "call_function" and cost_of(n).op_class != "view"]
+    return {n: i for i, n in enumerate(steps)}
+
+
+def gaps(index: dict[fx.Node, int], nodes: list[fx.Node]) -> frozenset[str]:
     """Return the memory ops of ``nodes`` that cannot share a kernel with the one before.
 
     ``nodes`` is work outside partitions (a block's weight gradients and residual tail, a
     block left whole, the embedding and head): in graph order, but not contiguous — other
     blocks' compute, collectives and their waits can run between two of its memory ops.
     One fused kernel cannot span those (the later op may read what they produce), so two
-    memory ops share one only where nothing but views lies between them in ``graph``.
-    Partition compute needs none: a segment is contiguous, and codegen runs it so.
+    memory ops share one only where nothing but views lies between them in the graph
+    (``index``: its :func:`step_index`). Partition compute needs none: a segment is
+    contiguous, and codegen runs it so.
     """
-    steps = [n for n in graph.nodes if n.op == "call_function" and cost_of(n).op_class != "view"]
-    index = {n: i for i, n in enumerate(steps)}
     out: set[str] = set()
     before: fx.Node | None = None
     for node in nodes:
@@ -258,11 +263,12 @@ def cut_graph(
     else:
         _interleave(graph, kind, chain, pset, fuse)
     rest, per_block, exposed, alone = outside_nodes(graph, kind, pset, spans, fuse)
+    index = step_index(graph)
     pset.block_other[kind] = {
-        block: partition_costs(nodes, fuse, gaps(graph, nodes))
+        block: partition_costs(nodes, fuse, gaps(index, nodes))
         for block, nodes in per_block.items()
     }
-    pset.other[kind] = partition_costs(rest, fuse, gaps(graph, rest))
+    pset.other[kind] = partition_costs(rest, fuse, gaps(index, rest))
     pset.exposed[kind] = tuple(collective_cost(n) for n in exposed)
     pset.block_exposed[kind] = {
         block: tuple(collective_cost(n) for n in issues) for block, issues in alone.items()
@@ -281,8 +287,7 @@ def _join_runs(graph: fx.Graph, rest: list[fx.Node], per_block: dict[str, list[f
     residual stream per layer than the same layers split. Lists stay in graph order.
     """
     position = {n: i for i, n in enumerate(graph.nodes)}
-    steps = [n for n in graph.nodes if n.op == "call_function" and cost_of(n).op_class != "view"]
-    index = {n: i for i, n in enumerate(steps)}
+    index = step_index(graph)
     owner: dict[fx.Node, str | None] = {n: None for n in rest}
     owner.update({n: block for block, nodes in per_block.items() for n in nodes})
     memory = sorted((n for n in owner if n in index and _memory(n)), key=index.__getitem__)

@@ -31,7 +31,13 @@ from kareus.costs import PartitionWork
 from kareus.partitions import Decision, Partition, PartitionSet
 from kareus.passes.annotate_costs import concrete, cost_of
 from kareus.passes.base import GraphPass, PassContext, PassResult
-from kareus.passes.cut_partitions import collective_cost, gaps, outside_nodes, partition_costs
+from kareus.passes.cut_partitions import (
+    collective_cost,
+    gaps,
+    outside_nodes,
+    partition_costs,
+    step_index,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,14 +159,15 @@ class ExtractPartitions(GraphPass):
         blockset = ctx.findings.get("find_blocks")
         spans = blockset.spans.get(kind, {}) if blockset is not None else {}
         rest, per_block, exposed, _alone = outside_nodes(gm.graph, kind, pset, spans, fuse)
+        index = step_index(gm.graph)
         if rest:
             names = [n.name for n in rest]
-            program = extract(gm, names, f"{kind}/outside", fuse=fuse, breaks=gaps(gm.graph, rest))
+            program = extract(gm, names, f"{kind}/outside", fuse=fuse, breaks=gaps(index, rest))
             wanted[program.key] = program, PartitionWork(pset.other[kind])
         for block, nodes in per_block.items():
             names = [n.name for n in nodes]
             where = f"{kind}/block/{block}"
-            program = extract(gm, names, where, fuse=fuse, breaks=gaps(gm.graph, nodes))
+            program = extract(gm, names, where, fuse=fuse, breaks=gaps(index, nodes))
             wanted[program.key] = program, PartitionWork(pset.block_other[kind][block])
         for issue in exposed:
             names = [issue.name, *(u.name for u in issue.users)]
@@ -205,7 +212,7 @@ def extract(
         fuse: cost runs of memory-bound ops as fused kernels (``Config.fuse_memory_ops``).
         partition: the partition the nodes are, if they are one.
         breaks: memory ops that start a kernel of their own (work outside partitions:
-            :func:`~kareus.passes.cut_partitions.gaps` of the source graph).
+            :func:`~kareus.passes.cut_partitions.gaps` in the source graph).
 
     Raises:
         ValueError: an input of the nodes is not a tensor or a size.

@@ -260,6 +260,12 @@ def _time_energy(s: Solution) -> tuple[float, float]:
     return s.time_s, s.energy_j
 
 
+def best_within(bound: float | None, known: Sequence[Solution]) -> Solution | None:
+    """Return the least-energy plan of ``known`` that meets ``bound`` (any, when None)."""
+    fits = [s for s in known if bound is None or s.time_s <= bound + 1e-9]
+    return min(fits, key=lambda s: (s.energy_j, s.time_s), default=None)
+
+
 def _undominated(options: Sequence[Option]) -> tuple[Option, ...]:
     """Return ``options`` without those another option of the same profile dominates."""
     keep = []
@@ -630,10 +636,6 @@ class Composer:
         self.solves = []
         self.searches = 0
         self._memo = {}
-
-        def best_within(bound: float | None, known: Sequence[Solution]) -> Solution | None:
-            fits = [s for s in known if bound is None or s.time_s <= bound + 1e-9]
-            return min(fits, key=lambda s: (s.energy_j, s.time_s), default=None)
 
         # From slow to fast: the least-energy plan, then each bound a little tighter than
         # the last, which the relaxation's dual simplex resumes from cheaply (a jump from

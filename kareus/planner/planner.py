@@ -30,6 +30,7 @@ from kareus.planner.compose import (
     Composer,
     Option,
     Solution,
+    best_within,
     schedule_iteration,
 )
 from kareus.planner.knobs import CountingEvaluator, KnobSpace, Setting, default_clocks, knobs_of
@@ -406,10 +407,6 @@ def _with_unsplit(
             float("inf") if p.time_s < fastest_split else ours,
             float("inf") if p.time_s < fastest_unsplit else other,
         )
-
-    def best_within(bound: float, known: Sequence[Solution]) -> Solution | None:
-        fits = [s for s in known if s.time_s <= bound + 1e-9]
-        return min(fits, key=lambda s: (s.energy_j, s.time_s), default=None)
 
     def front() -> list[Solution]:
         return pareto_front(
