@@ -162,8 +162,9 @@ def _growth(fastest: dict[tuple[tuple, str], tuple[float, float]]) -> list[str]:
         c = r1 - a * k1
         out.append(
             f"{method} TP{tp} CP{cp} seq{seq}, micro-batch {mbs} -> {2 * mbs}, fastest plan: "
-            f"reference {r1:.3f} -> {r2:.3f} s ({r2 / r1:.2f}x), kareus {k1:.3f} -> {k2:.3f} s "
-            f"({k2 / k1:.2f}x); reference = {a:.3f} x kareus + {c:.3f} s"
+            f"reference (predicted from measured profiles) {r1:.3f} -> {r2:.3f} s "
+            f"({r2 / r1:.2f}x), kareus (modelled) {k1:.3f} -> {k2:.3f} s ({k2 / k1:.2f}x); "
+            f"reference = {a:.3f} x kareus + {c:.3f} s"
         )
     return out
 
