@@ -106,10 +106,10 @@ def run_workload(
 ) -> list[dict[str, Any]]:
     """Trace one workload (or reuse its partitions), plan it on each GPU; return rows."""
     from kareus.hardware import Emulator, gpu
+    from kareus.jobs.trace import Workload, trace
+    from kareus.jobs.workload import load_originals, plan_workload, save_stages
     from kareus.planner import PlannerSettings
     from kareus.planner.bounds import lower_bound
-    from kareus.planning import load_originals, plan_workload, save_stages
-    from kareus.trace import Workload, trace
 
     work = Workload(**fields)
     key = workload_key(fields)
@@ -321,7 +321,7 @@ def main() -> int:
         args.out = RESULTS if args.update_results else pathlib.Path("compare-out")
     elif args.out.resolve() == RESULTS.resolve() and not args.update_results:
         parser.error(f"{RESULTS} holds the committed results: add --update-results")
-    from kareus.plan import Plan
+    from kareus.ir.plan_file import Plan
     from kareus.planner.plot import plot_frontiers
 
     start = time.perf_counter()

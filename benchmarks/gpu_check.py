@@ -56,10 +56,10 @@ from typing import Any
 import torch
 
 import kareus
-from kareus.costs import CollectiveCost, Knobs, OpCost, PartitionWork
 from kareus.hardware import Emulator, GPUSpec, gpu
 from kareus.hardware.emulator import matmul_fill
 from kareus.hardware.specs import spec_name_for_device
+from kareus.ir.costs import CollectiveCost, Knobs, OpCost, PartitionWork
 
 
 @dataclasses.dataclass
@@ -106,7 +106,7 @@ def _tiny_llama():
 
 def _clock_plan(clocks: list[int]):
     """A plan for one stage, two micro-batches (gradient accumulation), four clocks."""
-    from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
+    from kareus.ir.plan_file import FrontierPoint, Plan, ScheduledInstruction
 
     picks = [clocks[0], clocks[len(clocks) // 3], clocks[len(clocks) // 2], clocks[-1]]
     order = [("forward", 0), ("backward", 0), ("forward", 1), ("backward", 1)]
@@ -159,7 +159,7 @@ def step_compile(ctx: Context) -> StepResult:
             for p, q in zip(compiled.parameters(), eager.parameters(), strict=True):
                 scale = q.grad.abs().max().item() or 1.0
                 grad_diff = max(grad_diff, (p.grad - q.grad).abs().max().item() / scale)
-            runtime = getattr(kareus.api.find_backend(compiled), "runtime", None)
+            runtime = getattr(kareus.compiler.backend.find_backend(compiled), "runtime", None)
             if runtime is not None:
                 runtime.close()
             worst = max(worst, loss_diff, grad_diff)
@@ -230,7 +230,7 @@ def step_switches(ctx: Context) -> StepResult:
     for m in range(2):
         model(x[m], x[m]).backward()
     ctx.sync()
-    runtime = kareus.api.find_backend(model).runtime
+    runtime = kareus.compiler.backend.find_backend(model).runtime
     runtime.close()  # drains the switch queue
     want = [s.freq_mhz for s in plan.schedule]
     got = [f for _t, f in recorder.sets]
@@ -265,7 +265,7 @@ def _dedup(values: list[float]) -> list[float]:
 
 def step_energy(ctx: Context) -> StepResult:
     if ctx.device.type != "cuda":
-        from kareus.planner.profiler import EmulatedProfilingDevice, ProfilerEvaluator
+        from kareus.planner.measured import EmulatedProfilingDevice, ProfilerEvaluator
         from kareus.runtime.clocks import DryRunClocks
 
         # The window logic over the emulated device's coarse counter (modelled figures).
@@ -588,11 +588,11 @@ def step_sizes(ctx: Context) -> StepResult:
 
 
 def step_profile(ctx: Context) -> StepResult:
+    from kareus.jobs.profile import Piece, ProgramDevice
+    from kareus.jobs.trace import Workload, fake_world, trace_stage
     from kareus.planner.knobs import _digest
-    from kareus.planner.profiler import ProfilerEvaluator
-    from kareus.profile import Piece, ProgramDevice
+    from kareus.planner.measured import ProfilerEvaluator
     from kareus.runtime.clocks import DryRunClocks
-    from kareus.trace import Workload, fake_world, trace_stage
 
     if ctx.dry_run:
         work = Workload(model="tiny", tp=2, microbatch_size=4, seq_len=64)
@@ -741,7 +741,7 @@ STEPS = (
 
 
 def _sm_clock(index: int) -> float | None:
-    from kareus.profile import _sm_clock as read
+    from kareus.jobs.profile import _sm_clock as read
 
     return read(index)
 

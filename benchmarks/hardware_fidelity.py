@@ -17,9 +17,9 @@ import statistics
 
 from scipy.stats import spearmanr
 
-from kareus.costs import OpCost
 from kareus.hardware import Emulator, gpu
 from kareus.hardware.calibrate import DEFAULT_DATA, load_rows, predict, shipped_harness
+from kareus.ir.costs import OpCost
 
 
 def percentile(values, q):

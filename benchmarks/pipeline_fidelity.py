@@ -5,7 +5,7 @@ The reference (``shared/data/a100_llama_pipeline_plans``, next to the repository
 full activation recompute; 85 per-instruction clock plans (Perseus, and nanobatching +
 Perseus) with the iteration time and energy the research artifact predicted for each from
 instruction profiles measured in situ. Each plan's clocks are priced by ``kareus evaluate``
-(:func:`kareus.evaluate.evaluate_clock_plans`) on kareus's A100 model — the same workload,
+(:func:`kareus.jobs.evaluate.evaluate_clock_plans`) on kareus's A100 model — the same workload,
 recompute, stage split, clocks and 1F1B order; ``megatron`` for the Perseus plans,
 ``nanobatch`` for the nanobatching ones — and compared with the reference: per
 configuration and method, the median and largest absolute error of time and of energy (one
@@ -34,7 +34,6 @@ from typing import Any
 
 from scipy.stats import spearmanr
 
-from kareus.evaluate import ClockPlan, evaluate_clock_plans
 from kareus.hardware import gpu
 from kareus.hardware.calibrate import (
     DEFAULT_DATA,
@@ -43,7 +42,8 @@ from kareus.hardware.calibrate import (
     shared_data_dir,
     shipped_harness,
 )
-from kareus.trace import Workload
+from kareus.jobs.evaluate import ClockPlan, evaluate_clock_plans
+from kareus.jobs.trace import Workload
 
 METHODS = {"perseus": "megatron", "nanobatch_perseus": "nanobatch"}
 """The reference's methods, and the ``evaluate`` method that runs each plan's graphs."""

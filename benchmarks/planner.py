@@ -22,9 +22,9 @@ import argparse
 import resource
 import time
 
-from kareus.costs import PartitionWork
 from kareus.hardware import Emulator, gpu
 from kareus.hardware.calibrate import attention_partition
+from kareus.ir.costs import PartitionWork
 from kareus.planner import Parallelism, exhaustive, plan_for_gpu, search
 from kareus.planner.knobs import KnobSpace, default_clocks
 from kareus.planner.pareto import hypervolume_share
@@ -52,8 +52,8 @@ def search_quality(spec, pset):
 def at_scale(spec, configs):
     """Plan 70B shapes at each (PP, micro-batches) of ``configs``; print the figures."""
     from kareus.planner.compose import Composer, one_f_one_b
+    from kareus.planner.iteration import PlannerSettings, evaluate_options
     from kareus.planner.knobs import CountingEvaluator
-    from kareus.planner.planner import PlannerSettings, evaluate_options
 
     for pp, micro in configs:
         pset = megatron_partition_set(

@@ -9,9 +9,9 @@ Run: python examples/plan_llama3b.py [--gpu a100-40gb] [--select iso_time] [--ou
 import argparse
 import pathlib
 
+from kareus.jobs.trace import Workload
+from kareus.jobs.workload import plan_workload, write_outputs
 from kareus.planner import POLICIES
-from kareus.planning import plan_workload, write_outputs
-from kareus.trace import Workload
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--gpu", default="a100-40gb")

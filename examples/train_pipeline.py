@@ -29,7 +29,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 import kareus
 from kareus.models import PRESETS, Llama
-from kareus.parallel import vocab_parallel_cross_entropy
+from kareus.models.parallel import vocab_parallel_cross_entropy
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--steps", type=int, default=2)
@@ -99,7 +99,7 @@ try:
             mean = torch.stack([v.detach() for v in losses]).mean()
             print(f"[rank {rank}] step {step}: loss {mean.item():.4f}", flush=True)
 
-    runtime = kareus.api.find_backend(stage_model).runtime
+    runtime = kareus.compiler.backend.find_backend(stage_model).runtime
     applied = [(s, k, m, f) for it, s, k, m, f in runtime.applied if it == 0]
     for turn in range(world):  # one rank at a time, so that lines never interleave
         if turn == rank:

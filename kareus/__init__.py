@@ -4,8 +4,10 @@
 ``print(kareus.explain(model))`` shows what kareus captured and did.
 """
 
-from kareus.api import KareusBackend, compile
-from kareus.config import Config
+from kareus import _moved
+from kareus.compiler.backend import KareusBackend, compile
+from kareus.compiler.config import Config
+from kareus.compiler.explain import JobEnergy, Report, explain, job_energy
 from kareus.errors import (
     ConfigError,
     FileFormatError,
@@ -14,11 +16,12 @@ from kareus.errors import (
     NotYetCapturedError,
     PassError,
 )
-from kareus.explain import JobEnergy, Report, explain, job_energy
-from kareus.partitions import Decision, PartitionSet
-from kareus.plan import Plan
+from kareus.ir.partitions import Decision, PartitionSet
+from kareus.ir.plan_file import Plan
 
 __version__ = "0.1.0"
+
+_moved.install()
 
 __all__ = [
     "Config",

@@ -37,7 +37,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _layers_traced(text: str) -> int:
-    from kareus.trace import TEMPLATE_POSITION
+    from kareus.jobs.trace import TEMPLATE_POSITION
 
     least = TEMPLATE_POSITION + 2
     value = int(text) if text.strip().isdigit() else -1
@@ -339,7 +339,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _bad_input(err: Exception) -> bool:
-    from kareus.trace import TraceError
+    from kareus.jobs.trace import TraceError
 
     return not isinstance(err, TraceError)
 
@@ -395,7 +395,7 @@ def _list() -> int:
 
 
 def _explain(path: pathlib.Path) -> int:
-    from kareus.plan import Plan
+    from kareus.ir.plan_file import Plan
 
     print(Plan.load(path).to_text())
     return EXIT_OK
@@ -403,15 +403,15 @@ def _explain(path: pathlib.Path) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from kareus.hardware import Emulator, gpu
-    from kareus.planner import RecordingEvaluator, ReplayEvaluator
-    from kareus.planning import (
+    from kareus.jobs.trace import stage_kinds
+    from kareus.jobs.workload import (
         COMPARISON_HEADER,
         comparison_rows,
         plan_workload,
         planning_steps,
         write_outputs,
     )
-    from kareus.trace import stage_kinds
+    from kareus.planner import RecordingEvaluator, ReplayEvaluator
 
     spec = gpu(args.gpu)
     work = _workload(args)
@@ -444,7 +444,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.record is not None:
         evaluator = RecordingEvaluator(evaluator, args.record)
     from kareus._files import check_output_dir
-    from kareus.planning import save_stages
+    from kareus.jobs.workload import save_stages
 
     out = check_output_dir(args.out)  # before minutes of tracing, not after
     print(f"kareus plan: {work.describe()} on {spec.name} ({args.evaluator})", flush=True)
@@ -507,10 +507,10 @@ def _evaluate(args: argparse.Namespace) -> int:
     import json
 
     from kareus._table import render_table
-    from kareus.evaluate import evaluate_clock_plans, read_clock_plans
     from kareus.hardware import gpu
+    from kareus.jobs.evaluate import evaluate_clock_plans, read_clock_plans
+    from kareus.jobs.trace import stage_kinds
     from kareus.planner import ReplayEvaluator
-    from kareus.trace import stage_kinds
 
     spec = gpu(args.gpu)
     work = _workload(args)
@@ -567,7 +567,7 @@ def _partitions_beside(replay: pathlib.Path) -> pathlib.Path | None:
 
 
 def _workload(args: argparse.Namespace) -> Any:
-    from kareus.trace import Workload
+    from kareus.jobs.trace import Workload
 
     return Workload(
         model=args.model,
@@ -603,7 +603,7 @@ def _settings(args: argparse.Namespace) -> Any:
 
 def _profile(args: argparse.Namespace) -> int:
     from kareus.hardware import gpu
-    from kareus.profile import ProfileSettings, plan_command, profile_workload
+    from kareus.jobs.profile import ProfileSettings, plan_command, profile_workload
 
     spec = gpu(args.gpu)
     work = _workload(args)
@@ -615,8 +615,8 @@ def _profile(args: argparse.Namespace) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if rank0:
         print(f"kareus profile: {work.describe()} for {spec.name}", flush=True)
-    from kareus.planning import planning_steps
-    from kareus.trace import stage_kinds
+    from kareus.jobs.trace import stage_kinds
+    from kareus.jobs.workload import planning_steps
 
     with _Progress(enabled=rank0 and not args.quiet) as progress:
         progress.start("tracing", len(stage_kinds(work.stages)))

@@ -339,7 +339,7 @@ class SleepyLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return ``x`` plus the all-reduced, slowly computed update."""
-        from kareus.parallel import copy_to_tp, reduce_from_tp
+        from kareus.models.parallel import copy_to_tp, reduce_from_tp
 
         return x + reduce_from_tp(sleepy(copy_to_tp(x) * self.scale, self.ms))
 
@@ -379,8 +379,8 @@ def megatron_partition_set(
     ``nanobatches=1``: the original graphs' set instead, each layer whole (its ops at the
     whole micro-batch, outside partitions) with its two all-reduces alone.
     """
-    from kareus.costs import CollectiveCost, OpCost
-    from kareus.partitions import Partition, PartitionSet, PartitionType, Slot
+    from kareus.ir.costs import CollectiveCost, OpCost
+    from kareus.ir.partitions import Partition, PartitionSet, PartitionType, Slot
 
     tokens = microbatch // nanobatches * seq  # one nanobatch (or the whole micro-batch)
     b = 2 if dtype in ("bf16", "fp16") else 4

@@ -14,7 +14,7 @@ from torch import nn
 import kareus
 from kareus.cli import EXIT_BAD_INPUT, main
 from kareus.errors import FileFormatError, PlanMismatchError
-from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
+from kareus.ir.plan_file import FrontierPoint, Plan, ScheduledInstruction
 
 
 def good_plan(fingerprint=None):
@@ -203,8 +203,8 @@ def test_a_plan_that_fits_is_applied_without_a_word(recwarn):
     compiled = kareus.compile(MLP(), plan=good_plan(fingerprint))
     compiled(torch.randn(6, 8)).backward()
     assert not [w for w in recwarn if "another workload" in str(w.message)]
-    assert kareus.api.find_backend(compiled).runtime.switches == [1410, 1200]
-    kareus.api.find_backend(compiled).runtime.close()
+    assert kareus.compiler.backend.find_backend(compiled).runtime.switches == [1410, 1200]
+    kareus.compiler.backend.find_backend(compiled).runtime.close()
 
 
 def _unsplit_plan(fingerprint):
@@ -230,7 +230,7 @@ def test_a_plan_of_the_original_graphs_runs_them_unsplit_and_checks_the_model(re
     assert torch.equal(loss, ref(x))  # the same ops in the same order
     pairs = zip(model.parameters(), ref.parameters(), strict=True)
     assert all(torch.equal(a.grad, b.grad) for a, b in pairs)
-    backend = kareus.api.find_backend(compiled)
+    backend = kareus.compiler.backend.find_backend(compiled)
     assert backend.config.nanobatches == 1 and backend.runtime.switches == [1410, 1200]
     assert not [w for w in recwarn if "another workload" in str(w.message)]
     skipped = kareus.explain(compiled).regions[0].findings["find_blocks"].skipped

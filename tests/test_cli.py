@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from kareus.cli import EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_OK, main
+from kareus.ir.plan_file import Plan
+from kareus.jobs.trace import Workload, trace
 from kareus.models import LlamaConfig
-from kareus.plan import Plan
-from kareus.trace import Workload, trace
 
 SMALL = ["--model", "tiny-4l", "--tp", "2", "--microbatch-size", "4", "--seq-len", "32"]
 
@@ -175,7 +175,7 @@ def test_replanning_from_saved_partitions_needs_the_same_workload(planned, tmp_p
     assert main(["-v", *args, *saved, "--gpu", "h100", "--select", "min_energy"]) == EXIT_OK
     plan = Plan.load(tmp_path / "plan.json")
     logged = capsys.readouterr().err  # -v: what kareus does, on stderr
-    assert "kareus: INFO kareus.planning: read 2 pipeline stages' partitions" in logged
+    assert "kareus: INFO kareus.jobs.workload: read 2 pipeline stages' partitions" in logged
     assert "frontier points, chosen" in logged
     assert plan.gpu.startswith("H100") and plan.parallel["microbatches"] == 2
     other = ["plan", *SMALL, "--cp", "2", "--pp", "2", "--seq-len", "64", "--quiet", *saved]
@@ -184,8 +184,8 @@ def test_replanning_from_saved_partitions_needs_the_same_workload(planned, tmp_p
 
 
 def test_the_report_says_which_size_limit_left_points_unproven(planned):
+    from kareus.jobs.workload import plan_workload, report_markdown
     from kareus.planner import PlannerSettings
-    from kareus.planning import plan_workload, report_markdown
 
     _rc, out = planned
     work = Workload(model="tiny-4l", tp=2, cp=2, pp=2, microbatch_size=4, seq_len=32)
@@ -274,9 +274,9 @@ def _costs(items):
 
 
 def test_the_trace_cache_serves_a_traced_workload_and_retraces_when_asked(tmp_path, monkeypatch):
+    from kareus.jobs.workload import _cache_key, trace_cache_dir
+    from kareus.jobs.workload import plan_workload as plan_fully
     from kareus.planner import PlannerSettings
-    from kareus.planning import _cache_key, trace_cache_dir
-    from kareus.planning import plan_workload as plan_fully
 
     def plan_workload(*args, **kwargs):  # what is cached is the trace: plan it cheaply
         settings = PlannerSettings(clocks_mhz=(1410, 1005), sweep_points=2)
@@ -379,7 +379,7 @@ def test_extracted_programs_cost_what_the_partition_set_records(recwarn, nanobat
     (the residual add joined to the next layer's kernel included): every layer's block
     program is extracted, and none disagrees (a disagreement leaves the graph as captured,
     with a warning)."""
-    from kareus.trace import fake_world, trace_stage
+    from kareus.jobs.trace import fake_world, trace_stage
 
     work = Workload(model="tiny-4l", tp=2, microbatch_size=4, seq_len=64, microbatches=1)
     with fake_world(2, 1) as groups:

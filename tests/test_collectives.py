@@ -167,7 +167,7 @@ def test_census_counts_bodies_per_call_and_ignores_dead_waits():
 
 
 def test_runner_refuses_a_pass_that_loses_a_collective_unannounced():
-    from kareus.config import Config
+    from kareus.compiler.config import Config
     from kareus.passes.base import PassContext, run_passes
 
     fc = torch.ops._c10d_functional

@@ -7,17 +7,17 @@ import pathlib
 import pytest
 
 from kareus.cli import EXIT_BAD_INPUT, EXIT_OK, main
-from kareus.evaluate import (
+from kareus.hardware.calibrate import shared_data_dir
+from kareus.jobs.evaluate import (
     ClockPlan,
     ClockPlanError,
     evaluate_clock_plans,
     read_clock_plans,
     stage_orders,
 )
-from kareus.hardware.calibrate import shared_data_dir
+from kareus.jobs.trace import Workload
+from kareus.jobs.workload import load_stages, plan_workload, save_stages
 from kareus.planner import PlannerSettings
-from kareus.planning import load_stages, plan_workload, save_stages
-from kareus.trace import Workload
 
 WORK = Workload(
     model="tiny-4l", tp=2, pp=2, microbatch_size=4, seq_len=32, microbatches=4, recompute="full"

@@ -3,7 +3,6 @@ import itertools
 
 import pytest
 
-from kareus.costs import CollectiveCost, Knobs, OpCost, PartitionWork
 from kareus.hardware import GPUS, Emulator, gpu
 from kareus.hardware.calibrate import (
     DEFAULT_DATA,
@@ -14,6 +13,7 @@ from kareus.hardware.calibrate import (
 )
 from kareus.hardware.emulator import Harness
 from kareus.hardware.specs import UnknownGPUError
+from kareus.ir.costs import CollectiveCost, Knobs, OpCost, PartitionWork
 
 N = 8192
 GEMM = OpCost("gemm", 2 * N**3, 3 * N * N * 2, "bf16", "gemm")

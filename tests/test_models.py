@@ -204,7 +204,7 @@ def test_four_context_parallel_ranks_match_the_unsharded_model():
 
 def _tensor_parallel_with_plan(rank, plan_json):
     """One step of the TP model eager and compiled with a plan of the original graphs."""
-    from kareus.plan import Plan
+    from kareus.ir.plan_file import Plan
 
     torch.manual_seed(0)
     full = Llama(CFG)
@@ -221,7 +221,7 @@ def _tensor_parallel_with_plan(rank, plan_json):
         out[how] = _step(model, run, ids, labels)
         if how == "planned":
             region = kareus.explain(run).regions[0]
-            backend = kareus.api.find_backend(run)
+            backend = kareus.compiler.backend.find_backend(run)
             out["split"] = region.findings["find_blocks"].split
             out["switches"] = backend.runtime.switches
             backend.runtime.close()
@@ -236,9 +236,9 @@ def test_a_plan_that_runs_the_original_graphs_applies_under_tensor_parallelism()
     the traced plan's fingerprint (a bf16 plan for this fp32 model is refused: its
     all-reduces are half the size), nothing is split, its clocks are switched, and the
     losses and gradients are those of the eager model bit for bit."""
+    from kareus.jobs.trace import Workload
+    from kareus.jobs.workload import plan_workload
     from kareus.planner import PlannerSettings
-    from kareus.planning import plan_workload
-    from kareus.trace import Workload
 
     work = Workload(model=CFG, tp=2, microbatch_size=4, seq_len=8, microbatches=1, dtype="fp32")
     settings = PlannerSettings(clocks_mhz=(1410, 1005), sweep_points=2)

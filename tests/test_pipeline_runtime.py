@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import kareus
-from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
+from kareus.ir.plan_file import FrontierPoint, Plan, ScheduledInstruction
 from kareus.runtime.clocks import EmulatedClocks
 from kareus.testing import run_ranks
 
@@ -163,9 +163,11 @@ def _run_pipeline(rank, run_name, plan_name, virtual):
             for s, m in mods.items()
         }
         results[label] = (losses, grads)
-    runtime = kareus.api.find_backend(mods[mine[0]]).runtime
+    runtime = kareus.compiler.backend.find_backend(mods[mine[0]]).runtime
     for s in mine[1:]:
-        assert kareus.api.find_backend(mods[s]).runtime is runtime  # one runtime per GPU
+        assert (
+            kareus.compiler.backend.find_backend(mods[s]).runtime is runtime
+        )  # one runtime per GPU
     applied, notes = list(runtime.applied), list(runtime.notes)
     text = kareus.explain(mods[mine[0]]).summary()
     runtime.close()

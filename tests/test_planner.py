@@ -4,13 +4,20 @@ import json
 
 import pytest
 
-from kareus.costs import CollectiveCost, Knobs, OpCost
 from kareus.errors import KareusError
 from kareus.hardware import Emulator, gpu
 from kareus.hardware.calibrate import attention_partition
-from kareus.partitions import PartitionSet
-from kareus.plan import FrontierPoint, Plan
+from kareus.ir.costs import CollectiveCost, Knobs, OpCost
+from kareus.ir.partitions import PartitionSet
+from kareus.ir.plan_file import FrontierPoint, Plan
 from kareus.planner.compose import Composer, Option, chain, gpipe, makespan, one_f_one_b, pipeline
+from kareus.planner.iteration import (
+    Parallelism,
+    PlannerSettings,
+    evaluate_options,
+    plan_for_gpu,
+    plan_iteration,
+)
 from kareus.planner.knobs import (
     CountingEvaluator,
     KnobSpace,
@@ -19,13 +26,6 @@ from kareus.planner.knobs import (
     default_clocks,
 )
 from kareus.planner.pareto import hypervolume, hypervolume_share, is_monotone, pareto_front
-from kareus.planner.planner import (
-    Parallelism,
-    PlannerSettings,
-    evaluate_options,
-    plan_for_gpu,
-    plan_iteration,
-)
 from kareus.planner.search import exhaustive, search
 from kareus.planner.select import InfeasiblePlanError, select
 from kareus.testing import megatron_partition_set
@@ -579,7 +579,7 @@ def test_search_reaches_exhaustive_hypervolume_with_a_fifth_of_the_grid(which):
             hidden=2048, ffn=8192, heads=16, seq=2048, microbatch=4, layers=1, tp=4
         )
         t = pset.types["backward.b"]
-        from kareus.costs import PartitionWork
+        from kareus.ir.costs import PartitionWork
 
         work = PartitionWork(t.compute, t.collective)
     emu = Emulator(SPEC)
@@ -735,7 +735,7 @@ def test_perseus_baseline_agrees_with_lowtime():
 
 
 def test_profiler_measures_like_the_model_and_restores_clocks():
-    from kareus.planner.profiler import EmulatedProfilingDevice, ProfilerEvaluator
+    from kareus.planner.measured import EmulatedProfilingDevice, ProfilerEvaluator
     from kareus.runtime.clocks import EmulatedClocks
 
     emu = Emulator(SPEC)
@@ -760,7 +760,7 @@ def test_profiler_measures_like_the_model_and_restores_clocks():
 
 
 def test_profiler_never_changes_clocks_when_told_so():
-    from kareus.planner.profiler import EmulatedProfilingDevice, ProfilerEvaluator
+    from kareus.planner.measured import EmulatedProfilingDevice, ProfilerEvaluator
     from kareus.runtime.clocks import DryRunClocks, EmulatedClocks
 
     emu = Emulator(SPEC)
@@ -913,7 +913,7 @@ def test_full_recompute_adds_each_layers_forward_to_its_backward():
 
 
 def test_layers_not_traced_are_counted_from_an_ordinary_block_split_or_whole():
-    from kareus.trace import TraceError, extrapolate
+    from kareus.jobs.trace import TraceError, extrapolate
 
     split = megatron_partition_set(
         hidden=1024, ffn=4096, heads=16, seq=1024, microbatch=4, layers=4, tp=2
@@ -1023,7 +1023,7 @@ def test_interleaved_split_and_unsplit_frontiers_are_proven_point_by_point():
     # what is proven. _with_unsplit solves such points at their own times until each is
     # within the refine gap (what the solves find joins the front).
     from kareus.planner.compose import REFINE_GAP
-    from kareus.planner.planner import _with_unsplit
+    from kareus.planner.iteration import _with_unsplit
 
     it = one_f_one_b(2, 4)
     freqs = (810, 900, 1005, 1110, 1200, 1305, 1410)

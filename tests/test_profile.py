@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 
 from kareus.cli import EXIT_BAD_INPUT, EXIT_OK, main
-from kareus.costs import PartitionWork
-from kareus.partitions import Decision
+from kareus.ir.costs import PartitionWork
+from kareus.ir.partitions import Decision
+from kareus.ir.plan_file import Plan
+from kareus.jobs.trace import Workload, fake_world, trace_stage
 from kareus.passes.extract_partitions import unnamed
-from kareus.plan import Plan
 from kareus.testing import free_port
-from kareus.trace import Workload, fake_world, trace_stage
 
 WORK = Workload(model="tiny", tp=2, microbatch_size=4, seq_len=64)
 SMALL = ["--model", "tiny", "--tp", "2", "--microbatch-size", "4", "--seq-len", "64"]
@@ -212,7 +212,7 @@ def test_model_path_names_a_config_module(tmp_path, monkeypatch):
 
 
 def test_no_permission_to_lock_clocks_measures_at_the_clock_as_found():
-    from kareus.profile import _can_lock
+    from kareus.jobs.profile import _can_lock
     from kareus.runtime.clocks import EmulatedClocks
 
     notes = []

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import kareus
+from kareus.ir.plan_file import FrontierPoint, Plan, ScheduledInstruction
 from kareus.models import PRESETS, Llama
-from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
 from kareus.runtime.clocks import (
     PERMISSION_FIX,
     ClockError,
@@ -82,7 +82,7 @@ def test_switch_order_with_gradient_accumulation(tmp_path):
     assert seen[0].energy_j == pytest.approx(4 * 10.0 + 80.0 * 1.0)
     assert "modelled" in report.summary() and "switches applied: 8" in report.summary()
     assert "kareus plan for A100-SXM4-40GB" in report.summary()  # the applied plan is shown
-    kareus.api.find_backend(model).runtime.close()
+    kareus.compiler.backend.find_backend(model).runtime.close()
     assert journal_events(journal)[-1]["event"] == "restore"
     assert clocks.current is None
 
@@ -127,7 +127,7 @@ def test_no_permission_warns_once_and_trains_on(tmp_path):
 SCRIPT = """
 import os, signal, sys, time, torch, kareus
 from kareus.models import PRESETS, Llama
-from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
+from kareus.ir.plan_file import FrontierPoint, Plan, ScheduledInstruction
 from kareus.runtime.clocks import EmulatedClocks
 sched = (ScheduledInstruction(0, "forward", 0, 1410), ScheduledInstruction(0, "backward", 0, 1200))
 plan = Plan(gpu="x", source="modelled", policy="iso_time", parallel={{}}, frontier=(),
@@ -229,7 +229,7 @@ def test_nvml_errors_are_translated():
 FAULT_SCRIPT = """
 import os, signal, sys, time, torch, kareus
 from kareus.models import PRESETS, Llama
-from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
+from kareus.ir.plan_file import FrontierPoint, Plan, ScheduledInstruction
 from kareus.runtime.clocks import FileClocks
 how = {how!r}
 # Start as a program started from a shell does: the test runner's process may leave SIGINT
@@ -368,7 +368,7 @@ def test_a_journal_that_cannot_be_written_warns_once_and_training_goes_on(tmp_pa
     assert len([w for w in record if "cannot be written" in str(w.message)]) == 1
     assert clocks.current == 1200  # the clocks were applied all the same
     assert "cannot be written" in kareus.explain(model).summary()
-    kareus.api.find_backend(model).runtime.close()
+    kareus.compiler.backend.find_backend(model).runtime.close()
     assert clocks.current is None
 
 
@@ -453,7 +453,7 @@ def test_graph_breaks_and_recompute_do_not_shift_the_schedule(how):
             loss.backward()
             seen.append(clocks.current)
     assert seen == [f for *_k, f in ACCUMULATE] * 2
-    runtime = kareus.api.find_backend(model).runtime
+    runtime = kareus.compiler.backend.find_backend(model).runtime
     assert [a[2:] for a in runtime.applied] == [(k, m, f) for _s, k, m, f in ACCUMULATE] * 2
     assert len(kareus.explain(model).regions) == 2  # the graph break
     assert not [n for n in runtime.notes if "order" in n]
@@ -485,7 +485,7 @@ def test_switch_is_a_side_effecting_op_inductor_keeps_in_place(tmp_path):
     for code in forwards:
         body = code[code.index("def call(") :]
         assert body.index("torch.ops.kareus.switch_clock.default(") < body.index("addmm")
-    kareus.api.find_backend(model).runtime.close()
+    kareus.compiler.backend.find_backend(model).runtime.close()
 
 
 def test_two_processes_controlling_one_gpu_are_refused(tmp_path, monkeypatch):

@@ -97,7 +97,7 @@ def tp_run():
 
 
 def test_partition_types_and_counts(tp_run):
-    from kareus.partitions import PartitionSet
+    from kareus.ir.partitions import PartitionSet
 
     _ref, _got, pset_json, _orders, _code, summary = tp_run[0]
     pset = PartitionSet.from_json(pset_json)
@@ -115,7 +115,7 @@ def test_partition_types_and_counts(tp_run):
 
 
 def test_decisions_place_issue_and_wait_and_keep_results(tp_run):
-    from kareus.partitions import PartitionSet
+    from kareus.ir.partitions import PartitionSet
 
     for ref, got, pset_json, orders, code, summary in tp_run:
         checked = _check_order(PartitionSet.from_json(pset_json), orders, DECISIONS)
@@ -154,7 +154,7 @@ def _tp_traced_once(rank):
 
 
 def _partition_shapes(pset_json):
-    from kareus.partitions import PartitionSet
+    from kareus.ir.partitions import PartitionSet
 
     pset = PartitionSet.from_json(pset_json)
     return sorted(

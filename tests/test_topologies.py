@@ -69,7 +69,7 @@ class TPCPNet(torch.nn.Module):
 
     def __init__(self, tp_group, cp_group, width=16, layers=2):
         super().__init__()
-        from kareus.parallel import ColumnParallelLinear, RowParallelLinear, group_name
+        from kareus.models.parallel import ColumnParallelLinear, RowParallelLinear, group_name
 
         torch.manual_seed(0)
         self.cp = group_name(cp_group)
@@ -81,7 +81,7 @@ class TPCPNet(torch.nn.Module):
         )
 
     def forward(self, x, labels):
-        from kareus.parallel import gather_from_sp
+        from kareus.models.parallel import gather_from_sp
 
         for up, down in zip(self.up, self.down, strict=True):
             mix = gather_from_sp(x, self.cp, dim=1).mean(dim=1, keepdim=True)
@@ -202,7 +202,7 @@ class TPStage(torch.nn.Module):
 
     def __init__(self, tp_group, seed, width=16):
         super().__init__()
-        from kareus.parallel import ColumnParallelLinear, RowParallelLinear
+        from kareus.models.parallel import ColumnParallelLinear, RowParallelLinear
 
         torch.manual_seed(seed)
         self.blocks = torch.nn.ModuleList(
@@ -224,7 +224,7 @@ class TPStage(torch.nn.Module):
 def _tp_pp_dp(rank, how):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
+    from kareus.ir.plan_file import FrontierPoint, Plan, ScheduledInstruction
     from kareus.runtime.clocks import EmulatedClocks
 
     sizes = {"pp": 2, "dp": 2, "cp": 1, "tp": 2}
@@ -282,7 +282,7 @@ def _tp_pp_dp(rank, how):
             grads.append(_grads(mod))
             _dp_step(mod, opt, groups["dp"])
         results[label] = (losses, grads)
-    runtime = kareus.api.find_backend(mod).runtime
+    runtime = kareus.compiler.backend.find_backend(mod).runtime
     applied = [(s, k, m, f) for _it, s, k, m, f in runtime.applied]
     runtime.close()
     return results, applied, [clock(s, k, m) for _it, s, k, m, _f in runtime.applied]
@@ -304,7 +304,7 @@ def test_tp_pp_dp_on_eight_ranks_with_pipelining():
 
 def _wrong_tp_plan(rank):
     from kareus.errors import PlanMismatchError
-    from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
+    from kareus.ir.plan_file import FrontierPoint, Plan, ScheduledInstruction
     from kareus.runtime.clocks import EmulatedClocks
 
     plan = Plan(

@@ -21,9 +21,9 @@ import pathlib
 import statistics
 from collections.abc import Sequence
 
-from kareus.costs import CollectiveCost, Knobs, OpCost, PartitionWork
 from kareus.hardware.emulator import Emulator, Harness
 from kareus.hardware.specs import GPUS, PRIORS, Calibration, GPUSpec
+from kareus.ir.costs import CollectiveCost, Knobs, OpCost, PartitionWork
 
 
 def shared_data_dir() -> pathlib.Path:

@@ -29,8 +29,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from kareus.costs import CollectiveCost, Estimate, Knobs, OpCost, PartitionWork
 from kareus.hardware.specs import GPUSpec
+from kareus.ir.costs import CollectiveCost, Estimate, Knobs, OpCost, PartitionWork
 
 _MEM_SAT_SM_FRACTION = 0.35  # SMs needed to saturate memory bandwidth, as a fraction of all
 _MIN_BW_LEFT = 0.15  # compute keeps at least this share of memory bandwidth

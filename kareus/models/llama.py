@@ -4,7 +4,7 @@ Written plainly so that its graphs look like those of production models (HF tran
 Megatron-LM, torchtitan). Options cover the variants kareus must handle: optional QK-norm
 (Qwen3), tied embeddings, a plain GELU MLP, and post-norm blocks.
 
-Parallelism, from kareus's building blocks (:mod:`kareus.parallel`):
+Parallelism, from kareus's building blocks (:mod:`kareus.models.parallel`):
 
 - **tensor** (``tp_group``): attention heads and MLP columns are split Megatron-style, so
   each layer all-reduces twice in the forward and twice in the backward; the embedding,
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kareus.parallel import (
+from kareus.models.parallel import (
     ColumnParallelLinear,
     Group,
     RowParallelLinear,

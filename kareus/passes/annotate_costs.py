@@ -1,6 +1,6 @@
 """Annotate every node of the AOT graphs with what it costs on a GPU.
 
-Each call node gets an :class:`~kareus.costs.OpCost` under ``node.meta["kareus"]``: its op
+Each call node gets an :class:`~kareus.ir.costs.OpCost` under ``node.meta["kareus"]``: its op
 class (GEMM-like, attention, memory-bound, view/metadata, collective issue or wait), FLOPs
 (from PyTorch's FLOP formulas), bytes read and written, and dtype. Symbolic sizes are
 resolved to the values of the example inputs (their hints), so a plan is made for the
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from kareus.costs import OpClass, OpCost
+from kareus.ir.costs import OpClass, OpCost
 from kareus.passes.base import GraphPass, PassContext, PassResult
 
 META_KEY = "kareus"

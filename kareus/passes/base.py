@@ -22,7 +22,7 @@ from kareus.errors import NodeError, PassError
 from kareus.passes import census as _census
 
 if TYPE_CHECKING:
-    from kareus.config import Config
+    from kareus.compiler.config import Config
 
 GRAPH_KINDS = ("dynamo", "forward", "backward", "inference")
 """The graphs of one compiled region: Dynamo's (before autograd) and AOTAutograd's three."""

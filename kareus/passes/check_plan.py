@@ -17,9 +17,9 @@ import warnings
 import torch.fx as fx
 
 from kareus.errors import PlanMismatchError
-from kareus.partitions import PartitionSet
+from kareus.ir.partitions import PartitionSet
+from kareus.ir.plan_file import Plan
 from kareus.passes.base import GraphPass, PassContext, PassResult
-from kareus.plan import Plan
 
 
 class CheckPlan(GraphPass):

@@ -11,7 +11,7 @@ the nanobatch that runs first in the graph and Y the other, the skewed interleav
 overlaps every collective but the last with compute of the other nanobatch. Compute after a
 block's last collective (the residual add) joins the next block's first segment. Partitions
 with the same op-class sequence and collective share a type. The result is a
-:class:`~kareus.partitions.PartitionSet` (plain data) under this pass's name in the region's
+:class:`~kareus.ir.partitions.PartitionSet` (plain data) under this pass's name in the region's
 findings; the graph does not change.
 """
 
@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from kareus.costs import CollectiveCost, OpCost
-from kareus.partitions import Partition, PartitionSet, PartitionType, Slot
+from kareus.ir.costs import CollectiveCost, OpCost
+from kareus.ir.partitions import Partition, PartitionSet, PartitionType, Slot
 from kareus.passes.annotate_costs import concrete, cost_of
 from kareus.passes.base import GraphPass, PassContext, PassResult
 from kareus.passes.find_blocks import BlockSet

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from kareus.costs import PartitionWork
-from kareus.partitions import Decision, Partition, PartitionSet
+from kareus.ir.costs import PartitionWork
+from kareus.ir.partitions import Decision, Partition, PartitionSet
 from kareus.passes.annotate_costs import concrete, cost_of
 from kareus.passes.base import GraphPass, PassContext, PassResult
 from kareus.passes.cut_partitions import (

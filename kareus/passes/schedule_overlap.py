@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import torch.fx as fx
 
-from kareus.partitions import Decision, PartitionSet
+from kareus.ir.partitions import Decision, PartitionSet
 from kareus.passes.base import GraphPass, PassContext, PassResult
 from kareus.runtime.comm_pool import CommunicatorPool
 

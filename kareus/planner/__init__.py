@@ -1,18 +1,18 @@
 """The planner: per-partition-type frontier search and composition over the iteration.
 
-Free of ``torch.fx`` by design: it reads the :class:`~kareus.partitions.PartitionSet` the
-passes produce and writes a :class:`~kareus.plan.Plan`.
+Free of ``torch.fx`` by design: it reads the :class:`~kareus.ir.partitions.PartitionSet` the
+passes produce and writes a :class:`~kareus.ir.plan_file.Plan`.
 """
 
 from kareus.planner.compose import Composer, chain, one_f_one_b
-from kareus.planner.knobs import KnobSpace, RecordingEvaluator, ReplayEvaluator, Setting
-from kareus.planner.planner import (
+from kareus.planner.iteration import (
     METHODS,
     Parallelism,
     PlannerSettings,
     plan_for_gpu,
     plan_iteration,
 )
+from kareus.planner.knobs import KnobSpace, RecordingEvaluator, ReplayEvaluator, Setting
 from kareus.planner.search import exhaustive, search
 from kareus.planner.select import POLICIES, InfeasiblePlanError, select
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from kareus.costs import Evaluator, OpCost
-from kareus.partitions import PartitionSet
+from kareus.ir.costs import Evaluator, OpCost
+from kareus.ir.partitions import PartitionSet
 from kareus.planner.compose import chain, makespan, one_f_one_b
 
 

@@ -9,8 +9,8 @@ import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kareus.costs import Estimate, Evaluator, Knobs, OpCost, PartitionWork
 from kareus.errors import KareusError
+from kareus.ir.costs import Estimate, Evaluator, Knobs, OpCost, PartitionWork
 
 
 @dataclasses.dataclass(frozen=True, order=True)

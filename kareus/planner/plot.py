@@ -5,7 +5,7 @@ from __future__ import annotations
 import pathlib
 import textwrap
 
-from kareus.plan import Plan
+from kareus.ir.plan_file import Plan
 
 
 def plot_frontiers(plan: Plan, path: str | pathlib.Path) -> pathlib.Path:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from kareus.costs import Evaluator, PartitionWork
+from kareus.ir.costs import Evaluator, PartitionWork
 from kareus.planner.knobs import KnobSpace, Setting, knobs_of
 from kareus.planner.pareto import hypervolume, pareto_front
 

@@ -1,6 +1,6 @@
 """The main job: from a workload and a GPU type to a plan, its report and its plot.
 
-Traces the workload at scale (:mod:`kareus.trace`), plans every method on one evaluator
+Traces the workload at scale (:mod:`kareus.jobs.trace`), plans every method on one evaluator
 (:mod:`kareus.planner`), and writes the results a user reads: ``plan.json`` (apply it with
 ``kareus.compile(model, plan=...)``), ``report.md``, ``frontier.png`` and the partition
 sets. Used by ``kareus plan`` and by the benchmarks.
@@ -21,15 +21,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kareus._files import check_output_dir, write_text
-from kareus.costs import Evaluator
 from kareus.errors import KareusError
 from kareus.hardware import GPUSpec, gpu
-from kareus.partitions import PartitionSet
-from kareus.plan import FrontierPoint, Plan
+from kareus.ir.costs import Evaluator
+from kareus.ir.partitions import PartitionSet
+from kareus.ir.plan_file import FrontierPoint, Plan
+from kareus.jobs.trace import Workload, trace
 from kareus.planner import Parallelism, PlannerSettings, plan_for_gpu
+from kareus.planner.iteration import PlanningResult
 from kareus.planner.pareto import iso_energy_time_reduction, iso_time_energy_reduction
-from kareus.planner.planner import PlanningResult
-from kareus.trace import Workload, trace
 
 _log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def load_partitions(
     Raises:
         PartitionsFileError: as :func:`load_stages`.
     """
-    from kareus.schema import FileFormatError, parse, read_text
+    from kareus.ir.schema import FileFormatError, parse, read_text
 
     try:
         data: _PartitionsFile = parse(
@@ -397,7 +397,7 @@ def _code_digest() -> str:
     import torch
 
     digest = hashlib.sha256(torch.__version__.encode())
-    root = pathlib.Path(__file__).parent
+    root = pathlib.Path(__file__).resolve().parents[1]  # the kareus package
     for path in sorted(root.rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode() + path.read_bytes())
     return digest.hexdigest()

@@ -22,9 +22,11 @@ import torch.fx as fx
 from torch import nn
 
 from kareus import passes
-from kareus.config import Config
+from kareus.compiler.config import Config
+from kareus.compiler.region import GraphRecord, Region
 from kareus.errors import PassError, PlanMismatchError
-from kareus.partitions import Decision
+from kareus.ir.partitions import Decision
+from kareus.ir.plan_file import PIPELINE_SCHEDULES, Plan
 from kareus.passes.base import PassContext, run_passes
 from kareus.passes.census import Key, as_side, census, collective_kind, describe, is_wait, lost
 from kareus.passes.outline import (
@@ -35,8 +37,6 @@ from kareus.passes.outline import (
     tracing_bodies,
 )
 from kareus.passes.subgraphs import copy_graph
-from kareus.plan import PIPELINE_SCHEDULES, Plan
-from kareus.region import GraphRecord, Region
 from kareus.runtime.clocks import ClockController, default_controller
 from kareus.runtime.comm_pool import CommunicatorPool, job_pool
 from kareus.runtime.switcher import ClockRuntime, IterationEnergy, Step
@@ -267,7 +267,7 @@ class KareusBackend:
         code up at their next call).
         """
         from kareus.hardware import gpu
-        from kareus.partitions import PartitionSet
+        from kareus.ir.partitions import PartitionSet
         from kareus.planner import Parallelism, plan_for_gpu
 
         pset: PartitionSet = region.findings["cut_partitions"]

@@ -19,11 +19,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kareus.costs import Evaluator, Knobs, PartitionWork
 from kareus.errors import KareusError
 from kareus.hardware import Emulator, GPUSpec
-from kareus.partitions import Decision, PartitionSet
-from kareus.plan import FrontierPoint, Plan, ScheduledInstruction
+from kareus.ir.costs import Evaluator, Knobs, PartitionWork
+from kareus.ir.partitions import Decision, PartitionSet
+from kareus.ir.plan_file import FrontierPoint, Plan, ScheduledInstruction
 from kareus.planner.compose import (
     REFINE_GAP,
     SCHEDULES,

@@ -3,7 +3,7 @@
 A *partition* is the compute of one nanobatch's segment overlapped with one collective of
 the other nanobatch; partitions with the same op-class sequence and collective share a
 *type* (all layers do), and a decision is made once per type. Nothing here refers to fx:
-node names are strings, costs are :class:`~kareus.costs.OpCost`, and the whole set
+node names are strings, costs are :class:`~kareus.ir.costs.OpCost`, and the whole set
 round-trips through JSON.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kareus._table import render_table
-from kareus.costs import CollectiveCost, OpCost
+from kareus.ir.costs import CollectiveCost, OpCost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +266,7 @@ class PartitionSet:
         Raises:
             FileFormatError: malformed JSON or a field of the wrong type (named).
         """
-        from kareus.schema import parse
+        from kareus.ir.schema import parse
 
         pset: PartitionSet = parse(cls, text, source, "kareus partition set")
         return pset

@@ -6,10 +6,10 @@ import dataclasses
 from typing import Any
 
 from kareus._table import render_table
-from kareus.api import find_backend
-from kareus.config import Config
+from kareus.compiler.backend import find_backend
+from kareus.compiler.config import Config
+from kareus.compiler.region import Region
 from kareus.errors import NotCompiledError, NotYetCapturedError
-from kareus.region import Region
 from kareus.runtime.switcher import IterationEnergy
 
 

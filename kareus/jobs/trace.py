@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from kareus.errors import KareusError
+from kareus.ir.partitions import Partition, PartitionSet
 from kareus.models.llama import Llama, LlamaConfig, preset
-from kareus.partitions import Partition, PartitionSet
 from kareus.passes.extract_partitions import PartitionProgram
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -218,7 +218,7 @@ def trace_stage(
             (blocks left whole), as Megatron-LM runs them.
     """
     import kareus
-    from kareus.api import find_backend
+    from kareus.compiler.backend import find_backend
 
     cfg = dataclasses.replace(work.config, num_layers=layers * work.stages)
     tp_group, cp_group = groups

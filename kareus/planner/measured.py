@@ -14,7 +14,7 @@ equally often; their results are combined the same way (:meth:`ProfilingDevice.c
 
 Devices: :class:`EmulatedProfilingDevice` advances a virtual time and a coarse energy
 counter with the hardware model, so the profiler is tested without a GPU (its figures are
-modelled); ``kareus.profile.ProgramDevice`` runs the partitions extracted from the model's
+modelled); ``kareus.jobs.profile.ProgramDevice`` runs the partitions extracted from the model's
 own graphs (``kareus profile``).
 """
 
@@ -24,7 +24,7 @@ import dataclasses
 import math
 from typing import Protocol
 
-from kareus.costs import Estimate, Knobs, OpCost, PartitionWork
+from kareus.ir.costs import Estimate, Knobs, OpCost, PartitionWork
 from kareus.runtime.clocks import ClockController
 
 

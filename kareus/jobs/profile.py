@@ -4,8 +4,8 @@ Launched like the training job, one process per GPU of one TP × CP group
 (``torchrun --nproc-per-node TP*CP -m kareus profile ...``). Every rank traces the workload on
 fake tensors, as ``kareus plan`` does, keeping each partition type as a runnable program
 (:mod:`kareus.passes.extract_partitions`); then the ranks join a process group and run the
-planner's own evaluation (:func:`kareus.planner.planner.evaluate_options`) with a
-:class:`~kareus.planner.profiler.ProfilerEvaluator` over those programs. Each knob setting
+planner's own evaluation (:func:`kareus.planner.iteration.evaluate_options`) with a
+:class:`~kareus.planner.measured.ProfilerEvaluator` over those programs. Each knob setting
 the search asks for is measured: the launch slot by reordering the program, the SM share
 through the communicator pool, the clock locked only when permitted (``--lock-clocks``) and
 reset after each measurement, also on errors. The ranks agree on repetitions and combine
@@ -44,17 +44,17 @@ import torch
 import torch.distributed as dist
 
 from kareus._files import check_output_dir, write_text
-from kareus.costs import Estimate, Knobs, OpCost, PartitionWork
 from kareus.hardware import Emulator, GPUSpec, gpu
-from kareus.partitions import Decision, PartitionSet
+from kareus.ir.costs import Estimate, Knobs, OpCost, PartitionWork
+from kareus.ir.partitions import Decision, PartitionSet
+from kareus.jobs.trace import Workload, trace_programs
+from kareus.jobs.workload import with_recompute
 from kareus.passes.extract_partitions import PartitionProgram, unnamed
 from kareus.planner import PlannerSettings
+from kareus.planner.iteration import evaluate_options
 from kareus.planner.knobs import CountingEvaluator, RecordingEvaluator, _digest, default_clocks
-from kareus.planner.planner import evaluate_options
-from kareus.planner.profiler import ProfilerEvaluator
-from kareus.planning import with_recompute
+from kareus.planner.measured import ProfilerEvaluator
 from kareus.runtime.clocks import ClockController, ClockError, EmulatedClocks
-from kareus.trace import Workload, trace_programs
 
 _log = logging.getLogger(__name__)
 
@@ -447,7 +447,7 @@ def profile_workload(
         dataclasses.replace(planner, clocks_mhz=freqs),
     )
     if rank == 0:
-        from kareus.planning import save_stages
+        from kareus.jobs.workload import save_stages
 
         save_stages(work, stages, out / "partitions.json")
         write_text(out / "profile.md", profile_markdown(result, str(out)))
@@ -472,7 +472,7 @@ def _programs_by_work(
         The pieces per work digest, and a name per digest: the type key, or what outside
         partitions it is.
     """
-    from kareus.trace import template_block
+    from kareus.jobs.trace import template_block
 
     by_work: dict[str, list[Piece]] = {}
     names: dict[str, str] = {}

@@ -23,18 +23,18 @@ import json
 import pathlib
 from collections.abc import Callable, Sequence
 
-from kareus.costs import Evaluator
 from kareus.errors import KareusError
 from kareus.hardware import Emulator, gpu
+from kareus.ir.costs import Evaluator
+from kareus.jobs.trace import Workload
 from kareus.planner.compose import Composer, Instruction, Iteration, Option, schedule_iteration
-from kareus.planner.knobs import CountingEvaluator
-from kareus.planner.planner import (
+from kareus.planner.iteration import (
     Parallelism,
     PlannerSettings,
     default_profiles,
     instruction_options,
 )
-from kareus.trace import Workload
+from kareus.planner.knobs import CountingEvaluator
 
 PROFILES = {"megatron": "no-overlap", "nanobatch": "nanobatch"}
 """Each method ``evaluate`` prices, and the decision profile its instructions run with."""
@@ -357,7 +357,7 @@ def evaluate_clock_plans(
     Raises:
         ClockPlanError: a bad clocks file. KareusError: an unknown method or GPU.
     """
-    from kareus.planning import load_partitions, traced_stages, with_recompute
+    from kareus.jobs.workload import load_partitions, traced_stages, with_recompute
 
     if method not in PROFILES:
         raise KareusError(f"unknown method {method!r}: evaluate prices {sorted(PROFILES)}")

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kareus._table import render_table
-from kareus.partitions import Decision
+from kareus.ir.partitions import Decision
 
 PLAN_VERSION = 1
 
@@ -129,7 +129,7 @@ class Plan:
             FileFormatError: the JSON is malformed, of another plan version, has a field of
                 the wrong type, or a value no GPU could run (named, with ``source``).
         """
-        from kareus.schema import FileFormatError, parse
+        from kareus.ir.schema import FileFormatError, parse
 
         try:
             head = json.loads(text)
@@ -193,7 +193,7 @@ class Plan:
             FileFormatError: the file cannot be read or is not a valid plan (see
                 :meth:`from_json`).
         """
-        from kareus.schema import read_text
+        from kareus.ir.schema import read_text
 
         return cls.from_json(read_text(path, "kareus plan"), str(path))
 
