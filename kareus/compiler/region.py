@@ -8,6 +8,7 @@ unchanged. :func:`kareus.explain` reads regions; nothing in the training step do
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import torch.fx as fx
@@ -56,3 +57,16 @@ class Region:
     history: list[PassRecord] = dataclasses.field(default_factory=list)
     findings: dict[str, Any] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
+
+    def warn(self, note: str) -> None:
+        """Record ``note`` (``explain`` shows it) and warn with it."""
+        self.notes.append(note)
+        warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=3)
+
+    def undo_split(self, reason: str) -> None:
+        """Record that the region's blocks run whole after all (the split was not kept)."""
+        blockset = self.findings.get("find_blocks")
+        if blockset is not None:
+            for name in blockset.split:
+                blockset.skipped[name] = f"split undone: {reason}"
+            blockset.split.clear()

@@ -1,0 +1,134 @@
+"""Applying a plan to a region: its decisions, its clock schedule, and checks that it fits.
+
+A plan comes from ``kareus plan`` (passed as ``plan=``) or is made here at compile time with
+the hardware model for a GPU type kareus knows (:func:`plan_region`). Either way the region
+gets the overlap decisions of its partition types and a clock runtime gets the plan's steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kareus.compiler.config import Config
+from kareus.compiler.region import Region
+from kareus.errors import PlanMismatchError
+from kareus.ir.plan_file import PIPELINE_SCHEDULES, Plan
+from kareus.runtime.switcher import Step
+
+SCHEDULES = {
+    alias + name.lower(): name for name in PIPELINE_SCHEDULES for alias in ("", "schedule")
+}
+"""Pipeline schedules by the names users give them (``"gpipe"``, ``"Schedule1F1B"``...)."""
+
+
+def check_schedule(plan: Plan, schedule: str | None) -> None:
+    """Raise when the pipeline schedule the job runs is not the one the plan was made for."""
+    if schedule is None:
+        return
+    name = SCHEDULES.get(schedule.replace("_", "").replace("-", "").lower())
+    if name is None:
+        raise PlanMismatchError(
+            f"unknown pipeline schedule {schedule!r}: use one of {list(PIPELINE_SCHEDULES)}"
+        )
+    planned = plan.pipeline_schedule
+    if name != planned:
+        raise PlanMismatchError(
+            f"the plan was made for the {planned} pipeline schedule, but this job runs "
+            f"{name}: re-plan with `kareus plan --schedule {name}` (or run {planned})"
+        )
+
+
+class Decisions(dict):  # type: ignore[type-arg]
+    """The overlap decisions a region was compiled with, shown by ``kareus.explain``."""
+
+    def to_text(self) -> str:
+        """Render the decisions a line each (or what runs without any)."""
+        if not self:
+            return "none given: a split block's collectives launch at their partitions' start"
+        return "\n".join(f"{k}: {v}" for k, v in self.items())
+
+
+def check_plan(plan: Plan, config: Config, stage: int, schedule: str | None) -> Config:
+    """Check that ``plan`` fits this job; return the config it runs with.
+
+    Raises:
+        PlanMismatchError: the plan runs the original graphs but ``nanobatches=2`` was
+            asked for, the job's pipeline schedule is not the plan's, or ``stage`` is not
+            one of its stages.
+    """
+    if plan.nanobatches == 1:
+        # The plan found that splitting does not pay here: it runs the original graphs.
+        if config.nanobatches == 2:
+            raise PlanMismatchError(
+                "the plan runs the original graphs (nanobatches 1: no split plan beat "
+                "per-instruction clocks alone), but nanobatches=2 was asked for: drop "
+                "nanobatches=2, or plan again"
+            )
+        config = config.replace(nanobatches=1)
+    check_schedule(plan, schedule)
+    if stage not in plan.stages():
+        raise PlanMismatchError(
+            f"stage={stage} is not in the plan: it schedules stages "
+            f"{plan.stages()} ({plan.parallel}); pass the pipeline stage this "
+            "process runs"
+        )
+    return config
+
+
+def steps(plan: Plan, stage: int, *, as_stage: int | None = None) -> list[Step]:
+    """Return the clock runtime's steps of ``stage`` (numbered ``as_stage`` if given)."""
+    return [
+        Step(
+            s.kind,
+            s.freq_mhz,
+            s.time_s,
+            s.dynamic_energy_j,
+            s.stage if as_stage is None else as_stage,
+            s.microbatch,
+        )
+        for s in plan.schedule
+        if as_stage is not None or s.stage == stage
+    ]
+
+
+def plan_region(region: Region, gpu_name: str, policy: str) -> Plan | None:
+    """Plan this region's forward and backward with the hardware model for ``gpu_name``.
+
+    Returns the plan, or None when planning failed (the region keeps nanobatching's
+    defaults, and says so): planning must never stop training.
+    """
+    from kareus.hardware import gpu
+    from kareus.ir.partitions import PartitionSet
+    from kareus.planner import Parallelism, plan_for_gpu
+
+    pset: PartitionSet = region.findings["cut_partitions"]
+    sizes = [
+        c.world_size for t in pset.types.values() for c in ([t.collective] if t.collective else [])
+    ] + [c.world_size for cs in pset.exposed.values() for c in cs]
+    spec = gpu(gpu_name)
+    try:
+        result = plan_for_gpu(
+            pset, spec, parallel=Parallelism(tp=max(sizes, default=1)), policy=policy
+        )
+    except Exception as err:  # planning must never stop training
+        region.warn(f"planning for {spec.name} failed, nanobatching defaults kept: {err}")
+        return None
+    plan = result.plan
+    region.findings["plan"] = plan
+    region.findings["planned"] = True  # made for this very graph: nothing to check
+    region.findings["decisions"] = Decisions(plan.decisions_for(0))
+    region.notes.append(
+        f"planned at compile time for {spec.name} with the hardware model "
+        f"(policy {policy}; modelled {plan.chosen.time_s:.6f} s, "
+        f"{plan.chosen.energy_j:.3f} J per forward and backward)"
+    )
+    return plan
+
+
+def this_gpu() -> str | None:
+    """Return the kareus GPU type of this CUDA device, or None (no GPU or unknown)."""
+    if not torch.cuda.is_available():
+        return None
+    from kareus.hardware.specs import spec_name_for_device
+
+    return spec_name_for_device(torch.cuda.get_device_name())

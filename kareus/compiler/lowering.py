@@ -1,0 +1,350 @@
+"""Lowering a region through AOTAutograd (or TorchInductor) with kareus's graph compilers.
+
+The backend (:mod:`kareus.compiler.backend`) runs the structural passes on the Dynamo graph;
+this module hands the result to AOTAutograd, checks on the way that no collective was lost,
+traces repeated blocks once where that compiles faster, and lowers a region per batch size
+when the batch is its only symbolic size. Which passes run on each graph is the caller's
+(``run_passes``); what happens once both training graphs exist is too (``on_graphs``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from kareus.compiler.config import Config
+from kareus.compiler.region import Region
+from kareus.errors import PassError
+from kareus.passes.census import Key, as_side, census, collective_kind, describe, is_wait, lost
+from kareus.passes.outline import (
+    check_no_random,
+    inline_bodies,
+    is_outlined,
+    outline_blocks,
+    tracing_bodies,
+)
+from kareus.passes.subgraphs import copy_graph
+
+_log = logging.getLogger(__name__)
+
+RunPasses = Callable[[str, fx.GraphModule, Sequence[Any]], fx.GraphModule]
+"""Runs kareus's passes on one graph of a kind ("forward", "backward", "inference")."""
+
+Compiled = dict[str, tuple[fx.GraphModule, Sequence[Any], fx.GraphModule]]
+"""Per graph kind: the graph AOTAutograd made, its inputs, and the graph that runs."""
+
+
+AUTO_OUTLINE_CALLS = 16
+"""Calls of one block body from which tracing it once compiles faster than tracing each.
+
+Each traced body carries a fixed cost (its schema, a backward per gradient layout), so a
+few calls compile faster traced op by op. First call against ``aot_eager`` of the tiny
+Llama split in two nanobatches, tracing once and tracing each (fresh processes, 2 cores): 4
+layers (8 calls) 1.89x and 1.39x, 8 layers (16 calls) 1.54x and 1.57x, 16 layers 1.30x and
+1.91x; ``python benchmarks/compile_overhead.py --presets tiny-8l``: 1.49x and 1.50x."""
+
+SPECIALISATIONS_WARNED = 8
+"""Batch sizes a region is lowered for before kareus says that each new one costs a compile."""
+
+
+def lower_with_aot(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    config: Config,
+    region: Region,
+    run_passes: RunPasses,
+    on_graphs: Callable[[Compiled], None],
+) -> Callable[..., Any]:
+    """Hand the Dynamo graph to AOTAutograd with kareus's compilers; return what runs.
+
+    ``on_graphs`` is called once the backward is compiled (both training graphs exist); it
+    may replace their rewritten graphs, which the returned functions look up at each call.
+
+    Raises:
+        LostCollectivesError: AOTAutograd's graphs lack a collective the Dynamo graph
+            holds (checked on the joint graph, or on the inference graph).
+    """
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    expected = census(gm)
+    compiled: Compiled = {}
+
+    def compiler(kind: str, g: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
+        if kind == "inference":
+            check_no_random(g, bodies_only=True)
+            inline_bodies(g)
+            check_lowered(g, expected, "inference")
+        compiled[kind] = (g, inputs, run_passes(kind, g, inputs))
+        if kind == "backward" and "forward" in compiled:
+            on_graphs(compiled)
+
+        def run(*args: Any) -> Any:  # looks the graph up: planning may replace it
+            return compiled[kind][2](*args)
+
+        return make_boxed_func(run)
+
+    def lower(graph: fx.GraphModule, outlined: bool = False) -> Callable[..., Any]:
+        return aot_autograd(  # type: ignore[no-any-return]
+            fw_compiler=functools.partial(compiler, "forward"),
+            bw_compiler=functools.partial(compiler, "backward"),
+            inference_compiler=functools.partial(compiler, "inference"),
+            partition_fn=functools.partial(checked_partition, expected, outlined=outlined),
+        )(graph, example_inputs)
+
+    once = config.trace_blocks_once
+    outlined, calls, shared = (
+        (gm, 0, 0)
+        if once is False
+        else outline_blocks(gm, min_calls=2 if once else AUTO_OUTLINE_CALLS)
+    )
+    if not calls:
+        return lower(gm)
+    history = len(region.history)
+    try:
+        # The tracing context is where invoke_subgraph keeps the traced bodies.
+        with tracing_context(), tracing_bodies(), warnings.catch_warnings():
+            # A body's backward traced again for other gradient layouts: expected.
+            warnings.filterwarnings("ignore", "invoke_subgraph traced multiple backward")
+            fn = lower(outlined, outlined=True)
+    except Exception as err:
+        del region.history[history:]
+        compiled.clear()
+        region.notes.append(
+            f"blocks traced one by one: tracing each repeated block once failed "
+            f"({type(err).__name__}: {err})"
+        )
+        _log.info("region %d: outlined lowering failed: %s", region.index, err)
+        return lower(gm)
+    region.notes.append(
+        f"{calls} block calls traced through AOTAutograd from {shared} shared "
+        f"bod{'y' if shared == 1 else 'ies'} (Config.trace_blocks_once)"
+    )
+    return fn
+
+
+def lower_with_inductor(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    run_passes: RunPasses,
+) -> Callable[..., Any]:
+    """Hand the Dynamo graph to TorchInductor, kareus's passes inside its inner compile.
+
+    Raises:
+        LostCollectivesError: as :func:`lower_with_aot`.
+    """
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    expected = census(gm)
+
+    def inner(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
+        if kwargs.get("is_backward"):
+            kind = "backward"
+        elif kwargs.get("is_inference"):
+            kind = "inference"
+        else:
+            kind = "forward"
+        if kind != "backward":
+            check_lowered(g, expected, kind)
+        return compile_fx_inner(run_passes(kind, g, inputs), inputs, **kwargs)
+
+    # kareus's passes run inside inner_compile, after AOTAutograd: its cache, keyed by
+    # the graph before them, would skip them silently on a hit, so it stays off.
+    # Inductor's FX graph cache is keyed by the graph compile_fx_inner receives, the
+    # one the passes made (plan, clock switches and overlap order in it): a hit reuses
+    # the code generated for exactly that graph. It needs a shape environment, which a
+    # region lowered per batch size (outside Dynamo's tracing context) lacks: give it
+    # one (without it every graph bypassed the cache: "No shape env").
+    with (
+        tracing_context(static_inputs=example_inputs),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        return compile_fx(gm, example_inputs, inner_compile=inner)  # type: ignore[return-value]
+
+
+def symbols(values: Sequence[Any]) -> set[Any]:
+    """Return the free symbols of the sizes of ``values`` (tensors, SymInts, SymFloats)."""
+    found: set[Any] = set()
+    for v in values:
+        sizes = tuple(v.shape) if isinstance(v, torch.Tensor) else (v,)
+        for size in sizes:
+            if isinstance(size, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                found |= size.node.expr.free_symbols
+    return found
+
+
+class Specialised:
+    """A region's compiled function, lowered through AOTAutograd once per batch size.
+
+    Dynamo hands kareus the graph with a symbolic batch, which the nanobatch split needs to
+    find the batch dimension. Tracing forward and backward with symbolic sizes costs about
+    2.5 times the static trace, so when the batch is the graph's only symbolic size, each
+    batch size (the one the training loop uses, a smaller last batch) is lowered with
+    concrete sizes on its first call, as Dynamo would recompile a static graph.
+    """
+
+    def __init__(self, lower: Callable[[Sequence[Any]], Callable[..., Any]], region: Region):
+        self._lower = lower
+        self._region = region
+        self._compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        """Run the function lowered for these inputs' sizes (lowering it on first sight)."""
+        key = tuple(
+            (tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
+            for a in args
+            if isinstance(a, (torch.Tensor, int, float, bool))
+        )
+        fn = self._compiled.get(key)
+        if fn is None:
+            fn = self._compiled[key] = self._compile(args)
+        return fn(*args)
+
+    def _compile(self, args: Sequence[Any]) -> Callable[..., Any]:
+        done = len(self._compiled)
+        shape = next((tuple(a.shape) for a in args if isinstance(a, torch.Tensor)), ())
+        if done:
+            note = f"lowered again for new input shapes (first input {shape}; {done + 1} so far)"
+            if done + 1 == SPECIALISATIONS_WARNED:
+                note += (
+                    ": each new batch size costs a compile; give the loader a fixed batch "
+                    "size (drop_last=True) to avoid them"
+                )
+                self._region.warn(note)
+            else:
+                self._region.notes.append(note)
+        _log.info("region %d: lowering for first input %s", self._region.index, shape)
+        return self._lower(list(args))
+
+
+class LostCollectivesError(PassError):
+    """AOTAutograd's graphs of a rewritten region lack collectives its Dynamo graph holds."""
+
+
+def check_lowered(
+    g: fx.GraphModule, expected: Counter[Key], graph: str, *, joint: bool = False
+) -> None:
+    """Raise :class:`LostCollectivesError` when ``g`` lacks a collective of ``expected``.
+
+    A joint graph holds both sides; a forward-only (inference) graph only the forward side.
+    """
+    got = as_side(census(g), "forward")
+    want = as_side(
+        expected if joint else Counter({k: n for k, n in expected.items() if k[0] == "forward"}),
+        "forward",
+    )
+    missing = lost(want, got)
+    if missing:
+        raise LostCollectivesError(
+            "aot_autograd",
+            graph,
+            f"AOTAutograd's {graph} graph lacks {describe(missing)} of the Dynamo graph",
+        )
+
+
+def checked_partition(
+    expected: Counter[Key],
+    joint: fx.GraphModule,
+    joint_inputs: Any,
+    *,
+    outlined: bool = False,
+    **kwargs: Any,
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """AOTAutograd's default partition, after checking the joint graph's collectives.
+
+    With ``outlined`` (blocks lowered as ``invoke_subgraph`` calls), AOTAutograd first
+    partitions each body's joint graph (as it is: a body that draws random numbers ends
+    the outlined lowering), then the region's, whose calls pass each forward body's saved
+    values to its backward body; the census counts the bodies' collectives. The forward and
+    backward graphs are inlined before they are returned: kareus's passes see flat graphs.
+    """
+    from torch._functorch.partitioners import default_partition
+
+    if outlined and not is_outlined(joint):  # one body's joint graph
+        check_no_random(joint)
+        return default_partition(joint, joint_inputs, **kwargs)  # type: ignore[no-any-return]
+    check_lowered(joint, expected, "joint", joint=True)  # the census counts bodies too
+    forward, backward = default_partition(joint, joint_inputs, **kwargs)
+    if inline_bodies(forward, backward, recompile=False):  # the passes see flat graphs
+        forward, backward = lazy(forward), lazy(backward)  # code made when needed
+    # The partitioner copies into the backward every forward node it can recompute from the
+    # saved values and then removes dead code except collectives: the output projection
+    # and FC2 of a tensor-parallel layer (with static shapes, attention too) would run
+    # again, unused, in every backward, and so would the head's logits GEMM feeding a
+    # copy of the vocab-parallel loss's max all-reduce whose result nothing reads. A
+    # functional collective whose result is unused is dead on every rank alike (each runs
+    # this graph), so it goes too; random ops count as pure: eager never ran these.
+    if backward.graph.eliminate_dead_code(_impure_unless_collective):
+        backward.recompile()
+    return forward, backward
+
+
+def lazy(gm: fx.GraphModule, graph: fx.Graph | None = None) -> fx.GraphModule:
+    """Return ``gm`` (with ``graph``) as a module whose code is made when first run or read."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    return _LazyGraphModule(gm, gm.graph if graph is None else graph, class_name=type(gm).__name__)
+
+
+def _impure_unless_collective(node: fx.Node) -> bool:
+    """DCE's test: impure nodes stay, except functional collectives and their waits."""
+    kind = collective_kind(node)
+    if is_wait(node) or (kind is not None and not kind.endswith("_")):  # in-place ones stay
+        return False
+    return node.is_impure(impure_random=False)
+
+
+def tracing_context(static_inputs: Sequence[Any] | None = None) -> Any:
+    """Return a tracing context for AOTAutograd unless one is active (Dynamo's).
+
+    A region lowered per batch size runs outside Dynamo's: without one, ``invoke_subgraph``
+    finds no cache for traced bodies. With ``static_inputs`` the context also has a shape
+    environment, without which Inductor's FX graph cache bypasses the graph; AOTAutograd
+    would then give every input size a symbol, so those of ``static_inputs`` are declared
+    static (lowered per batch size, as without the environment).
+    """
+    import contextlib
+
+    from torch._dynamo.source import LocalSource
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatefulSymbolicContext,
+    )
+
+    if TracingContext.try_get() is not None:
+        return contextlib.nullcontext()
+    if static_inputs is None:
+        return tracing(TracingContext(FakeTensorMode()))
+    context = TracingContext(FakeTensorMode(shape_env=ShapeEnv()))
+    for i, value in enumerate(static_inputs):
+        if isinstance(value, torch.Tensor):
+            context.tensor_to_context[value] = StatefulSymbolicContext(
+                dynamic_sizes=[DimDynamic.STATIC] * value.dim(),
+                tensor_source=LocalSource(f"kareus_input_{i}"),
+            )
+    return tracing(context)
+
+
+def copy_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """Copy ``gm``'s graph and those of its graph submodules (higher-order-op bodies).
+
+    Parameters and other modules are shared; bodies are copied so that a pass that changes
+    one (or fails half-way) leaves the captured graph whole.
+    """
+    work = lazy(gm, copy_graph(gm.graph))  # code made when needed, not per copy and pass
+    for name, child in gm.named_children():
+        if isinstance(child, fx.GraphModule):
+            setattr(work, name, copy_module(child))
+    return work
