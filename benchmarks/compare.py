@@ -106,8 +106,9 @@ def run_workload(
 ) -> list[dict[str, Any]]:
     """Trace one workload (or reuse its partitions), plan it on each GPU; return rows."""
     from kareus.hardware import Emulator, gpu
+    from kareus.jobs.stages_file import load_originals, save_stages
     from kareus.jobs.trace import Workload, trace
-    from kareus.jobs.workload import load_originals, plan_workload, save_stages
+    from kareus.jobs.workload import plan_workload
     from kareus.planner import PlannerSettings
     from kareus.planner.bounds import lower_bound
 

@@ -9,8 +9,9 @@ Run: python examples/plan_llama3b.py [--gpu a100-40gb] [--select iso_time] [--ou
 import argparse
 import pathlib
 
+from kareus.jobs.report import write_outputs
 from kareus.jobs.trace import Workload
-from kareus.jobs.workload import plan_workload, write_outputs
+from kareus.jobs.workload import plan_workload
 from kareus.planner import POLICIES
 
 parser = argparse.ArgumentParser(description=__doc__)

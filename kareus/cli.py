@@ -403,14 +403,9 @@ def _explain(path: pathlib.Path) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from kareus.hardware import Emulator, gpu
+    from kareus.jobs.report import COMPARISON_HEADER, comparison_rows, write_outputs
     from kareus.jobs.trace import stage_kinds
-    from kareus.jobs.workload import (
-        COMPARISON_HEADER,
-        comparison_rows,
-        plan_workload,
-        planning_steps,
-        write_outputs,
-    )
+    from kareus.jobs.workload import plan_workload, planning_steps
     from kareus.planner import RecordingEvaluator, ReplayEvaluator
 
     spec = gpu(args.gpu)
@@ -444,7 +439,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.record is not None:
         evaluator = RecordingEvaluator(evaluator, args.record)
     from kareus._files import check_output_dir
-    from kareus.jobs.workload import save_stages
+    from kareus.jobs.stages_file import save_stages
 
     out = check_output_dir(args.out)  # before minutes of tracing, not after
     print(f"kareus plan: {work.describe()} on {spec.name} ({args.evaluator})", flush=True)

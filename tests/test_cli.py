@@ -184,7 +184,8 @@ def test_replanning_from_saved_partitions_needs_the_same_workload(planned, tmp_p
 
 
 def test_the_report_says_which_size_limit_left_points_unproven(planned):
-    from kareus.jobs.workload import plan_workload, report_markdown
+    from kareus.jobs.report import report_markdown
+    from kareus.jobs.workload import plan_workload
     from kareus.planner import PlannerSettings
 
     _rc, out = planned
@@ -274,7 +275,7 @@ def _costs(items):
 
 
 def test_the_trace_cache_serves_a_traced_workload_and_retraces_when_asked(tmp_path, monkeypatch):
-    from kareus.jobs.workload import _cache_key, trace_cache_dir
+    from kareus.jobs.cache import cache_key, trace_cache_dir
     from kareus.jobs.workload import plan_workload as plan_fully
     from kareus.planner import PlannerSettings
 
@@ -287,7 +288,7 @@ def test_the_trace_cache_serves_a_traced_workload_and_retraces_when_asked(tmp_pa
     first = plan_workload(work, "a100-40gb")
     assert first.cached is None
     # the split graphs and the original ones, cached apart
-    entry, original = (tmp_path / "cache" / _cache_key(work, 4, n) for n in (2, 1))
+    entry, original = (tmp_path / "cache" / cache_key(work, 4, n) for n in (2, 1))
     assert sorted((tmp_path / "cache").iterdir()) == sorted([entry, original])
     assert entry.parent == trace_cache_dir() and (entry / "partitions.json").is_file()
     # The same workload from the cache plans exactly as from the trace.
@@ -295,7 +296,7 @@ def test_the_trace_cache_serves_a_traced_workload_and_retraces_when_asked(tmp_pa
     assert again.cached == entry and again.plan.to_dict() == first.plan.to_dict()
     # Another micro-batch count is the same trace; another sequence length is not.
     assert plan_workload(dataclasses.replace(work, microbatches=4), "a100-40gb").cached == entry
-    assert _cache_key(dataclasses.replace(work, seq_len=64), 4) != entry.name
+    assert cache_key(dataclasses.replace(work, seq_len=64), 4) != entry.name
     assert plan_workload(work, "a100-40gb", cache=False).cached is None
     # A damaged entry is traced again and rewritten whole.
     (entry / "partitions.json").write_text("{not json")

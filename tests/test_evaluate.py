@@ -15,8 +15,9 @@ from kareus.jobs.evaluate import (
     read_clock_plans,
     stage_orders,
 )
+from kareus.jobs.stages_file import load_stages, save_stages
 from kareus.jobs.trace import Workload
-from kareus.jobs.workload import load_stages, plan_workload, save_stages
+from kareus.jobs.workload import plan_workload
 from kareus.planner import PlannerSettings
 
 WORK = Workload(

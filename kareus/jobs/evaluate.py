@@ -357,7 +357,9 @@ def evaluate_clock_plans(
     Raises:
         ClockPlanError: a bad clocks file. KareusError: an unknown method or GPU.
     """
-    from kareus.jobs.workload import load_partitions, traced_stages, with_recompute
+    from kareus.jobs.cache import traced_stages
+    from kareus.jobs.stages_file import load_partitions
+    from kareus.jobs.workload import with_recompute
 
     if method not in PROFILES:
         raise KareusError(f"unknown method {method!r}: evaluate prices {sorted(PROFILES)}")

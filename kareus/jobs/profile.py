@@ -447,7 +447,7 @@ def profile_workload(
         dataclasses.replace(planner, clocks_mhz=freqs),
     )
     if rank == 0:
-        from kareus.jobs.workload import save_stages
+        from kareus.jobs.stages_file import save_stages
 
         save_stages(work, stages, out / "partitions.json")
         write_text(out / "profile.md", profile_markdown(result, str(out)))

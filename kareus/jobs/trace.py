@@ -441,3 +441,16 @@ __all__ = [
     "trace_programs",
     "trace_stage",
 ]
+
+
+def workload_record(work: Workload) -> dict[str, Any]:
+    """Return the workload as plain data for the plan file."""
+    data = dataclasses.asdict(work)
+    if not isinstance(work.model, str):
+        data["model"] = dataclasses.asdict(work.model)
+    elif ":" in work.model:  # a module's config: its shape, which the name does not pin
+        data["config"] = dataclasses.asdict(work.config)
+    if work.layers_per_stage is not None:  # as JSON holds it, so records compare equal
+        data["layers_per_stage"] = list(work.layers_per_stage)
+    data["describe"] = work.describe()
+    return data
