@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kareus.errors import KareusError
@@ -28,6 +28,7 @@ from kareus.planner.compose import (
     REFINE_GAP,
     SCHEDULES,
     Composer,
+    Iteration,
     Option,
     Solution,
     best_within,
@@ -179,6 +180,65 @@ def plan_iteration(
         InfeasiblePlanError: the policy's budget or deadline cannot be met.
         KareusError: an unknown pipeline schedule.
     """
+    _check_schedule(parallel)
+    stages = _per_stage(psets, parallel.stages)
+    originals = None if original is None else _per_stage(original, parallel.stages)
+    ev = CountingEvaluator(evaluator)
+    freqs = tuple(settings.clocks_mhz or default_clocks(clocks_mhz))
+    note = progress or (lambda _step: None)
+    evaluated = evaluate_options(stages, ev, freqs, static_power_w, settings, note, originals)
+    iteration = schedule_iteration(
+        parallel.schedule, parallel.pp, parallel.microbatches, parallel.virtual_stages
+    )
+    comps = _composers(
+        iteration, evaluated.options, max(freqs), static_power_w, parallel, settings, originals
+    )
+    frontiers = _frontiers(comps, settings, deadline_s, note, with_originals=bool(originals))
+    chosen = select(
+        frontiers["kareus"],  # type: ignore[arg-type]
+        policy,
+        baseline_time_s=frontiers["megatron"][0].time_s,
+        energy_budget_j=energy_budget_j,
+        deadline_s=deadline_s,
+    )
+    assert isinstance(chosen, Solution)
+    unsplit = _nanobatches(chosen) == 1
+    plan = Plan(
+        # The fingerprint is that of the graphs the chosen plan runs.
+        fingerprint={
+            f"{i}/{kind}": pset.fingerprint(kind)
+            for i, pset in enumerate(originals if unsplit and originals else stages)
+            for kind in ("forward", "backward")
+        },
+        pipeline_schedule=parallel.schedule,
+        gpu=gpu,
+        source=getattr(evaluator, "source", "modelled"),
+        policy=policy,
+        parallel=_parallel_record(parallel),
+        frontier=tuple(_point(s) for s in frontiers["kareus"]),
+        chosen=_point(chosen),
+        schedule=_clock_schedule(iteration, chosen),
+        decisions=_decisions(iteration, chosen, evaluated.profiles, unsplit),
+        baselines={
+            m: tuple(_point(s) for s in sols) for m, sols in frontiers.items() if m != "kareus"
+        },
+        evaluations={
+            "search": evaluated.searched,
+            "total": ev.evaluations,
+            "grid": evaluated.grid,
+            **_solve_counts(comps.values(), settings.solver_gap_limit),
+        },
+        skip_reasons=tuple(skip_reasons),
+        static_power_w=static_power_w,
+        workload=dict(workload or {}),
+    )
+    return PlanningResult(
+        plan, evaluated.searches, frontiers, ev.evaluations, evaluated.grid, settings
+    )
+
+
+def _check_schedule(parallel: Parallelism) -> None:
+    """Raise :class:`KareusError` for a schedule kareus cannot plan as given."""
     if parallel.schedule not in SCHEDULES:
         raise KareusError(
             f"unknown pipeline schedule {parallel.schedule!r}: kareus plans {sorted(SCHEDULES)}"
@@ -188,29 +248,29 @@ def plan_iteration(
             f"schedule {parallel.schedule} with {parallel.virtual_stages} stage(s) per rank: "
             "Interleaved1F1B needs 2 or more stages per rank, the other schedules one"
         )
-    stages = _per_stage(psets, parallel.stages)
-    originals = None if original is None else _per_stage(original, parallel.stages)
-    ev = CountingEvaluator(evaluator)
-    freqs = tuple(settings.clocks_mhz or default_clocks(clocks_mhz))
-    note = progress or (lambda _step: None)
-    evaluated = evaluate_options(stages, ev, freqs, static_power_w, settings, note, originals)
-    options, profiles_by_group = evaluated.options, evaluated.profiles
-    searches, grid, searched = evaluated.searches, evaluated.grid, evaluated.searched
-    iteration = schedule_iteration(
-        parallel.schedule, parallel.pp, parallel.microbatches, parallel.virtual_stages
-    )
 
-    # Compose every method on the same options (Megatron-LM's and Perseus's on the original
-    # graphs' where they were given).
-    fmax = max(freqs)
+
+def _composers(
+    iteration: Iteration,
+    options: dict[tuple[int, str], list[Option]],
+    fmax: float,
+    static_power_w: float,
+    parallel: Parallelism,
+    settings: PlannerSettings,
+    originals: Sequence[PartitionSet] | None,
+) -> dict[str, Composer]:
+    """Return each method's composer over the same options, restricted to the method's.
+
+    Megatron-LM's and Perseus's run the original graphs' options where they were given.
+    """
     alone = ORIGINAL if originals is not None else "no-overlap"
-    restrict = {
+    restrict: dict[str, Callable[[Option], bool]] = {
         "megatron": lambda o: o.freq_mhz == fmax and o.profile == alone,
         "perseus": lambda o: o.profile == alone,
         "nanobatch+perseus": lambda o: o.profile == "nanobatch",
         "kareus": lambda o: o.profile != ORIGINAL,
     }
-    comps = {
+    return {
         method: Composer(
             iteration,
             {g: [o for o in opts if keep(o)] for g, opts in options.items()},
@@ -225,6 +285,17 @@ def plan_iteration(
         )
         for method, keep in restrict.items()
     }
+
+
+def _frontiers(
+    comps: dict[str, Composer],
+    settings: PlannerSettings,
+    deadline_s: float | None,
+    note: Callable[[str], Any],
+    *,
+    with_originals: bool,
+) -> dict[str, list[Solution]]:
+    """Compose every method's frontier; kareus's is proven against the baselines' plans."""
     # kareus is also solved at each baseline's fastest time (every instruction at its
     # fastest option: known without a solve) and at the policy's deadline, the times it is
     # compared and selected at.
@@ -255,23 +326,18 @@ def plan_iteration(
     # time by kareus's composer, so that it is improved or proven.
     split = [s for sols in frontiers.values() for s in sols if s.choices[0].profile != ORIGINAL]
     frontiers["kareus"] = comps["kareus"].prove(split)
-    if originals is not None:
+    if with_originals:
         # A Perseus plan leaves the graphs unsplit; where no split plan beats it, it is
         # kareus's plan too (on a tie the simpler plan stays), proven by either bound.
         frontiers["kareus"] = _with_unsplit(
             frontiers["kareus"], frontiers["perseus"], comps["kareus"], comps["perseus"]
         )
+    return frontiers
 
-    # Select and write the plan.
-    chosen = select(
-        frontiers["kareus"],  # type: ignore[arg-type]
-        policy,
-        baseline_time_s=frontiers["megatron"][0].time_s,
-        energy_budget_j=energy_budget_j,
-        deadline_s=deadline_s,
-    )
-    assert isinstance(chosen, Solution)
-    schedule = tuple(
+
+def _clock_schedule(iteration: Iteration, chosen: Solution) -> tuple[ScheduledInstruction, ...]:
+    """Return each instruction with the clock, time and energy of its chosen option."""
+    return tuple(
         ScheduledInstruction(
             instr.stage,
             instr.kind,
@@ -282,57 +348,43 @@ def plan_iteration(
         )
         for instr, opt in zip(iteration.instructions, chosen.choices, strict=True)
     )
+
+
+def _decisions(
+    iteration: Iteration,
+    chosen: Solution,
+    profiles_by_group: dict[tuple[int, str], dict[str, dict[str, Pair]]],
+    unsplit: bool,
+) -> dict[str, dict[str, Decision]]:
+    """Return the overlap decisions per "stage/kind" (none where the graphs stay whole)."""
     decisions: dict[str, dict[str, Decision]] = {}
-    unsplit = _nanobatches(chosen) == 1
     for instr, opt in zip(iteration.instructions, chosen.choices, strict=True):
         pairs = {} if unsplit else profiles_by_group[instr.group][opt.profile]
         decisions[f"{instr.stage}/{instr.kind}"] = {
             key: Decision(slot, share) for key, (slot, share) in pairs.items()
         }
-    source = getattr(evaluator, "source", "modelled")
-    # The fingerprint is that of the graphs the chosen plan runs.
-    fingerprint = {
-        f"{i}/{kind}": pset.fingerprint(kind)
-        for i, pset in enumerate(originals if unsplit and originals else stages)
-        for kind in ("forward", "backward")
+    return decisions
+
+
+def _parallel_record(parallel: Parallelism) -> dict[str, int]:
+    return {
+        "tp": parallel.tp,
+        "cp": parallel.cp,
+        "pp": parallel.pp,
+        "microbatches": parallel.microbatches,
+        **({"virtual_stages": parallel.virtual_stages} if parallel.virtual_stages > 1 else {}),
     }
-    plan = Plan(
-        fingerprint=fingerprint,
-        pipeline_schedule=parallel.schedule,
-        gpu=gpu,
-        source=source,
-        policy=policy,
-        parallel={
-            "tp": parallel.tp,
-            "cp": parallel.cp,
-            "pp": parallel.pp,
-            "microbatches": parallel.microbatches,
-            **({"virtual_stages": parallel.virtual_stages} if parallel.virtual_stages > 1 else {}),
-        },
-        frontier=tuple(_point(s) for s in frontiers["kareus"]),
-        chosen=_point(chosen),
-        schedule=schedule,
-        decisions=decisions,
-        baselines={
-            m: tuple(_point(s) for s in sols) for m, sols in frontiers.items() if m != "kareus"
-        },
-        evaluations={
-            "search": searched,
-            "total": ev.evaluations,
-            "grid": grid,
-            "solves": sum(len(c.solves) for c in comps.values()),
-            # solves the relaxation left outside the gap limit, searched by CP-SAT
-            "cp_sat_solves": sum(c.searches for c in comps.values()),
-            # not proven within the gap limit (CP-SAT stopped at its work limit)
-            "solves_not_proven_optimal": sum(
-                not s.proven(settings.solver_gap_limit) for c in comps.values() for s in c.solves
-            ),
-        },
-        skip_reasons=tuple(skip_reasons),
-        static_power_w=static_power_w,
-        workload=dict(workload or {}),
-    )
-    return PlanningResult(plan, searches, frontiers, ev.evaluations, grid, settings)
+
+
+def _solve_counts(comps: Iterable[Composer], gap_limit: float) -> dict[str, int]:
+    comps = list(comps)
+    return {
+        "solves": sum(len(c.solves) for c in comps),
+        # solves the relaxation left outside the gap limit, searched by CP-SAT
+        "cp_sat_solves": sum(c.searches for c in comps),
+        # not proven within the gap limit (CP-SAT stopped at its work limit)
+        "solves_not_proven_optimal": sum(not s.proven(gap_limit) for c in comps for s in c.solves),
+    }
 
 
 def _alongside(
