@@ -157,6 +157,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
+    _plan_parser(sub)
+    _profile_parser(sub)
+    _evaluate_parser(sub)
+    _other_parsers(sub)
+    return parser
+
+
+def _plan_parser(sub: Any) -> None:
     p = sub.add_parser(
         "plan",
         formatter_class=_Formatter,
@@ -195,6 +203,8 @@ def _parser() -> argparse.ArgumentParser:
         "~/.cache/kareus), and do not write it",
     )
 
+
+def _profile_parser(sub: Any) -> None:
     f = sub.add_parser(
         "profile",
         formatter_class=_Formatter,
@@ -231,6 +241,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     _output_options(f, "kareus-profile", "profiles.jsonl, partitions.json and profile.md")
 
+
+def _evaluate_parser(sub: Any) -> None:
     v = sub.add_parser(
         "evaluate",
         formatter_class=_Formatter,
@@ -273,6 +285,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--no-cache", action="store_true", help="trace again; do not write the cache")
     v.add_argument("--quiet", action="store_true", help="no progress display")
 
+
+def _other_parsers(sub: Any) -> None:
     e = sub.add_parser("explain", help="print a saved plan", formatter_class=_Formatter)
     e.add_argument("plan", type=pathlib.Path, help="a plan.json written by `kareus plan`")
 
@@ -291,7 +305,6 @@ def _parser() -> argparse.ArgumentParser:
         default=pathlib.Path("kareus-clocks.jsonl"),
         help="the clock journal",
     )
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -402,45 +415,17 @@ def _explain(path: pathlib.Path) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from kareus.hardware import Emulator, gpu
-    from kareus.jobs.report import COMPARISON_HEADER, comparison_rows, write_outputs
+    from kareus._files import check_output_dir
+    from kareus.hardware import gpu
+    from kareus.jobs.stages_file import save_stages
     from kareus.jobs.trace import stage_kinds
     from kareus.jobs.workload import plan_workload, planning_steps
-    from kareus.planner import RecordingEvaluator, ReplayEvaluator
 
     spec = gpu(args.gpu)
     work = _workload(args)
-    for option, value, unit in (
-        ("--energy-budget", args.energy_budget, "joules per iteration"),
-        ("--deadline", args.deadline, "seconds per iteration"),
-    ):
-        if value is not None and not value > 0:
-            raise ValueError(f"{option} must be a positive number of {unit}, got {value:g}")
-    if args.select == "energy_budget_j" and args.energy_budget is None:
-        raise ValueError("--select energy_budget_j needs --energy-budget J")
-    if args.select == "deadline_s" and args.deadline is None:
-        raise ValueError("--select deadline_s needs --deadline SECONDS")
+    _check_policy_options(args)
     _check_clocks(args.clocks, spec)
-    evaluator: Any
-    settings = _settings(args)
-    if args.evaluator == "replay":
-        if args.replay is None:
-            raise ValueError(
-                "--evaluator replay needs --replay FILE (written by --record or `kareus profile`)"
-            )
-        evaluator = ReplayEvaluator(args.replay)
-        if args.clocks is None:  # the clocks it was recorded at (one, if not locked)
-            settings = dataclasses.replace(settings, clocks_mhz=evaluator.clocks())
-        if args.partitions is None and (beside := _partitions_beside(args.replay)):
-            args.partitions = beside
-            print(f"partitions from {beside}, recorded with {args.replay}")
-    else:
-        evaluator = Emulator(spec)
-    if args.record is not None:
-        evaluator = RecordingEvaluator(evaluator, args.record)
-    from kareus._files import check_output_dir
-    from kareus.jobs.stages_file import save_stages
-
+    evaluator, settings = _plan_evaluator(args, spec)
     out = check_output_dir(args.out)  # before minutes of tracing, not after
     print(f"kareus plan: {work.describe()} on {spec.name} ({args.evaluator})", flush=True)
 
@@ -468,6 +453,54 @@ def _plan(args: argparse.Namespace) -> int:
             on_traced=traced,
             progress=progress.step,
         )
+    _print_planned(planned, args)
+    return EXIT_OK
+
+
+def _check_policy_options(args: argparse.Namespace) -> None:
+    """Raise ValueError for a budget or deadline that is missing or not positive."""
+    for option, value, unit in (
+        ("--energy-budget", args.energy_budget, "joules per iteration"),
+        ("--deadline", args.deadline, "seconds per iteration"),
+    ):
+        if value is not None and not value > 0:
+            raise ValueError(f"{option} must be a positive number of {unit}, got {value:g}")
+    if args.select == "energy_budget_j" and args.energy_budget is None:
+        raise ValueError("--select energy_budget_j needs --energy-budget J")
+    if args.select == "deadline_s" and args.deadline is None:
+        raise ValueError("--select deadline_s needs --deadline SECONDS")
+
+
+def _plan_evaluator(args: argparse.Namespace, spec: Any) -> tuple[Any, Any]:
+    """Return the evaluator ``kareus plan`` prices with, and the planner settings."""
+    from kareus.hardware import Emulator
+    from kareus.planner import RecordingEvaluator, ReplayEvaluator
+
+    evaluator: Any
+    settings = _settings(args)
+    if args.evaluator == "replay":
+        if args.replay is None:
+            raise ValueError(
+                "--evaluator replay needs --replay FILE (written by --record or `kareus profile`)"
+            )
+        evaluator = ReplayEvaluator(args.replay)
+        if args.clocks is None:  # the clocks it was recorded at (one, if not locked)
+            settings = dataclasses.replace(settings, clocks_mhz=evaluator.clocks())
+        if args.partitions is None and (beside := _partitions_beside(args.replay)):
+            args.partitions = beside
+            print(f"partitions from {beside}, recorded with {args.replay}")
+    else:
+        evaluator = Emulator(spec)
+    if args.record is not None:
+        evaluator = RecordingEvaluator(evaluator, args.record)
+    return evaluator, settings
+
+
+def _print_planned(planned: Any, args: argparse.Namespace) -> None:
+    """Print what ``kareus plan`` found and write its files."""
+    from kareus._table import render_table
+    from kareus.jobs.report import COMPARISON_HEADER, comparison_rows, write_outputs
+
     source = (
         f"partitions from the trace cache ({planned.cached}; --no-cache traces again) in"
         if planned.cached
@@ -483,8 +516,6 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"stage {i} partition types (repeated layers counted):")
         print(pset.to_text() + "\n")
     print(planned.plan.to_text() + "\n")
-    from kareus._table import render_table
-
     print(
         render_table(
             f"methods side by side ({planned.plan.source})",
@@ -495,7 +526,6 @@ def _plan(args: argparse.Namespace) -> int:
     paths = write_outputs(planned, args.out)
     print("\nwrote " + ", ".join(str(p) for p in paths.values()))
     print(f"report: {paths['report']}  |  show the plan again: kareus explain {paths['plan']}")
-    return EXIT_OK
 
 
 def _evaluate(args: argparse.Namespace) -> int:

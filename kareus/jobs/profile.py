@@ -333,18 +333,7 @@ def profile_workload(
     planner = planner or PlannerSettings()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    group_size = work.tp * work.cp
-    if world != group_size:
-        raise ValueError(
-            f"kareus profile measures one TP x CP group of {group_size} rank(s) "
-            f"(TP {work.tp} x CP {work.cp}) but runs on {world}: launch it with "
-            f"`torchrun --nproc-per-node {group_size} -m kareus profile ...`"
-        )
-    if group_size == 1:
-        raise ValueError(
-            f"{work.describe()} has no collective to overlap (TP and CP 1): nothing to "
-            "profile; plan its clocks with `kareus plan`"
-        )
+    _check_group(work, world)
     device = _device(settings.device)
     spec = gpu(gpu_name)
     out = check_output_dir(out) if rank == 0 else pathlib.Path(out)
@@ -367,60 +356,22 @@ def profile_workload(
         on_traced(stages)
     created = _init_group(device, world, rank)
     try:
-        groups = _groups(work.tp, work.cp, rank)
-        model = Emulator(spec)
         if clocks is None:
             clocks = _controller(device, spec)
         wanted = settings.lock_clocks
         lock = _can_lock(clocks, device.type != "cuda" if wanted is None else wanted, notes)
-        if lock:
-            freqs = tuple(planner.clocks_mhz or default_clocks(spec.clocks_mhz()))
-        else:
-            found = _sm_clock(device.index or 0) if device.type == "cuda" else None
-            freqs = (float(found or spec.clock_max_mhz),)
-            notes.append(
-                f"clocks not locked: measured at the clock as found ({freqs[0]:g} MHz, "
-                f"{'read from NVML' if found else 'taken as the maximum'}); only it is planned"
-            )
+        freqs = _clocks_to_measure(lock, planner, spec, device, notes)
         program_device = ProgramDevice(
             by_work,
-            groups,
+            _groups(work.tp, work.cp, rank),
             device,
-            model=model if device.type != "cuda" else None,
+            model=Emulator(spec) if device.type != "cuda" else None,
             static_power_w=spec.calibration.static_power_w,
             gpu_index=device.index or 0,
             seed=settings.seed,
         )
-        profiler = ProfilerEvaluator(
-            program_device,
-            clocks,
-            lock_clocks=lock,
-            static_power_w=spec.calibration.static_power_w,
-            warmup=settings.warmup,
-            min_window_s=settings.window_s,
-        )
-        evaluator: Any = _Profiled(profiler, program_device, model)
-        rows: list[dict[str, Any]] = []
-        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-        def describe(w: PartitionWork, knobs: Knobs, est: Estimate) -> dict[str, Any]:
-            measured = program_device.has(w)
-            row = {
-                "type": type_of.get(_digest(w), "not extracted"),
-                "gpu": spec.name,
-                "device": device_name,
-                "ranks": world,
-                "clock_mhz_observed": program_device.clock_mhz if measured else None,
-                "time_source": "measured" if measured else "modelled",
-                "energy_source": program_device.energy_source if measured else "modelled",
-            }
-            rows.append(row | {"knobs": dataclasses.asdict(knobs), "time_s": est.time_s})
-            return row
-
-        if rank == 0:
-            path = out / "profiles.jsonl"
-            path.unlink(missing_ok=True)
-            evaluator = RecordingEvaluator(evaluator, path, describe)
+        recorder = _Recorder(spec, device, world, program_device, type_of)
+        evaluator = _evaluator(program_device, clocks, lock, spec, settings, rank, out, recorder)
         evaluate_options(
             stages,
             CountingEvaluator(evaluator),
@@ -437,9 +388,9 @@ def profile_workload(
         work,
         spec,
         stages,
-        rows,
+        recorder.rows,
         freqs,
-        device_name,
+        recorder.device_name,
         world,
         traced - start,
         time.perf_counter() - traced,
@@ -452,6 +403,97 @@ def profile_workload(
         save_stages(work, stages, out / "partitions.json")
         write_text(out / "profile.md", profile_markdown(result, str(out)))
     return result
+
+
+def _check_group(work: Workload, world: int) -> None:
+    """Raise ValueError unless this job is one TP x CP group with a collective to measure."""
+    group_size = work.tp * work.cp
+    if world != group_size:
+        raise ValueError(
+            f"kareus profile measures one TP x CP group of {group_size} rank(s) "
+            f"(TP {work.tp} x CP {work.cp}) but runs on {world}: launch it with "
+            f"`torchrun --nproc-per-node {group_size} -m kareus profile ...`"
+        )
+    if group_size == 1:
+        raise ValueError(
+            f"{work.describe()} has no collective to overlap (TP and CP 1): nothing to "
+            "profile; plan its clocks with `kareus plan`"
+        )
+
+
+def _clocks_to_measure(
+    lock: bool, planner: PlannerSettings, spec: GPUSpec, device: torch.device, notes: list[str]
+) -> tuple[float, ...]:
+    """Return the clocks the search measures: the planner's if they can be locked, else one."""
+    if lock:
+        return tuple(planner.clocks_mhz or default_clocks(spec.clocks_mhz()))
+    found = _sm_clock(device.index or 0) if device.type == "cuda" else None
+    freqs = (float(found or spec.clock_max_mhz),)
+    notes.append(
+        f"clocks not locked: measured at the clock as found ({freqs[0]:g} MHz, "
+        f"{'read from NVML' if found else 'taken as the maximum'}); only it is planned"
+    )
+    return freqs
+
+
+class _Recorder:
+    """Describes each evaluation for ``profiles.jsonl`` and keeps a row of it."""
+
+    def __init__(
+        self,
+        spec: GPUSpec,
+        device: torch.device,
+        world: int,
+        program_device: ProgramDevice,
+        type_of: dict[str, str],
+    ) -> None:
+        self.spec = spec
+        self.world = world
+        self.program_device = program_device
+        self.type_of = type_of
+        self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        self.rows: list[dict[str, Any]] = []
+
+    def __call__(self, w: PartitionWork, knobs: Knobs, est: Estimate) -> dict[str, Any]:
+        measured = self.program_device.has(w)
+        row = {
+            "type": self.type_of.get(_digest(w), "not extracted"),
+            "gpu": self.spec.name,
+            "device": self.device_name,
+            "ranks": self.world,
+            "clock_mhz_observed": self.program_device.clock_mhz if measured else None,
+            "time_source": "measured" if measured else "modelled",
+            "energy_source": self.program_device.energy_source if measured else "modelled",
+        }
+        self.rows.append(row | {"knobs": dataclasses.asdict(knobs), "time_s": est.time_s})
+        return row
+
+
+def _evaluator(
+    program_device: ProgramDevice,
+    clocks: ClockController,
+    lock: bool,
+    spec: GPUSpec,
+    settings: ProfileSettings,
+    rank: int,
+    out: pathlib.Path,
+    recorder: _Recorder,
+) -> Any:
+    """Return the profiler (recording to ``profiles.jsonl`` on rank 0)."""
+    profiler = ProfilerEvaluator(
+        program_device,
+        clocks,
+        lock_clocks=lock,
+        static_power_w=spec.calibration.static_power_w,
+        warmup=settings.warmup,
+        min_window_s=settings.window_s,
+    )
+    evaluator: Any = _Profiled(profiler, program_device, program_device.model or Emulator(spec))
+    if rank == 0:
+        path = out / "profiles.jsonl"
+        path.unlink(missing_ok=True)
+        evaluator = RecordingEvaluator(evaluator, path, recorder)
+    return evaluator
 
 
 @dataclasses.dataclass(frozen=True)
