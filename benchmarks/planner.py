@@ -51,7 +51,8 @@ def search_quality(spec, pset):
 
 def at_scale(spec, configs):
     """Plan 70B shapes at each (PP, micro-batches) of ``configs``; print the figures."""
-    from kareus.planner.compose import Composer, one_f_one_b
+    from kareus.planner.compose import Composer
+    from kareus.planner.dag import one_f_one_b
     from kareus.planner.iteration import PlannerSettings, evaluate_options
     from kareus.planner.knobs import CountingEvaluator
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import kareus
-import kareus.passes
+import kareus.passes.pipeline
 from kareus.errors import PassError
 from kareus.passes.base import GraphPass, PassResult
 from kareus.passes.census import census, lost
@@ -47,8 +47,8 @@ def _batches(sequence_parallel):
 
 def _train(sequence_parallel, **options):
     grab = _Grab()
-    saved = kareus.passes.PIPELINE
-    kareus.passes.PIPELINE = (*saved, grab)
+    saved = kareus.passes.pipeline.PIPELINE
+    kareus.passes.pipeline.PIPELINE = (*saved, grab)
     holder = {}
 
     def make():
@@ -63,7 +63,7 @@ def _train(sequence_parallel, **options):
         torch._dynamo.reset()
         ref, got = compare_training(make, comp, _batches(sequence_parallel), resync=True)
     finally:
-        kareus.passes.PIPELINE = saved
+        kareus.passes.pipeline.PIPELINE = saved
     region = kareus.explain(holder["c"]).regions[0]
     pset = region.findings["cut_partitions"]
     with_collective = sum(1 for p in pset.partitions if p.collective is not None)

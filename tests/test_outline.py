@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch import nn
 
 import kareus
-import kareus.passes
+import kareus.passes.pipeline
 from kareus.models import PRESETS, Llama
 from kareus.passes.base import GraphPass, PassResult, same_structure, structure
 from kareus.passes.outline import outline_blocks
@@ -49,7 +49,9 @@ class Grab(GraphPass):
 def grab(monkeypatch):
     def make():
         g = Grab()
-        monkeypatch.setattr(kareus.passes, "PIPELINE", (g, *kareus.passes.PIPELINE))
+        monkeypatch.setattr(
+            kareus.passes.pipeline, "PIPELINE", (g, *kareus.passes.pipeline.PIPELINE)
+        )
         return g
 
     return make

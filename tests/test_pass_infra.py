@@ -4,7 +4,8 @@ import torch.fx as fx
 from torch import nn
 
 import kareus
-import kareus.passes
+import kareus.passes.names
+import kareus.passes.pipeline
 from kareus import Config, PassError
 from kareus.errors import NodeError
 from kareus.passes.base import GraphPass, PassContext, PassResult, run_passes
@@ -59,8 +60,8 @@ class NeedsMeta(GraphPass):
 @pytest.fixture
 def pipeline(monkeypatch):
     def use(*passes):
-        monkeypatch.setattr(kareus.passes, "PIPELINE", tuple(passes))
-        monkeypatch.setattr(kareus.passes, "PASS_NAMES", tuple(p.name for p in passes))
+        monkeypatch.setattr(kareus.passes.pipeline, "PIPELINE", tuple(passes))
+        monkeypatch.setattr(kareus.passes.names, "PASS_NAMES", tuple(p.name for p in passes))
 
     return use
 

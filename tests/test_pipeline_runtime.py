@@ -221,7 +221,7 @@ def test_pipeline_schedules_get_each_instruction_its_clock(run_name, plan_name, 
 
 
 def test_interleaved_1f1b_two_stages_per_rank_share_one_runtime():
-    from kareus.planner.compose import interleaved_one_f_one_b
+    from kareus.planner.dag import interleaved_one_f_one_b
 
     results = run_ranks(_run_pipeline, "Interleaved1F1B", "Interleaved1F1B", 2, world=2)
     _check(results, False)

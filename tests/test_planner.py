@@ -10,7 +10,8 @@ from kareus.hardware.calibrate import attention_partition
 from kareus.ir.costs import CollectiveCost, Knobs, OpCost
 from kareus.ir.partitions import PartitionSet
 from kareus.ir.plan_file import FrontierPoint, Plan
-from kareus.planner.compose import Composer, Option, chain, gpipe, makespan, one_f_one_b, pipeline
+from kareus.planner.compose import Composer
+from kareus.planner.dag import Option, chain, gpipe, makespan, one_f_one_b, pipeline
 from kareus.planner.iteration import (
     Parallelism,
     PlannerSettings,
@@ -520,7 +521,7 @@ def test_interleaved_order_is_torchs():
 
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
 
-    from kareus.planner.compose import interleaved_order
+    from kareus.planner.dag import interleaved_order
 
     kinds = {"F": "forward", "B": "backward"}
     checked = 0
@@ -549,7 +550,7 @@ def test_interleaved_order_is_torchs():
 
 
 def test_interleaved_1f1b_is_planned_over_every_virtual_stage():
-    from kareus.planner.compose import interleaved_one_f_one_b
+    from kareus.planner.dag import interleaved_one_f_one_b
 
     it = interleaved_one_f_one_b(2, 4, 2)
     assert len(it.instructions) == 4 * 4 * 2  # stages x micro-batches x (F, B)

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import kareus
-import kareus.passes
+import kareus.passes.pipeline
 from kareus.models import PRESETS, Llama, LlamaConfig
 from kareus.passes.base import GraphPass, PassResult
 from kareus.passes.tags import get_tag
@@ -95,7 +95,7 @@ class Grab(GraphPass):
 @pytest.fixture
 def grab(monkeypatch):
     g = Grab()
-    monkeypatch.setattr(kareus.passes, "PIPELINE", (*kareus.passes.PIPELINE, g))
+    monkeypatch.setattr(kareus.passes.pipeline, "PIPELINE", (*kareus.passes.pipeline.PIPELINE, g))
     return g
 
 

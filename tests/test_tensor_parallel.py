@@ -3,7 +3,7 @@ import torch
 import torch.distributed as dist
 
 import kareus
-import kareus.passes
+import kareus.passes.pipeline
 from kareus import Decision
 from kareus.models import Llama, LlamaConfig
 from kareus.passes.base import GraphPass, PassResult
@@ -29,7 +29,10 @@ class Grab(GraphPass):
 def _train_tp(rank, decisions):
     """Train the TP model eager and compiled; return histories, partitions and graph orders."""
     grab = Grab()
-    kareus.passes.PIPELINE = (*(p for p in kareus.passes.PIPELINE if p.name != "grab"), grab)
+    kareus.passes.pipeline.PIPELINE = (
+        *(p for p in kareus.passes.pipeline.PIPELINE if p.name != "grab"),
+        grab,
+    )
     holder = {}
 
     def make():

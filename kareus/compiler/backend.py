@@ -20,7 +20,6 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from kareus import passes
 from kareus.compiler import apply_plan
 from kareus.compiler.apply_plan import Decisions
 from kareus.compiler.config import Config
@@ -37,6 +36,7 @@ from kareus.compiler.region import GraphRecord, Region
 from kareus.errors import PassError, PlanMismatchError
 from kareus.ir.partitions import Decision, PartitionSet
 from kareus.ir.plan_file import Plan
+from kareus.passes import pipeline
 from kareus.passes.base import PassContext, run_passes
 from kareus.runtime.clocks import ClockController, default_controller
 from kareus.runtime.comm_pool import CommunicatorPool, job_pool
@@ -219,7 +219,7 @@ class KareusBackend:
         # The passes rewrite a copy of the graph so that a failure leaves the captured one.
         work = copy_module(gm)
         try:
-            out, records = run_passes(work, passes.PIPELINE, ctx)
+            out, records = run_passes(work, pipeline.PIPELINE, ctx)
         except PassError as err:
             region.history.extend(getattr(err, "records", []))
             if isinstance(err.__cause__, PlanMismatchError):

@@ -35,7 +35,7 @@ def _known_gpu(name: Any) -> bool:
 
 
 def _known_pass_names() -> tuple[str, ...]:
-    from kareus.passes import PASS_NAMES
+    from kareus.passes.names import PASS_NAMES
 
     return PASS_NAMES
 
@@ -73,7 +73,7 @@ class Config:
     )
     disable_passes: tuple[str, ...] = _field(
         (),
-        "a tuple of pass names (see kareus.passes.PASS_NAMES)",
+        "a tuple of pass names (see kareus.passes.names.PASS_NAMES)",
         lambda v: isinstance(v, tuple) and all(p in _known_pass_names() for p in v),
         "Passes to skip; a skipped pass is recorded in the pass history.",
     )

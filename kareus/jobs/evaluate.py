@@ -27,7 +27,8 @@ from kareus.errors import KareusError
 from kareus.hardware import Emulator, gpu
 from kareus.ir.costs import Evaluator
 from kareus.jobs.trace import Workload
-from kareus.planner.compose import Composer, Instruction, Iteration, Option, schedule_iteration
+from kareus.planner.compose import Composer
+from kareus.planner.dag import Instruction, Iteration, Option, schedule_iteration
 from kareus.planner.iteration import (
     Parallelism,
     PlannerSettings,

@@ -74,7 +74,7 @@ class Workload:
     virtual_stages: int = 1
 
     def __post_init__(self) -> None:
-        from kareus.planner.compose import SCHEDULES
+        from kareus.planner.dag import SCHEDULES
 
         cfg = self.config  # raises on an unknown preset
         if self.schedule not in SCHEDULES:

@@ -1,43 +1,9 @@
-"""kareus's graph passes, one per module, and the pipeline that orders them.
+"""kareus's graph passes, one per module; :mod:`~kareus.passes.pipeline` orders them.
 
-Structural passes run on Dynamo's graph before autograd; analysis and codegen passes run on
-AOTAutograd's forward, backward and inference graphs. Each pass declares which graphs it
-applies to; the runner (:func:`kareus.passes.base.run_passes`) skips the others.
+Importing this package imports no pass: :mod:`~kareus.passes.names` (the pass names) stays
+light for the config, and each user imports the passes it runs.
 """
 
-from __future__ import annotations
+from kareus.passes.names import PASS_NAMES
 
-from kareus.passes.annotate_costs import AnnotateCosts
-from kareus.passes.base import GRAPH_KINDS, GraphPass, PassContext, PassRecord, PassResult
-from kareus.passes.check_plan import CheckPlan
-from kareus.passes.cut_partitions import CutPartitions
-from kareus.passes.extract_partitions import ExtractPartitions
-from kareus.passes.find_blocks import FindBlocks
-from kareus.passes.insert_clock_switches import InsertClockSwitches
-from kareus.passes.schedule_overlap import ScheduleOverlap
-from kareus.passes.split_nanobatches import SplitNanobatches
-
-PIPELINE: tuple[GraphPass, ...] = (
-    FindBlocks(),
-    SplitNanobatches(),
-    AnnotateCosts(),
-    CutPartitions(),
-    ExtractPartitions(),
-    CheckPlan(),
-    ScheduleOverlap(),
-    InsertClockSwitches(),
-)
-"""Every pass, in the order it runs."""
-
-PASS_NAMES: tuple[str, ...] = tuple(p.name for p in PIPELINE)
-"""Names accepted by ``Config.disable_passes``."""
-
-__all__ = [
-    "GRAPH_KINDS",
-    "PASS_NAMES",
-    "PIPELINE",
-    "GraphPass",
-    "PassContext",
-    "PassRecord",
-    "PassResult",
-]
+__all__ = ["PASS_NAMES"]

@@ -4,7 +4,8 @@ Free of ``torch.fx`` by design: it reads the :class:`~kareus.ir.partitions.Parti
 passes produce and writes a :class:`~kareus.ir.plan_file.Plan`.
 """
 
-from kareus.planner.compose import Composer, chain, one_f_one_b
+from kareus.planner.compose import Composer
+from kareus.planner.dag import chain, one_f_one_b
 from kareus.planner.iteration import (
     METHODS,
     Parallelism,

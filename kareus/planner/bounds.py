@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from kareus.ir.costs import Evaluator, OpCost
 from kareus.ir.partitions import PartitionSet
-from kareus.planner.compose import chain, makespan, one_f_one_b
+from kareus.planner.dag import chain, makespan, one_f_one_b
 
 
 @dataclasses.dataclass(frozen=True)

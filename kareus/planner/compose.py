@@ -21,10 +21,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from kareus.errors import KareusError
+from kareus.planner.dag import (
+    Iteration,
+    Option,
+    makespan,
+    plan_cost,
+)
 from kareus.planner.pareto import TIME_RESOLUTION_S, pareto_front
 
 if TYPE_CHECKING:
@@ -40,195 +46,6 @@ against a hung machine (a solve it stops reports it in its status)."""
 REFINE_GAP = 0.005
 """A frontier point whose proven gap exceeds this fraction of its energy (or the solver's gap
 limit, if larger) is solved again at its own time (once)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Option:
-    """One way to run an instruction: its clock, profile, time and dynamic energy."""
-
-    freq_mhz: float
-    profile: str
-    time_s: float
-    dynamic_energy_j: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Instruction:
-    """A node of the iteration DAG."""
-
-    stage: int
-    kind: str  # "forward" or "backward"
-    microbatch: int
-
-    @property
-    def group(self) -> tuple[int, str]:
-        """Instructions of one group share a compiled graph, hence a profile."""
-        return self.stage, self.kind
-
-
-@dataclasses.dataclass(frozen=True)
-class Iteration:
-    """The DAG: instructions, precedence edges, and each stage's execution order."""
-
-    instructions: tuple[Instruction, ...]
-    edges: tuple[tuple[int, int], ...]
-
-
-def chain(microbatches: int = 1) -> Iteration:
-    """Forward then backward of each micro-batch on one stage (gradient accumulation)."""
-    instrs = tuple(
-        Instruction(0, kind, m) for m in range(microbatches) for kind in ("forward", "backward")
-    )
-    return Iteration(instrs, tuple((i, i + 1) for i in range(len(instrs) - 1)))
-
-
-def one_f_one_b(stages: int, microbatches: int) -> Iteration:
-    """Return synchronous 1F1B: warm-up forwards, steady 1F1B, cool-down backwards.
-
-    Each stage's order is that of ``torch.distributed.pipelining.Schedule1F1B``.
-    """
-    _check_sizes("1F1B", stages, microbatches)
-    orders = []
-    for s in range(stages):
-        warm = min(stages - s - 1, microbatches)
-        seq = [("forward", m) for m in range(warm)]
-        f, b = warm, 0
-        while b < microbatches:
-            if f < microbatches:
-                seq.append(("forward", f))
-                f += 1
-            seq.append(("backward", b))
-            b += 1
-        orders.append(seq)
-    return pipeline(orders)
-
-
-def gpipe(stages: int, microbatches: int) -> Iteration:
-    """Return GPipe: every stage runs all forwards, then all backwards (``ScheduleGPipe``)."""
-    _check_sizes("GPipe", stages, microbatches)
-    seq = [("forward", m) for m in range(microbatches)]
-    seq += [("backward", m) for m in range(microbatches)]
-    return pipeline([list(seq) for _ in range(stages)])
-
-
-def interleaved_one_f_one_b(ranks: int, microbatches: int, virtual: int = 2) -> Iteration:
-    """Return interleaved 1F1B: ``virtual`` stages per rank, stage ``v * ranks + r`` on rank r.
-
-    Each rank's order is the one ``torch.distributed.pipelining.ScheduleInterleaved1F1B``
-    computes (:func:`interleaved_order`), so the DAG is what torch runs.
-
-    Raises:
-        KareusError: sizes torch's schedule does not accept.
-    """
-    _check_sizes("Interleaved 1F1B", ranks, microbatches)
-    if virtual < 2:
-        raise KareusError(f"Interleaved 1F1B needs 2 or more stages per rank, got {virtual}")
-    rounds = max(1, microbatches // ranks)
-    if microbatches % rounds:
-        raise KareusError(
-            f"Interleaved 1F1B needs the micro-batches ({microbatches}) to be a multiple of "
-            f"the rounds ({rounds} = micro-batches // ranks), as torch's schedule does"
-        )
-    orders = [interleaved_order(r, ranks, virtual, microbatches) for r in range(ranks)]
-    return _dag(orders, ranks * virtual)
-
-
-def interleaved_order(
-    rank: int, ranks: int, virtual: int, microbatches: int
-) -> list[tuple[int, str, int]]:
-    """Return rank ``rank``'s (stage, kind, micro-batch) order under interleaved 1F1B.
-
-    The algorithm of torch's ``ScheduleInterleaved1F1B`` (depth first, micro-batches in
-    rounds of ``microbatches // max(1, microbatches // ranks)``): warm-up forwards, then a
-    forward and a backward per step, then the remaining backwards. The tests check it
-    against torch's own computation and against the order a real run takes.
-    """
-    rounds = max(1, microbatches // ranks)
-    per_round = microbatches // rounds
-    warmup = min((virtual - 1) * per_round + 2 * (ranks - 1 - rank), microbatches * virtual)
-    steady = microbatches * virtual - warmup
-
-    def forward_stage(step: int) -> int:
-        return ((step // per_round) % virtual) * ranks + rank
-
-    def backward_stage(step: int) -> int:
-        return (virtual - 1 - ((step - warmup) // per_round) % virtual) * ranks + rank
-
-    done: dict[tuple[int, str], int] = {}
-    order: list[tuple[int, str, int]] = []
-
-    def run(stage: int, kind: str) -> None:
-        m = done.get((stage, kind), 0)
-        done[(stage, kind)] = m + 1
-        order.append((stage, kind, m))
-
-    for step in range(warmup + steady + warmup):
-        if step < warmup + steady:
-            run(forward_stage(step), "forward")
-        if step >= warmup:
-            run(backward_stage(step), "backward")
-    return order
-
-
-SCHEDULES: dict[str, Callable[..., Iteration]] = {
-    "1F1B": one_f_one_b,
-    "GPipe": gpipe,
-    "Interleaved1F1B": interleaved_one_f_one_b,
-}
-"""The pipeline schedules the composer builds, by the names plans record. Each takes
-(ranks, micro-batches) and, for the interleaved one, the stages per rank."""
-
-
-def pipeline(orders: Sequence[Sequence[tuple[str, int]]]) -> Iteration:
-    """Return the DAG of a pipeline whose stage ``s`` runs ``orders[s]`` in that order."""
-    return _dag([[(s, k, m) for k, m in order] for s, order in enumerate(orders)], len(orders))
-
-
-def _dag(rank_orders: Sequence[Sequence[tuple[int, str, int]]], stages: int) -> Iteration:
-    """Return the DAG of ``stages`` stages whose rank ``r`` runs ``rank_orders[r]`` in order.
-
-    Items are (stage, kind, micro-batch). Edges: each rank's order; a micro-batch's forward
-    from stage to stage, its backward back; and, on the last stage, a micro-batch's backward
-    after its forward.
-    """
-    instrs: list[Instruction] = []
-    index: dict[tuple[int, str, int], int] = {}
-    edges: set[tuple[int, int]] = set()
-    for order in rank_orders:
-        ids = []
-        for s, kind, m in order:
-            index[(s, kind, m)] = len(instrs)
-            ids.append(len(instrs))
-            instrs.append(Instruction(s, kind, m))
-        edges.update(itertools.pairwise(ids))
-    last = stages - 1
-    for (s, kind, m), i in index.items():
-        if kind == "forward" and s < last:
-            edges.add((i, index[(s + 1, "forward", m)]))
-        if kind == "backward" and s < last:
-            edges.add((index[(s + 1, "backward", m)], i))
-        if kind == "backward" and s == last:
-            edges.add((index[(s, "forward", m)], i))
-    return Iteration(tuple(instrs), tuple(sorted(edges)))
-
-
-def schedule_iteration(schedule: str, ranks: int, microbatches: int, virtual: int = 1) -> Iteration:
-    """Return the DAG of one iteration under ``schedule`` (a key of :data:`SCHEDULES`).
-
-    One rank under 1F1B is a chain (forward, backward, forward...: gradient accumulation);
-    ``virtual`` is the stages per rank of ``Interleaved1F1B``.
-    """
-    if ranks == 1 and schedule == "1F1B":
-        return chain(microbatches)
-    extra = (virtual,) if virtual > 1 else ()
-    return SCHEDULES[schedule](ranks, microbatches, *extra)
-
-
-def _check_sizes(name: str, stages: int, microbatches: int) -> None:
-    if stages < 1 or microbatches < 1:
-        raise KareusError(
-            f"{name} needs stages >= 1 and micro-batches >= 1, got {stages}, {microbatches}"
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,35 +105,6 @@ def _undominated(options: Sequence[Option]) -> tuple[Option, ...]:
             seen.add(key)
             out.append(o)
     return tuple(out)
-
-
-def makespan(iteration: Iteration, durations: Sequence[float]) -> float:
-    """Longest path through the DAG with the given instruction durations."""
-    preds: dict[int, list[int]] = {i: [] for i in range(len(iteration.instructions))}
-    for a, b in iteration.edges:
-        preds[b].append(a)
-    finish: dict[int, float] = {}
-
-    def end(i: int) -> float:
-        if i not in finish:
-            finish[i] = max((end(p) for p in preds[i]), default=0.0) + durations[i]
-        return finish[i]
-
-    return max(end(i) for i in preds)
-
-
-def plan_cost(
-    iteration: Iteration,
-    choices: Sequence[Option],
-    *,
-    static_power_w: float,
-    gpus: int,
-    gpus_per_stage: int,
-) -> tuple[float, float]:
-    """Return (iteration time, energy of all GPUs) of one choice per instruction."""
-    t = makespan(iteration, [c.time_s for c in choices])
-    dyn = sum(c.dynamic_energy_j for c in choices) * gpus_per_stage
-    return t, dyn + static_power_w * gpus * t
 
 
 class Composer:
@@ -503,38 +291,7 @@ class Composer:
         bound_us = None if bound_s is None else int(bound_s * 1e6)
         if fastest:
             bound_us = round(makespan(self.it, [min(d) for d in us]))
-        m = cp_model.CpModel()
-        horizon = sum(max(d) for d in us) + 1
-        x = [[m.new_bool_var(f"x{i}_{k}") for k in range(len(us[i]))] for i in range(len(us))]
-        groups = sorted({i.group for i in self.it.instructions})
-        profiles = {g: sorted({o.profile for o in self.model_options[g]}) for g in groups}
-        y = {g: {p: m.new_bool_var(f"y{g}_{p}") for p in profiles[g]} for g in groups}
-        for g in groups:
-            m.add_exactly_one(y[g].values())
-        start, end = [], []
-        for i, instr in enumerate(self.it.instructions):
-            m.add_exactly_one(x[i])
-            for k, opt in enumerate(opts[i]):
-                m.add_implication(x[i][k], y[instr.group][opt.profile])
-            s = m.new_int_var(0, horizon, f"s{i}")
-            e = m.new_int_var(0, horizon, f"e{i}")
-            m.add(e == s + sum(d * v for d, v in zip(us[i], x[i], strict=True)))
-            start.append(s)
-            end.append(e)
-        for a, b in self.it.edges:
-            m.add(end[a] <= start[b])
-        t = m.new_int_var(0, horizon, "T")
-        for e in end:
-            m.add(t >= e)
-        if bound_us is not None:
-            m.add(t <= bound_us)
-        dyn = sum(
-            round(o.dynamic_energy_j * 1e6 * self.per_stage) * x[i][k]
-            for i in range(len(opts))
-            for k, o in enumerate(opts[i])
-        )
-        static_w = round(self.static_w * self.gpus)  # W x us = uJ
-        m.minimize(dyn + static_w * t)
+        m, x = self._cp_sat_model(opts, us, bound_us)
         if hint is not None:
             for i in range(len(opts)):
                 for k, o in enumerate(opts[i]):
@@ -591,6 +348,50 @@ class Composer:
         # OPTIMAL means within gap_limit, not exact
         found = dataclasses.replace(found, within_s=bound_s, bound_j=min(proven, found.energy_j))
         return self._record(found)
+
+    def _cp_sat_model(
+        self, opts: Sequence[Sequence[Option]], us: list[list[int]], bound_us: int | None
+    ) -> tuple[Any, list[list[Any]]]:
+        """Return CP-SAT's model of the iteration (least energy within ``bound_us``) and x.
+
+        ``x[i][k]``: instruction ``i`` runs option ``k``; one decision profile per group;
+        times in whole microseconds, energies in microjoules, static power in whole watts.
+        """
+        from ortools.sat.python import cp_model
+
+        m = cp_model.CpModel()
+        horizon = sum(max(d) for d in us) + 1
+        x = [[m.new_bool_var(f"x{i}_{k}") for k in range(len(us[i]))] for i in range(len(us))]
+        groups = sorted({i.group for i in self.it.instructions})
+        profiles = {g: sorted({o.profile for o in self.model_options[g]}) for g in groups}
+        y = {g: {p: m.new_bool_var(f"y{g}_{p}") for p in profiles[g]} for g in groups}
+        for g in groups:
+            m.add_exactly_one(y[g].values())
+        start, end = [], []
+        for i, instr in enumerate(self.it.instructions):
+            m.add_exactly_one(x[i])
+            for k, opt in enumerate(opts[i]):
+                m.add_implication(x[i][k], y[instr.group][opt.profile])
+            s = m.new_int_var(0, horizon, f"s{i}")
+            e = m.new_int_var(0, horizon, f"e{i}")
+            m.add(e == s + sum(d * v for d, v in zip(us[i], x[i], strict=True)))
+            start.append(s)
+            end.append(e)
+        for a, b in self.it.edges:
+            m.add(end[a] <= start[b])
+        t = m.new_int_var(0, horizon, "T")
+        for e in end:
+            m.add(t >= e)
+        if bound_us is not None:
+            m.add(t <= bound_us)
+        dyn = sum(
+            round(o.dynamic_energy_j * 1e6 * self.per_stage) * x[i][k]
+            for i in range(len(opts))
+            for k, o in enumerate(opts[i])
+        )
+        static_w = round(self.static_w * self.gpus)  # W x us = uJ
+        m.minimize(dyn + static_w * t)
+        return m, x
 
     def fastest_choice(self) -> Solution:
         """Every instruction's fastest option (least energy among equals): a feasible start."""

@@ -24,16 +24,8 @@ from kareus.hardware import Emulator, GPUSpec
 from kareus.ir.costs import Evaluator, Knobs, PartitionWork
 from kareus.ir.partitions import Decision, PartitionSet
 from kareus.ir.plan_file import FrontierPoint, Plan, ScheduledInstruction
-from kareus.planner.compose import (
-    REFINE_GAP,
-    SCHEDULES,
-    Composer,
-    Iteration,
-    Option,
-    Solution,
-    best_within,
-    schedule_iteration,
-)
+from kareus.planner.compose import REFINE_GAP, Composer, Solution, best_within
+from kareus.planner.dag import SCHEDULES, Iteration, Option, schedule_iteration
 from kareus.planner.knobs import CountingEvaluator, KnobSpace, Setting, default_clocks, knobs_of
 from kareus.planner.pareto import TIME_RESOLUTION_S, pareto_front
 from kareus.planner.search import SearchResult, exhaustive, search

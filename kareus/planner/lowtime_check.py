@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kareus.planner.compose import Composer, Iteration, Option
+from kareus.planner.compose import Composer
+from kareus.planner.dag import Iteration, Option
 
 
 def lowtime_frontier(

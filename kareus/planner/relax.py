@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kareus.errors import KareusError
-from kareus.planner.compose import Iteration, Option, makespan, plan_cost
+from kareus.planner.dag import Iteration, Option, makespan, plan_cost
 
 _log = logging.getLogger(__name__)
 

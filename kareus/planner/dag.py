@@ -1,0 +1,232 @@
+"""The iteration DAG the composer and the relaxation share: instructions, options, schedules.
+
+An :class:`Iteration` is a pipeline schedule's instructions (a forward or backward of one
+micro-batch on one stage) and the edges between them; an :class:`Option` is one way to run an
+instruction. :func:`makespan` and :func:`plan_cost` price a choice of options over it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+
+from kareus.errors import KareusError
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One way to run an instruction: its clock, profile, time and dynamic energy."""
+
+    freq_mhz: float
+    profile: str
+    time_s: float
+    dynamic_energy_j: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """A node of the iteration DAG."""
+
+    stage: int
+    kind: str  # "forward" or "backward"
+    microbatch: int
+
+    @property
+    def group(self) -> tuple[int, str]:
+        """Instructions of one group share a compiled graph, hence a profile."""
+        return self.stage, self.kind
+
+
+@dataclasses.dataclass(frozen=True)
+class Iteration:
+    """The DAG: instructions, precedence edges, and each stage's execution order."""
+
+    instructions: tuple[Instruction, ...]
+    edges: tuple[tuple[int, int], ...]
+
+
+def chain(microbatches: int = 1) -> Iteration:
+    """Forward then backward of each micro-batch on one stage (gradient accumulation)."""
+    instrs = tuple(
+        Instruction(0, kind, m) for m in range(microbatches) for kind in ("forward", "backward")
+    )
+    return Iteration(instrs, tuple((i, i + 1) for i in range(len(instrs) - 1)))
+
+
+def one_f_one_b(stages: int, microbatches: int) -> Iteration:
+    """Return synchronous 1F1B: warm-up forwards, steady 1F1B, cool-down backwards.
+
+    Each stage's order is that of ``torch.distributed.pipelining.Schedule1F1B``.
+    """
+    _check_sizes("1F1B", stages, microbatches)
+    orders = []
+    for s in range(stages):
+        warm = min(stages - s - 1, microbatches)
+        seq = [("forward", m) for m in range(warm)]
+        f, b = warm, 0
+        while b < microbatches:
+            if f < microbatches:
+                seq.append(("forward", f))
+                f += 1
+            seq.append(("backward", b))
+            b += 1
+        orders.append(seq)
+    return pipeline(orders)
+
+
+def gpipe(stages: int, microbatches: int) -> Iteration:
+    """Return GPipe: every stage runs all forwards, then all backwards (``ScheduleGPipe``)."""
+    _check_sizes("GPipe", stages, microbatches)
+    seq = [("forward", m) for m in range(microbatches)]
+    seq += [("backward", m) for m in range(microbatches)]
+    return pipeline([list(seq) for _ in range(stages)])
+
+
+def interleaved_one_f_one_b(ranks: int, microbatches: int, virtual: int = 2) -> Iteration:
+    """Return interleaved 1F1B: ``virtual`` stages per rank, stage ``v * ranks + r`` on rank r.
+
+    Each rank's order is the one ``torch.distributed.pipelining.ScheduleInterleaved1F1B``
+    computes (:func:`interleaved_order`), so the DAG is what torch runs.
+
+    Raises:
+        KareusError: sizes torch's schedule does not accept.
+    """
+    _check_sizes("Interleaved 1F1B", ranks, microbatches)
+    if virtual < 2:
+        raise KareusError(f"Interleaved 1F1B needs 2 or more stages per rank, got {virtual}")
+    rounds = max(1, microbatches // ranks)
+    if microbatches % rounds:
+        raise KareusError(
+            f"Interleaved 1F1B needs the micro-batches ({microbatches}) to be a multiple of "
+            f"the rounds ({rounds} = micro-batches // ranks), as torch's schedule does"
+        )
+    orders = [interleaved_order(r, ranks, virtual, microbatches) for r in range(ranks)]
+    return _dag(orders, ranks * virtual)
+
+
+def interleaved_order(
+    rank: int, ranks: int, virtual: int, microbatches: int
+) -> list[tuple[int, str, int]]:
+    """Return rank ``rank``'s (stage, kind, micro-batch) order under interleaved 1F1B.
+
+    The algorithm of torch's ``ScheduleInterleaved1F1B`` (depth first, micro-batches in
+    rounds of ``microbatches // max(1, microbatches // ranks)``): warm-up forwards, then a
+    forward and a backward per step, then the remaining backwards. The tests check it
+    against torch's own computation and against the order a real run takes.
+    """
+    rounds = max(1, microbatches // ranks)
+    per_round = microbatches // rounds
+    warmup = min((virtual - 1) * per_round + 2 * (ranks - 1 - rank), microbatches * virtual)
+    steady = microbatches * virtual - warmup
+
+    def forward_stage(step: int) -> int:
+        return ((step // per_round) % virtual) * ranks + rank
+
+    def backward_stage(step: int) -> int:
+        return (virtual - 1 - ((step - warmup) // per_round) % virtual) * ranks + rank
+
+    done: dict[tuple[int, str], int] = {}
+    order: list[tuple[int, str, int]] = []
+
+    def run(stage: int, kind: str) -> None:
+        m = done.get((stage, kind), 0)
+        done[(stage, kind)] = m + 1
+        order.append((stage, kind, m))
+
+    for step in range(warmup + steady + warmup):
+        if step < warmup + steady:
+            run(forward_stage(step), "forward")
+        if step >= warmup:
+            run(backward_stage(step), "backward")
+    return order
+
+
+SCHEDULES: dict[str, Callable[..., Iteration]] = {
+    "1F1B": one_f_one_b,
+    "GPipe": gpipe,
+    "Interleaved1F1B": interleaved_one_f_one_b,
+}
+"""The pipeline schedules the composer builds, by the names plans record. Each takes
+(ranks, micro-batches) and, for the interleaved one, the stages per rank."""
+
+
+def pipeline(orders: Sequence[Sequence[tuple[str, int]]]) -> Iteration:
+    """Return the DAG of a pipeline whose stage ``s`` runs ``orders[s]`` in that order."""
+    return _dag([[(s, k, m) for k, m in order] for s, order in enumerate(orders)], len(orders))
+
+
+def _dag(rank_orders: Sequence[Sequence[tuple[int, str, int]]], stages: int) -> Iteration:
+    """Return the DAG of ``stages`` stages whose rank ``r`` runs ``rank_orders[r]`` in order.
+
+    Items are (stage, kind, micro-batch). Edges: each rank's order; a micro-batch's forward
+    from stage to stage, its backward back; and, on the last stage, a micro-batch's backward
+    after its forward.
+    """
+    instrs: list[Instruction] = []
+    index: dict[tuple[int, str, int], int] = {}
+    edges: set[tuple[int, int]] = set()
+    for order in rank_orders:
+        ids = []
+        for s, kind, m in order:
+            index[(s, kind, m)] = len(instrs)
+            ids.append(len(instrs))
+            instrs.append(Instruction(s, kind, m))
+        edges.update(itertools.pairwise(ids))
+    last = stages - 1
+    for (s, kind, m), i in index.items():
+        if kind == "forward" and s < last:
+            edges.add((i, index[(s + 1, "forward", m)]))
+        if kind == "backward" and s < last:
+            edges.add((index[(s + 1, "backward", m)], i))
+        if kind == "backward" and s == last:
+            edges.add((index[(s, "forward", m)], i))
+    return Iteration(tuple(instrs), tuple(sorted(edges)))
+
+
+def schedule_iteration(schedule: str, ranks: int, microbatches: int, virtual: int = 1) -> Iteration:
+    """Return the DAG of one iteration under ``schedule`` (a key of :data:`SCHEDULES`).
+
+    One rank under 1F1B is a chain (forward, backward, forward...: gradient accumulation);
+    ``virtual`` is the stages per rank of ``Interleaved1F1B``.
+    """
+    if ranks == 1 and schedule == "1F1B":
+        return chain(microbatches)
+    extra = (virtual,) if virtual > 1 else ()
+    return SCHEDULES[schedule](ranks, microbatches, *extra)
+
+
+def _check_sizes(name: str, stages: int, microbatches: int) -> None:
+    if stages < 1 or microbatches < 1:
+        raise KareusError(
+            f"{name} needs stages >= 1 and micro-batches >= 1, got {stages}, {microbatches}"
+        )
+
+
+def makespan(iteration: Iteration, durations: Sequence[float]) -> float:
+    """Longest path through the DAG with the given instruction durations."""
+    preds: dict[int, list[int]] = {i: [] for i in range(len(iteration.instructions))}
+    for a, b in iteration.edges:
+        preds[b].append(a)
+    finish: dict[int, float] = {}
+
+    def end(i: int) -> float:
+        if i not in finish:
+            finish[i] = max((end(p) for p in preds[i]), default=0.0) + durations[i]
+        return finish[i]
+
+    return max(end(i) for i in preds)
+
+
+def plan_cost(
+    iteration: Iteration,
+    choices: Sequence[Option],
+    *,
+    static_power_w: float,
+    gpus: int,
+    gpus_per_stage: int,
+) -> tuple[float, float]:
+    """Return (iteration time, energy of all GPUs) of one choice per instruction."""
+    t = makespan(iteration, [c.time_s for c in choices])
+    dyn = sum(c.dynamic_energy_j for c in choices) * gpus_per_stage
+    return t, dyn + static_power_w * gpus * t
