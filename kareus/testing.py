@@ -358,6 +358,71 @@ class SleepyStack(nn.Module):
         return x.pow(2).mean()
 
 
+def _megatron_layer_ops(
+    *, hidden: int, ffn: int, heads: int, seq: int, rows: int, tp: int, dtype: str
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """Return one layer's attention and MLP ops for ``rows`` sequences, forward."""
+    from kareus.ir.costs import OpCost
+
+    tokens = rows * seq
+    b = 2 if dtype in ("bf16", "fp16") else 4
+    act = tokens * hidden * b
+    hd = hidden // heads
+    h_tp = heads // tp
+
+    def mem(name: str, nbytes: float) -> OpCost:
+        return OpCost("memory", nbytes / b, nbytes, dtype, name)
+
+    def gemm(name: str, m: int, k: int, n: int) -> OpCost:
+        return OpCost("gemm", 2.0 * m * k * n, float((m * k + k * n + m * n) * b), dtype, name)
+
+    attn_ops = (
+        mem("norm", 2 * act),
+        gemm("qkv", tokens, hidden, 3 * hidden // tp),
+        mem("rope", 4 * tokens * 2 * hidden // tp * b),
+        OpCost(
+            "attention",
+            4.0 * rows * h_tp * seq * seq * hd / 2,
+            4.0 * tokens * hidden // tp * b,
+            dtype,
+            "attention",
+        ),
+        gemm("out_proj", tokens, hidden // tp, hidden),
+    )
+    mlp_ops = (
+        mem("residual_norm", 3 * act),
+        gemm("gate_up", tokens, hidden, 2 * ffn // tp),
+        mem("swiglu", 3 * tokens * ffn // tp * b),
+        gemm("down", tokens, ffn // tp, hidden),
+    )
+    return attn_ops, mlp_ops
+
+
+def _add_split_type(
+    pset: Any, kind: str, label: str, ops: tuple[Any, ...], coll: Any, layers: int
+) -> None:
+    """Add one partition type (a slot per op) and its partitions, two per layer, to ``pset``."""
+    from kareus.ir.partitions import Partition, PartitionType, Slot
+
+    key = f"{kind}.{label}"
+    slots = tuple(Slot(f"{key}.{i}", (o,)) for i, o in enumerate(ops))
+    pset.types[key] = PartitionType(key, kind, ops, tuple(s.label for s in slots), coll)
+    for layer in range(layers):
+        for nb in (0, 1):
+            pset.partitions.append(
+                Partition(
+                    kind,
+                    f"layers.{layer}",
+                    nb,
+                    0,
+                    key,
+                    tuple(s.first for s in slots),
+                    slots,
+                    (f"issue{layer}{nb}{label}", f"wait{layer}{nb}{label}"),
+                )
+            )
+
+
 def megatron_partition_set(
     *,
     hidden: int,
@@ -380,13 +445,20 @@ def megatron_partition_set(
     whole micro-batch, outside partitions) with its two all-reduces alone.
     """
     from kareus.ir.costs import CollectiveCost, OpCost
-    from kareus.ir.partitions import Partition, PartitionSet, PartitionType, Slot
+    from kareus.ir.partitions import PartitionSet
 
     tokens = microbatch // nanobatches * seq  # one nanobatch (or the whole micro-batch)
     b = 2 if dtype in ("bf16", "fp16") else 4
     act = tokens * hidden * b
-    hd = hidden // heads
-    h_tp = heads // tp
+    attn_ops, mlp_ops = _megatron_layer_ops(
+        hidden=hidden,
+        ffn=ffn,
+        heads=heads,
+        seq=seq,
+        rows=microbatch // nanobatches,
+        tp=tp,
+        dtype=dtype,
+    )
 
     def mem(name: str, nbytes: float) -> OpCost:
         return OpCost("memory", nbytes / b, nbytes, dtype, name)
@@ -394,25 +466,6 @@ def megatron_partition_set(
     def gemm(name: str, m: int, k: int, n: int) -> OpCost:
         return OpCost("gemm", 2.0 * m * k * n, float((m * k + k * n + m * n) * b), dtype, name)
 
-    attn_ops = (
-        mem("norm", 2 * act),
-        gemm("qkv", tokens, hidden, 3 * hidden // tp),
-        mem("rope", 4 * tokens * 2 * hidden // tp * b),
-        OpCost(
-            "attention",
-            4.0 * (microbatch // nanobatches) * h_tp * seq * seq * hd / 2,
-            4.0 * tokens * hidden // tp * b,
-            dtype,
-            "attention",
-        ),
-        gemm("out_proj", tokens, hidden // tp, hidden),
-    )
-    mlp_ops = (
-        mem("residual_norm", 3 * act),
-        gemm("gate_up", tokens, hidden, 2 * ffn // tp),
-        mem("swiglu", 3 * tokens * ffn // tp * b),
-        gemm("down", tokens, ffn // tp, hidden),
-    )
     coll = CollectiveCost("all_reduce", float(act), tp)
 
     def backward(ops: tuple[OpCost, ...]) -> tuple[OpCost, ...]:
@@ -438,23 +491,7 @@ def megatron_partition_set(
             pset.exposed[kind] = (coll,) * (2 * layers)
             continue
         for label, ops in (("a", attn), ("b", mlp)):
-            key = f"{kind}.{label}"
-            slots = tuple(Slot(f"{key}.{i}", (o,)) for i, o in enumerate(ops))
-            pset.types[key] = PartitionType(key, kind, ops, tuple(s.label for s in slots), coll)
-            for layer in range(layers):
-                for nb in (0, 1):
-                    pset.partitions.append(
-                        Partition(
-                            kind,
-                            f"layers.{layer}",
-                            nb,
-                            0,
-                            key,
-                            tuple(s.first for s in slots),
-                            slots,
-                            (f"issue{layer}{nb}{label}", f"wait{layer}{nb}{label}"),
-                        )
-                    )
+            _add_split_type(pset, kind, label, ops, coll, layers)
         pset.exposed[kind] = (coll,)
     return pset
 

@@ -22,10 +22,12 @@ import dataclasses
 import json
 import pathlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from kareus.errors import KareusError
 from kareus.hardware import Emulator, gpu
 from kareus.ir.costs import Evaluator
+from kareus.ir.partitions import PartitionSet
 from kareus.jobs.trace import Workload
 from kareus.planner.compose import Composer
 from kareus.planner.dag import Instruction, Iteration, Option, schedule_iteration
@@ -325,6 +327,47 @@ def _frequency_file_rows(
     return rows
 
 
+def _check_plans(
+    plans: Sequence[ClockPlan], orders: Sequence[Sequence[Any]], clock_range: tuple[int, int]
+) -> None:
+    """Raise ClockPlanError for a plan (built in Python, say) that a file would not pass."""
+    low, high = clock_range
+    for plan in plans:
+        if [len(f) for f in plan.freqs_mhz] != [len(o) for o in orders]:
+            raise ClockPlanError(
+                f"plan {plan.plan_id}: {[len(f) for f in plan.freqs_mhz]} clocks per stage, "
+                f"the schedule runs {[len(o) for o in orders]}"
+            )
+        outside = [f for column in plan.freqs_mhz for f in column if not low <= f <= high]
+        if outside:
+            raise ClockPlanError(
+                f"plan {plan.plan_id}: clock {outside[0]:g} MHz is outside the GPU's range "
+                f"({low}-{high} MHz)"
+            )
+
+
+def _stages(
+    work: Workload,
+    method: str,
+    partitions: str | pathlib.Path | None,
+    *,
+    layers: int,
+    cache: bool,
+    progress: Callable[[str], None] | None,
+) -> list[PartitionSet]:
+    """Return the partition sets ``method`` runs: read from ``partitions``, else traced."""
+    from kareus.jobs.cache import traced_stages
+    from kareus.jobs.stages_file import load_partitions
+
+    if partitions is not None:
+        split, originals = load_partitions(work, partitions)
+        # (a file without the original graphs is priced as it is, whatever the method)
+        return originals if NANOBATCHES[method] == 1 and originals is not None else split
+    return traced_stages(
+        work, layers=layers, cache=cache, progress=progress, nanobatches=NANOBATCHES[method]
+    )[0]
+
+
 def evaluate_clock_plans(
     work: Workload,
     gpu_name: str,
@@ -358,8 +401,6 @@ def evaluate_clock_plans(
     Raises:
         ClockPlanError: a bad clocks file. KareusError: an unknown method or GPU.
     """
-    from kareus.jobs.cache import traced_stages
-    from kareus.jobs.stages_file import load_partitions
     from kareus.jobs.workload import with_recompute
 
     if method not in PROFILES:
@@ -369,28 +410,8 @@ def evaluate_clock_plans(
     if isinstance(plans, str | pathlib.Path):
         plans = read_clock_plans(plans, work, (min(clocks), max(clocks)))
     orders = stage_orders(work)
-    for plan in plans:  # plans built in Python are checked as files are
-        if [len(f) for f in plan.freqs_mhz] != [len(o) for o in orders]:
-            raise ClockPlanError(
-                f"plan {plan.plan_id}: {[len(f) for f in plan.freqs_mhz]} clocks per stage, "
-                f"the schedule runs {[len(o) for o in orders]}"
-            )
-        outside = [
-            f for column in plan.freqs_mhz for f in column if not min(clocks) <= f <= max(clocks)
-        ]
-        if outside:
-            raise ClockPlanError(
-                f"plan {plan.plan_id}: clock {outside[0]:g} MHz is outside the GPU's range "
-                f"({min(clocks)}-{max(clocks)} MHz)"
-            )
-    if partitions is not None:
-        split, originals = load_partitions(work, partitions)
-        # (a file without the original graphs is priced as it is, whatever the method)
-        stages = originals if NANOBATCHES[method] == 1 and originals is not None else split
-    else:
-        stages, _, _ = traced_stages(
-            work, layers=layers, cache=cache, progress=progress, nanobatches=NANOBATCHES[method]
-        )
+    _check_plans(plans, orders, (min(clocks), max(clocks)))
+    stages = _stages(work, method, partitions, layers=layers, cache=cache, progress=progress)
     stages = with_recompute(stages, work.recompute)
     settings = PlannerSettings()
     profile = PROFILES[method]

@@ -339,18 +339,7 @@ def profile_workload(
     out = check_output_dir(out) if rank == 0 else pathlib.Path(out)
     note = progress if progress is not None and rank == 0 else (lambda _s: None)
     start = time.perf_counter()
-    stages, notes, programs = trace_programs(work, layers=layers, progress=note, device=device.type)
-    stages = with_recompute(stages, work.recompute)
-    by_work, type_of = _programs_by_work(stages, programs)
-    if not any(
-        p.program.partition and p.program.partition.collective
-        for pieces in by_work.values()
-        for p in pieces
-    ):
-        raise ValueError(
-            f"{work.describe()} has no partition with a collective to measure (TP and CP "
-            "1 have none): plan its clocks with `kareus plan`"
-        )
+    stages, notes, by_work, type_of = _traced(work, layers, note, device)
     traced = time.perf_counter()
     if on_traced is not None and rank == 0:
         on_traced(stages)
@@ -358,29 +347,8 @@ def profile_workload(
     try:
         if clocks is None:
             clocks = _controller(device, spec)
-        wanted = settings.lock_clocks
-        lock = _can_lock(clocks, device.type != "cuda" if wanted is None else wanted, notes)
-        freqs = _clocks_to_measure(lock, planner, spec, device, notes)
-        program_device = ProgramDevice(
-            by_work,
-            _groups(work.tp, work.cp, rank),
-            device,
-            model=Emulator(spec) if device.type != "cuda" else None,
-            static_power_w=spec.calibration.static_power_w,
-            gpu_index=device.index or 0,
-            seed=settings.seed,
-        )
-        recorder = _Recorder(spec, device, world, program_device, type_of)
-        evaluator = _evaluator(program_device, clocks, lock, spec, settings, rank, out, recorder)
-        evaluate_options(
-            stages,
-            CountingEvaluator(evaluator),
-            freqs,
-            spec.calibration.static_power_w,
-            dataclasses.replace(planner, clocks_mhz=freqs),
-            note,
-        )
-        notes.extend(program_device.pool.notes if program_device.pool else [])
+        job = _Job(work, spec, device, world, rank, out, settings, planner, note)
+        freqs, recorder = _measure(job, stages, by_work, type_of, clocks, notes)
     finally:
         if created:
             dist.destroy_process_group()
@@ -403,6 +371,88 @@ def profile_workload(
         save_stages(work, stages, out / "partitions.json")
         write_text(out / "profile.md", profile_markdown(result, str(out)))
     return result
+
+
+def _traced(
+    work: Workload, layers: int, note: Callable[[str], Any], device: torch.device
+) -> tuple[list[PartitionSet], list[str], dict[str, list[Piece]], dict[str, str]]:
+    """Trace the workload's programs; return the sets, notes and programs by work and type.
+
+    Raises:
+        ValueError: no partition has a collective to measure.
+    """
+    stages, notes, programs = trace_programs(work, layers=layers, progress=note, device=device.type)
+    stages = with_recompute(stages, work.recompute)
+    by_work, type_of = _programs_by_work(stages, programs)
+    if not any(
+        p.program.partition and p.program.partition.collective
+        for pieces in by_work.values()
+        for p in pieces
+    ):
+        raise ValueError(
+            f"{work.describe()} has no partition with a collective to measure (TP and CP "
+            "1 have none): plan its clocks with `kareus plan`"
+        )
+    return stages, notes, by_work, type_of
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What one profiling process measures, where, and with which settings."""
+
+    work: Workload
+    spec: GPUSpec
+    device: torch.device
+    world: int
+    rank: int
+    out: pathlib.Path
+    settings: ProfileSettings
+    planner: PlannerSettings
+    note: Callable[[str], Any]
+
+
+def _measure(
+    job: _Job,
+    stages: list[PartitionSet],
+    by_work: dict[str, list[Piece]],
+    type_of: dict[str, str],
+    clocks: ClockController,
+    notes: list[str],
+) -> tuple[tuple[float, ...], _Recorder]:
+    """Measure every evaluation the planner's search asks for; return the clocks and rows."""
+    work, spec, device, settings, planner = (
+        job.work,
+        job.spec,
+        job.device,
+        job.settings,
+        job.planner,
+    )
+    wanted = settings.lock_clocks
+    lock = _can_lock(clocks, device.type != "cuda" if wanted is None else wanted, notes)
+    freqs = _clocks_to_measure(lock, planner, spec, device, notes)
+    program_device = ProgramDevice(
+        by_work,
+        _groups(work.tp, work.cp, job.rank),
+        device,
+        model=Emulator(spec) if device.type != "cuda" else None,
+        static_power_w=spec.calibration.static_power_w,
+        gpu_index=device.index or 0,
+        seed=settings.seed,
+    )
+    recorder = _Recorder(spec, device, job.world, program_device, type_of)
+    evaluator = _evaluator(
+        program_device, clocks, lock, spec, settings, job.rank, job.out, recorder
+    )
+    evaluate_options(
+        stages,
+        CountingEvaluator(evaluator),
+        freqs,
+        spec.calibration.static_power_w,
+        dataclasses.replace(planner, clocks_mhz=freqs),
+        job.note,
+    )
+    notes.extend(program_device.pool.notes if program_device.pool else [])
+    return freqs, recorder
 
 
 def _check_group(work: Workload, world: int) -> None:

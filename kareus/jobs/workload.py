@@ -124,22 +124,10 @@ def plan_workload(
         work, partitions, layers=layers, cache=cache, evaluator=evaluator, progress=progress
     )
     traced = time.perf_counter()
-    _log.info(
-        "%d partitions over %d stages; planning on %s",
-        sum(len(s.partitions) for s in stages),
-        len(stages),
-        spec.name,
-    )
+    _log.info("%d partitions, %d stages; planning on %s", _count(stages), len(stages), spec.name)
     if on_traced is not None:
         on_traced(stages, originals)
-    stages = with_recompute(stages, work.recompute)
-    if originals is not None:
-        originals = with_recompute(originals, work.recompute)
-    notes = notes + [
-        f"stage {i}: {pset.notes['recompute']}"
-        for i, pset in enumerate(stages)
-        if "recompute" in pset.notes
-    ]
+    stages, originals, notes = _recomputed(work, stages, originals, notes)
     result = plan_for_gpu(
         stages,
         spec,
@@ -167,6 +155,28 @@ def plan_workload(
     return WorkloadPlan(
         work, spec, result, stages, traced - start, done - traced, peak_rss_mib, cached, originals
     )
+
+
+def _count(stages: Sequence[PartitionSet]) -> int:
+    return sum(len(s.partitions) for s in stages)
+
+
+def _recomputed(
+    work: Workload,
+    stages: list[PartitionSet],
+    originals: list[PartitionSet] | None,
+    notes: list[str],
+) -> tuple[list[PartitionSet], list[PartitionSet] | None, list[str]]:
+    """Apply the workload's activation recompute to both graphs' sets; note what it did."""
+    stages = with_recompute(stages, work.recompute)
+    if originals is not None:
+        originals = with_recompute(originals, work.recompute)
+    notes = notes + [
+        f"stage {i}: {pset.notes['recompute']}"
+        for i, pset in enumerate(stages)
+        if "recompute" in pset.notes
+    ]
+    return stages, originals, notes
 
 
 def _partition_sets(

@@ -308,19 +308,9 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
     label = f"{node.name} ({name})"
     if name in _METADATA or (name == "getitem" and not _is_tensor(node.args[0])):
         return ""  # sizes; an element of a tuple (a split's parts, an op's outputs)
-    if isinstance(value, torch.Tensor) and name not in _SIZES | _FACTORIES | _CREATES:
-        sized = [
-            a
-            for a in _flat(node.args, node.kwargs)
-            if isinstance(a, fx.Node)
-            and isinstance(v := a.meta.get("example_value"), torch.SymInt)
-            and sym in v.node.expr.free_symbols
-        ]
-        if sized:
-            return (
-                f"{label} uses the batch size ({sized[0].name}) as a value, which a nanobatch "
-                "would replace with its own size"
-            )
+    tensor_op = isinstance(value, torch.Tensor) and name not in _SIZES | _FACTORIES | _CREATES
+    if tensor_op and (reason := _batch_size_reason(node, sym, label)):
+        return reason
     if not carrying:
         if batch_dim_of(value, sym) is not None and name not in _FACTORIES | _CREATES:
             return (
@@ -342,11 +332,7 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
     if name == "embedding":
         return ""  # each id looks up its own row
     if name in _DTENSOR:
-        sharded = {getattr(p, "dim", None) for p in _flat(node.args, node.kwargs)}
-        batch_dims = {d for _i, d in carrying} | {out_dim}
-        if any(isinstance(d, int) and d in batch_dims for d in sharded):
-            return f"{label} shards the batch dimension across ranks"
-        return ""
+        return _dtensor_reason(node, carrying, out_dim, label)
     if name in _ELEMENTWISE or name in _DECLARED or _pointwise(node):
         return _broadcast_reason(carrying, value, out_dim, label)
     if name in _PERMUTE:
@@ -357,22 +343,55 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
             return ""
         return f"{label} moves elements of different samples into one row"
     if name in _ALONG:
-        for inp, dim in carrying:
-            ndim = inp.meta["example_value"].dim()
-            dims = _ALONG[name](node, ndim)
-            if dims == "all":
-                return f"{label} acts across every dimension, the batch's too"
-            dims = dims if isinstance(dims, (list, tuple)) else [dims]
-            if any(isinstance(d, int) and d % max(ndim, 1) == dim for d in dims):
-                return f"{label} acts along the batch dimension ({dim}), mixing samples"
-            if not all(isinstance(d, int) for d in dims):
-                return f"{label} acts along dimensions that are not constants ({dims})"
-        return ""
+        return _along_reason(node, name, carrying, label)
     return (
         f"{label} is not known to act per sample, so splitting the batch could change its "
         "result; kareus splits only blocks whose every op it knows (an elementwise custom "
         "op: tag it torch.Tag.pointwise or kareus.passes.per_sample.declare_elementwise it)"
     )
+
+
+def _batch_size_reason(node: fx.Node, sym: Any, label: str) -> str:
+    """Say why a tensor op that reads the batch size as a value cannot be split ("" if not)."""
+    sized = [
+        a
+        for a in _flat(node.args, node.kwargs)
+        if isinstance(a, fx.Node)
+        and isinstance(v := a.meta.get("example_value"), torch.SymInt)
+        and sym in v.node.expr.free_symbols
+    ]
+    if not sized:
+        return ""
+    return (
+        f"{label} uses the batch size ({sized[0].name}) as a value, which a nanobatch "
+        "would replace with its own size"
+    )
+
+
+def _dtensor_reason(
+    node: fx.Node, carrying: list[tuple[fx.Node, Any]], out_dim: Any, label: str
+) -> str:
+    """Say why a DTensor redistribution mixes samples ("" if it shards no batch dimension)."""
+    sharded = {getattr(p, "dim", None) for p in _flat(node.args, node.kwargs)}
+    batch_dims = {d for _i, d in carrying} | {out_dim}
+    if any(isinstance(d, int) and d in batch_dims for d in sharded):
+        return f"{label} shards the batch dimension across ranks"
+    return ""
+
+
+def _along_reason(node: fx.Node, name: str, carrying: list[tuple[fx.Node, Any]], label: str) -> str:
+    """Say why an op acting along dimensions acts along the batch's ("" if it does not)."""
+    for inp, dim in carrying:
+        ndim = inp.meta["example_value"].dim()
+        dims = _ALONG[name](node, ndim)
+        if dims == "all":
+            return f"{label} acts across every dimension, the batch's too"
+        dims = dims if isinstance(dims, (list, tuple)) else [dims]
+        if any(isinstance(d, int) and d % max(ndim, 1) == dim for d in dims):
+            return f"{label} acts along the batch dimension ({dim}), mixing samples"
+        if not all(isinstance(d, int) for d in dims):
+            return f"{label} acts along dimensions that are not constants ({dims})"
+    return ""
 
 
 def _is_tensor(arg: Any) -> bool:

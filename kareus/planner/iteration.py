@@ -186,6 +186,35 @@ def plan_iteration(
         iteration, evaluated.options, max(freqs), static_power_w, parallel, settings, originals
     )
     frontiers = _frontiers(comps, settings, deadline_s, note, with_originals=bool(originals))
+    chosen = _choose(frontiers, policy, energy_budget_j, deadline_s)
+    meta = {
+        "gpu": gpu,
+        "source": getattr(evaluator, "source", "modelled"),
+        "policy": policy,
+        "skip_reasons": tuple(skip_reasons),
+        "static_power_w": static_power_w,
+        "workload": dict(workload or {}),
+    }
+    counts = {
+        "search": evaluated.searched,
+        "total": ev.evaluations,
+        "grid": evaluated.grid,
+        **_solve_counts(comps.values(), settings.solver_gap_limit),
+    }
+    graphs = (stages, originals)
+    plan = _plan_file(chosen, frontiers, evaluated, iteration, graphs, parallel, counts, meta)
+    return PlanningResult(
+        plan, evaluated.searches, frontiers, ev.evaluations, evaluated.grid, settings
+    )
+
+
+def _choose(
+    frontiers: dict[str, list[Solution]],
+    policy: str,
+    energy_budget_j: float | None,
+    deadline_s: float | None,
+) -> Solution:
+    """Return kareus's plan that ``policy`` picks (Megatron-LM's time is its baseline)."""
     chosen = select(
         frontiers["kareus"],  # type: ignore[arg-type]
         policy,
@@ -194,8 +223,28 @@ def plan_iteration(
         deadline_s=deadline_s,
     )
     assert isinstance(chosen, Solution)
+    return chosen
+
+
+def _plan_file(
+    chosen: Solution,
+    frontiers: dict[str, list[Solution]],
+    evaluated: Evaluated,
+    iteration: Iteration,
+    graphs: tuple[Sequence[PartitionSet], Sequence[PartitionSet] | None],
+    parallel: Parallelism,
+    counts: dict[str, int],
+    meta: dict[str, Any],
+) -> Plan:
+    """Return the plan file's record of the chosen plan and of what planning found.
+
+    ``graphs``: the split and the original graphs' sets; ``counts``: evaluations and solves;
+    ``meta``: the fields that say where the plan comes from (GPU, source, policy, notes,
+    static power, workload).
+    """
+    stages, originals = graphs
     unsplit = _nanobatches(chosen) == 1
-    plan = Plan(
+    return Plan(
         # The fingerprint is that of the graphs the chosen plan runs.
         fingerprint={
             f"{i}/{kind}": pset.fingerprint(kind)
@@ -203,9 +252,6 @@ def plan_iteration(
             for kind in ("forward", "backward")
         },
         pipeline_schedule=parallel.schedule,
-        gpu=gpu,
-        source=getattr(evaluator, "source", "modelled"),
-        policy=policy,
         parallel=_parallel_record(parallel),
         frontier=tuple(_point(s) for s in frontiers["kareus"]),
         chosen=_point(chosen),
@@ -214,18 +260,8 @@ def plan_iteration(
         baselines={
             m: tuple(_point(s) for s in sols) for m, sols in frontiers.items() if m != "kareus"
         },
-        evaluations={
-            "search": evaluated.searched,
-            "total": ev.evaluations,
-            "grid": evaluated.grid,
-            **_solve_counts(comps.values(), settings.solver_gap_limit),
-        },
-        skip_reasons=tuple(skip_reasons),
-        static_power_w=static_power_w,
-        workload=dict(workload or {}),
-    )
-    return PlanningResult(
-        plan, evaluated.searches, frontiers, ev.evaluations, evaluated.grid, settings
+        evaluations=counts,
+        **meta,
     )
 
 
