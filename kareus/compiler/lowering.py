@@ -45,10 +45,8 @@ AUTO_OUTLINE_CALLS = 16
 """Calls of one block body from which tracing it once compiles faster than tracing each.
 
 Each traced body carries a fixed cost (its schema, a backward per gradient layout), so a
-few calls compile faster traced op by op. First call against ``aot_eager`` of the tiny
-Llama split in two nanobatches, tracing once and tracing each (fresh processes, 2 cores): 4
-layers (8 calls) 1.89x and 1.39x, 8 layers (16 calls) 1.54x and 1.57x, 16 layers 1.30x and
-1.91x; ``python benchmarks/compile_overhead.py --presets tiny-8l``: 1.49x and 1.50x."""
+few calls compile faster traced op by op; the measurements behind 16 are in
+docs/limits.md ("The split needs Dynamo's graph")."""
 
 SPECIALISATIONS_WARNED = 8
 """Batch sizes a region is lowered for before kareus says that each new one costs a compile."""

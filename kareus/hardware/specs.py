@@ -51,18 +51,9 @@ _FLASH = (
     "attention is 1.7-2.3x faster on Hopper (same PR)"
 )
 _VF_A100 = (
-    f"{_VF}. A100 knee 0.75 (1058 MHz), floor 0.80 with a leakage share of 0.25: least "
-    "squares on the log energies of the 85 reference A100 pipeline plans "
-    "(shared/data/a100_llama_pipeline_plans, priced by `kareus evaluate`; knee 0.60-0.80 x "
-    "floor 0.70-0.82 x leakage 0-0.75 by `python benchmarks/pipeline_fidelity.py "
-    "--fit-voltage-curve`: squared error 0.265, the grid's least; floor 0.78 without "
-    "leakage gives 0.268: the data hardly tell the leakage share from the floor, so the "
-    "share is the assumption above), within Ampere's core-voltage range of about 0.65-1.08 V. "
-    "Chosen while the context-parallel attention of kareus.models was costed over the whole "
-    "masked rectangle; with its load-balanced chunks the CP plans run 5-16 % faster than the "
-    "reference's, which lowers their static energy, and the grid's least moves to its edge "
-    "(knee 0.70, floor 0.82, no leakage: 0.342 against 0.587 here, Spearman min 0.78 "
-    "against 0.92): a time shortfall a higher floor would hide, so the curve is kept"
+    f"{_VF}. A100 knee 0.75 (1058 MHz), floor 0.80, leakage share 0.25: fitted to the energies "
+    "of the 85 reference A100 pipeline plans (in-sample; how, and what else the grid shows: "
+    "docs/fidelity.md, 'The A100 voltage curve')"
 )
 
 
