@@ -199,7 +199,11 @@ def test_inductor_lowers_a_split_region_with_static_sizes(monkeypatch):
     compiled = kareus.compile(copy.deepcopy(model), codegen="inductor", nanobatches=2)
     loss = compiled(ids, ids)
     loss.backward()
-    assert torch.equal(loss, model(ids, ids))
+    # Within fp32 rounding, not bitwise: Inductor's CPU kernels reduce in an order that
+    # depends on the processor's vector width (bitwise on one machine, 5.0941 vs 5.0941
+    # off by an ulp on another), which kareus does not control.
+    torch.testing.assert_close(loss, model(ids, ids), rtol=1e-5, atol=1e-6)
+    assert kareus.explain(compiled).regions[0].findings["find_blocks"].split, "nothing split"
     report = kareus.explain(compiled)
     for kind in ("forward", "backward"):
         assert "sym_size" not in report.graph(kind, captured=True), kind
