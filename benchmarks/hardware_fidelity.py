@@ -7,7 +7,12 @@ qualitative facts (collective time saturating at a handful of SMs; which overlap
 are best). Also checks GEMM time at max clock against the spec's peak and idle power
 against static power.
 
-Run: python benchmarks/hardware_fidelity.py [--data CSV]
+These figures are **in-sample**: the shipped calibration was fitted to these very rows.
+``--cross-validate K`` also refits the calibration K times, each time without one fold of
+whole SM counts (every row of a held-out SM count left out), and scores the held-out rows:
+the **cross-validated** figures, printed beside the in-sample ones.
+
+Run: python benchmarks/hardware_fidelity.py [--data CSV] [--cross-validate K]
 """
 
 import argparse
@@ -18,7 +23,7 @@ import statistics
 from scipy.stats import spearmanr
 
 from kareus.hardware import Emulator, gpu
-from kareus.hardware.calibrate import DEFAULT_DATA, load_rows, predict, shipped_harness
+from kareus.hardware.calibrate import DEFAULT_DATA, fit, load_rows, predict, shipped_harness
 from kareus.ir.costs import OpCost
 
 
@@ -102,9 +107,39 @@ def spec_checks():
     }
 
 
+def folds_by_sm_share(rows, k):
+    """Split the rows into ``k`` folds of whole SM counts (round-robin over sorted counts)."""
+    shares = sorted({r.knobs.sm_share for r in rows})
+    fold_of = {share: i % k for i, share in enumerate(shares)}
+    return [[i for i, r in enumerate(rows) if fold_of[r.knobs.sm_share] == f] for f in range(k)]
+
+
+def cross_validated(spec, rows, k):
+    """Predict every row with a calibration fitted without its fold; print each fold's fit."""
+    pred = [None] * len(rows)
+    for f, held in enumerate(folds_by_sm_share(rows, k)):
+        held_set = set(held)
+        train = [r for i, r in enumerate(rows) if i not in held_set]
+        fitted = fit(spec, train)
+        model = spec.with_calibration(fitted.calibration, f"cross-validation fold {f}")
+        held_pred = predict(model, [rows[i] for i in held], harness=fitted.harness)
+        for i, p in zip(held, held_pred, strict=True):
+            pred[i] = p
+        shares = sorted({rows[i].knobs.sm_share for i in held})
+        bound = ", ".join(fitted.at_bound) or "none"
+        print(f"  fold {f}: held out SM counts {shares} ({len(held)} rows); at a bound: {bound}")
+    return pred
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--data", type=pathlib.Path, default=DEFAULT_DATA)
+    parser.add_argument(
+        "--cross-validate",
+        type=int,
+        metavar="K",
+        help="also refit without each of K folds of whole SM counts and score the held-out rows",
+    )
     args = parser.parse_args()
     rows = load_rows(args.data)
     spec = gpu("a100-sxm4-40gb")
@@ -113,8 +148,20 @@ def main():
     name = args.data.parent.name
     print(f"hardware model (modelled) vs {len(rows)} measured configurations of {name}")
     print(f"calibration: {spec.calibration_source}")
+    sections = [
+        ("fidelity, in-sample (the calibration was fitted to these rows)", fidelity(rows, pred))
+    ]
+    if args.cross_validate:
+        print(f"\nrefitting {args.cross_validate} times, each without one fold of SM counts")
+        held = cross_validated(spec, rows, args.cross_validate)
+        sections.append(
+            (
+                f"fidelity, cross-validated ({args.cross_validate} folds of SM counts held out)",
+                fidelity(rows, held),
+            )
+        )
     for title, figures in (
-        ("fidelity", fidelity(rows, pred)),
+        *sections,
         ("qualitative facts", qualitative(rows, pred)),
         ("spec checks", spec_checks()),
     ):
