@@ -59,7 +59,22 @@ class _Finder(importlib.abc.MetaPathFinder):
         return importlib.machinery.ModuleSpec(fullname, _Alias(new))
 
 
+class _Package(ModuleType):
+    """The ``kareus`` package, whose public functions an old module path cannot shadow.
+
+    Importing a submodule sets it as an attribute of its parent: ``import kareus.explain``
+    (the old module path) would replace the function ``kareus.explain`` with the module.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        current = self.__dict__.get(name)
+        if isinstance(value, ModuleType) and callable(current):
+            return  # kareus.explain stays the function; the module is in sys.modules
+        super().__setattr__(name, value)
+
+
 def install() -> None:
     """Serve the old paths (idempotent)."""
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.append(_Finder())
+    sys.modules["kareus"].__class__ = _Package

@@ -206,3 +206,11 @@ def test_old_import_paths_still_work_and_warn():
             module = importlib.import_module(old)
         assert module is importlib.import_module(new), old
         assert any(new in str(w.message) for w in caught), old
+    # The old module path kareus.explain must not shadow the function kareus.explain (a
+    # submodule import sets its parent's attribute).
+    import types
+
+    import kareus
+
+    assert callable(kareus.explain) and not isinstance(kareus.explain, types.ModuleType)
+    assert kareus.explain.__module__ == "kareus.compiler.explain"
