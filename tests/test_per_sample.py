@@ -137,7 +137,7 @@ def test_unknown_custom_ops_keep_blocks_whole_until_declared():
     try:
         _got, _want, blocks = _compile_and_compare([len(OPS) - 1], 6)
         assert blocks.split == []
-        assert all("(twice) is not known" in r for r in blocks.skipped.values())
+        assert all("(kareus_test_ps::twice) is not known" in r for r in blocks.skipped.values())
         assert all("declare_elementwise" in r for r in blocks.skipped.values())
         per_sample.declare_elementwise(torch.ops.kareus_test_ps.twice)
         got, want, blocks = _compile_and_compare([len(OPS) - 1], 6)
@@ -145,4 +145,56 @@ def test_unknown_custom_ops_keep_blocks_whole_until_declared():
         torch.testing.assert_close(got, want)
     finally:
         OPS.pop()
-        per_sample._DECLARED.discard("twice")
+        per_sample._DECLARED.discard("kareus_test_ps::twice")
+
+
+@torch.library.custom_op("kareus_test_ps::relu", mutates_args=())
+def centred_relu(x: torch.Tensor) -> torch.Tensor:
+    # Borrows aten's name but mixes samples: centres its input over the batch.
+    return torch.relu(x - x.mean(0))
+
+
+@centred_relu.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _centred_relu_backward(ctx, g):
+    (x,) = ctx.saved_tensors
+    c = x - x.mean(0)
+    gc = g * (c > 0)
+    return gc - gc.mean(0)
+
+
+centred_relu.register_autograd(
+    _centred_relu_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs)
+)
+
+
+def test_a_custom_op_borrowing_an_aten_name_is_not_taken_for_the_aten_op():
+    # torch.ops.kareus_test_ps.relu is not aten.relu: split as if it were, the block trained
+    # silently wrong (its batch mean over a nanobatch is not the micro-batch's).
+    OPS.append(("centred relu", lambda h: torch.ops.kareus_test_ps.relu(h), None))
+    try:
+        got, want, blocks = _compile_and_compare([len(OPS) - 1], 6)
+        assert blocks.split == []
+        assert all("(kareus_test_ps::relu) is not known" in r for r in blocks.skipped.values())
+        torch.testing.assert_close(got, want)
+    finally:
+        OPS.pop()
+
+
+def test_a_bare_declared_name_does_not_reach_aten_and_a_qualified_one_only_its_op():
+    from kareus.passes import per_sample
+
+    per_sample.declare_elementwise("kareus_test_ps::relu")
+    try:
+        assert per_sample._declared("kareus_test_ps::relu", "kareus_test_ps::relu")
+        assert not per_sample._declared("other_ns::relu", "other_ns::relu")
+    finally:
+        per_sample._DECLARED.discard("kareus_test_ps::relu")
+    per_sample.declare_elementwise("myop")
+    try:
+        assert per_sample._declared("mylib::myop", "mylib::myop")
+    finally:
+        per_sample._DECLARED.discard("myop")

@@ -15,8 +15,11 @@ the batch symbol, read from Dynamo's ``example_value``):
 - higher-order ops (``autograd_function_apply``, activation checkpointing, ``wrap``), when
   every op of their bodies acts per sample.
 
-Ops registered with ``torch.Tag.pointwise`` (``torch.library.custom_op(..., tags=...)``)
-are elementwise too; other custom ops can be declared with :func:`declare_elementwise`.
+Ops are told apart by their namespace too: the allow-lists describe ``aten``, ``prims``
+and the functional collectives (:data:`KNOWN_NAMESPACES`); a custom op is unknown whatever
+its name (``mylib::relu`` is not ``aten::relu``). Ops registered with
+``torch.Tag.pointwise`` (``torch.library.custom_op(..., tags=...)``) are elementwise in any
+namespace; other custom ops can be declared with :func:`declare_elementwise`.
 Anything else is unknown, and an unknown op means "do not split": the caller records the
 op's name as the reason. :func:`why_not_per_sample` returns that reason, or "".
 """
@@ -202,26 +205,47 @@ _MODULES = {
 
 
 _DECLARED: set[str] = set()
+"""Ops declared elementwise: qualified names (``mylib::myop``), or bare names as declared."""
+
+KNOWN_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional"})
+"""Op namespaces whose ops the allow-lists describe, by name. An op of any other namespace
+is unknown whatever its name (``torch.ops.mylib.relu`` is not ``aten.relu``) unless it is
+tagged ``torch.Tag.pointwise`` or declared with :func:`declare_elementwise`."""
 
 
 def declare_elementwise(*ops: Any) -> None:
     """Declare custom ops elementwise (each output element from the same input elements).
 
     Args:
-        ops: ops (``torch.ops.ns.name`` or its overload) or their names (``"name"``), for
-            ops kareus does not know and that carry no ``torch.Tag.pointwise``.
+        ops: ops (``torch.ops.ns.name`` or its overload), their qualified names
+            (``"ns::name"``) or bare names (``"name"``, matching that name in any namespace
+            but ``aten``'s and ``prims``'), for ops kareus does not know and that carry no
+            ``torch.Tag.pointwise``.
     """
     for op in ops:
-        name = op if isinstance(op, str) else getattr(op, "__name__", str(op))
-        _DECLARED.add(name.split(".")[0] if isinstance(op, str) else _short(op, name))
+        if isinstance(op, str):
+            _DECLARED.add(op.split(".")[0])
+        else:
+            _DECLARED.add(_qualified(op) or getattr(op, "__name__", str(op)))
 
 
-def _short(op: Any, fallback: str) -> str:
-    schema = getattr(op, "_schema", None)
+def _qualified(target: Any) -> str | None:
+    """Return ``ns::name`` of a torch op (overload or packet), or None for anything else."""
+    schema = getattr(target, "_schema", None)
     if schema is not None:
-        return str(schema.name).split("::")[-1]
-    qualified = getattr(op, "_qualified_op_name", None)
-    return str(qualified).split("::")[-1] if qualified else fallback
+        return str(schema.name)
+    qualified = getattr(target, "_qualified_op_name", None)
+    return str(qualified) if qualified else None
+
+
+def _foreign(node: fx.Node) -> str | None:
+    """Return ``ns::name`` of ``node``'s op if it is a torch op outside the known namespaces."""
+    if node.op != "call_function":
+        return None
+    qualified = _qualified(node.target)
+    if qualified is None or qualified.split("::")[0] in KNOWN_NAMESPACES:
+        return None
+    return qualified
 
 
 def _pointwise(node: fx.Node) -> bool:
@@ -297,7 +321,8 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
     """
     if node.op in ("placeholder", "output", "get_attr"):
         return ""
-    name = op_name(node)
+    foreign = _foreign(node)
+    name = foreign or op_name(node)  # a foreign op matches no allow-list by its name
     name = _MODULES.get(name, name)
     value = node.meta.get("example_value")
     inputs = [i for i in node.all_input_nodes if i.op != "get_attr"]
@@ -333,7 +358,7 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
         return ""  # each id looks up its own row
     if name in _DTENSOR:
         return _dtensor_reason(node, carrying, out_dim, label)
-    if name in _ELEMENTWISE or name in _DECLARED or _pointwise(node):
+    if name in _ELEMENTWISE or _declared(name, foreign) or _pointwise(node):
         return _broadcast_reason(carrying, value, out_dim, label)
     if name in _PERMUTE:
         return ""
@@ -349,6 +374,13 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
         "result; kareus splits only blocks whose every op it knows (an elementwise custom "
         "op: tag it torch.Tag.pointwise or kareus.passes.per_sample.declare_elementwise it)"
     )
+
+
+def _declared(name: str, foreign: str | None) -> bool:
+    """Whether the op was declared elementwise (a bare declared name: foreign ops only)."""
+    if name in _DECLARED:
+        return True
+    return foreign is not None and foreign.split("::")[-1] in _DECLARED
 
 
 def _batch_size_reason(node: fx.Node, sym: Any, label: str) -> str:
