@@ -226,7 +226,7 @@ def declare_elementwise(*ops: Any) -> None:
         if isinstance(op, str):
             _DECLARED.add(op.split(".")[0])
         else:
-            _DECLARED.add(_qualified(op) or getattr(op, "__name__", str(op)))
+            _DECLARED.add(_qualified(op) or str(getattr(op, "__name__", op)))
 
 
 def _qualified(target: Any) -> str | None:
