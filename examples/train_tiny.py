@@ -2,8 +2,9 @@
 
 kareus finds the repeated layers (on one device they hold no collective to overlap, so
 they are not split into nanobatches; `kareus.explain` says so) and, given a GPU type, plans
-clocks for them with its hardware model (no GPU needed: the clock switches go to an
-emulated GPU here, and the energy printed is modelled).
+clocks for them with its hardware model and records them (a dry run: kareus changes clocks
+only when asked, with `clocks="auto"` or a plan; no GPU is needed, and the energy printed is
+modelled).
 
 Run: python examples/train_tiny.py [--steps N] [--gpu a100-40gb] [--report PATH]
 """

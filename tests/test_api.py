@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import kareus
+from kareus.compiler.backend import find_backend
 from kareus.models import PRESETS, Llama
 from kareus.testing import (
     assert_same_history,
@@ -234,3 +235,79 @@ def test_a_second_process_reuses_inductors_code_for_kareus_graphs(tmp_path):
 def test_train_helper_records_each_step():
     hist = train(Llama(PRESETS["tiny"]), BATCHES)
     assert len(hist.losses) == len(hist.grads) == 3
+
+
+IMPORT_WITH_FAKE_CUDA = """
+import sys, traceback
+import torch
+import pynvml
+
+touched = []
+
+
+def fake(module, name, value=None):
+    def call(*args, **kwargs):
+        stack = [f for f in traceback.extract_stack() if "/kareus/" in f.filename]
+        if stack:
+            touched.append(f"{module.__name__}.{name} from {stack[-1].filename}:{stack[-1].lineno}")
+        return value
+    return call
+
+
+# A CUDA-capable machine: every CUDA and NVML entry point answers, and says who called it.
+for name in ("is_available", "is_initialized"):
+    setattr(torch.cuda, name, fake(torch.cuda, name, True))
+for name in ("init", "_lazy_init", "current_device", "get_device_name", "get_device_properties",
+             "set_device", "device_count", "synchronize", "mem_get_info", "get_device_capability"):
+    setattr(torch.cuda, name, fake(torch.cuda, name, 0))
+for name in ("nvmlInit", "nvmlInit_v2", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex"):
+    setattr(pynvml, name, fake(pynvml, name, 0))
+
+import kareus, kareus.cli, kareus.compiler.backend as backend, kareus.runtime.switcher
+import kareus.jobs.workload, kareus.jobs.profile, kareus.planner.measured
+
+assert backend.default_backend._backend is None, "the default backend was made at import"
+print("touched:", touched)
+sys.exit(1 if touched else 0)
+"""
+
+
+def test_import_touches_neither_cuda_nor_nvml():
+    # Under torchrun every rank imports kareus before torch.cuda.set_device: a CUDA call at
+    # import would open a context on GPU 0 in every rank (and break CUDA in forked children).
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORT_WITH_FAKE_CUDA], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+
+
+def test_the_default_backend_is_made_on_first_use():
+    from kareus.compiler.backend import _DefaultBackend, find_backend
+
+    default = _DefaultBackend()
+    assert default._backend is None and "unused" in repr(default)
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend=default)
+    compiled(torch.randn(2, 4))
+    assert default._backend is not None
+    assert find_backend(compiled) is default._backend and default._backend.regions
+
+
+def test_compile_time_plans_record_clocks_but_change_none_unless_asked():
+    from kareus.runtime.clocks import DryRunClocks
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (4, 16))
+    quiet = kareus.compile(Llama(PRESETS["tiny"]), gpu="a100-40gb")
+    quiet(ids, ids).backward()
+    runtime = find_backend(quiet).runtime
+    assert isinstance(runtime.controller, DryRunClocks), runtime.controller
+    assert runtime.switches, "the planned clocks are recorded"
+    assert "clocks='auto'" in str(kareus.explain(quiet))
+    asked = kareus.compile(Llama(PRESETS["tiny"]), gpu="a100-40gb", clocks="auto")
+    asked(ids, ids).backward()
+    controller = find_backend(asked).runtime.controller
+    assert not isinstance(controller, DryRunClocks) and controller.name == "emulated"
+    find_backend(asked).runtime.close()
+    runtime.close()
+    with pytest.raises(ValueError, match="clocks='always'.*'auto'"):
+        kareus.compile(Llama(PRESETS["tiny"]), clocks="always")

@@ -7,6 +7,8 @@ gets the overlap decisions of its partition types and a clock runtime gets the p
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kareus.compiler.config import Config
@@ -123,6 +125,23 @@ def plan_region(region: Region, gpu_name: str, policy: str) -> Plan | None:
         f"{plan.chosen.energy_j:.3f} J per forward and backward)"
     )
     return plan
+
+
+_DRY_RUN_LOGGED = False
+
+
+def note_dry_run(region: Region) -> None:
+    """Say (in the region, and once per process in the log) that planned clocks stay unset."""
+    global _DRY_RUN_LOGGED
+    note = (
+        "clocks planned at compile time are recorded, not applied (dry run): kareus changes "
+        "a GPU's clocks only when asked. Apply them with kareus.compile(model, "
+        "clocks='auto'), or plan with `kareus plan` and pass plan=..."
+    )
+    region.notes.append(note)
+    if not _DRY_RUN_LOGGED:
+        _DRY_RUN_LOGGED = True
+        logging.getLogger("kareus").warning("kareus: %s", note)
 
 
 def this_gpu() -> str | None:

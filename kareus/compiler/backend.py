@@ -38,7 +38,7 @@ from kareus.ir.partitions import Decision, PartitionSet
 from kareus.ir.plan_file import Plan
 from kareus.passes import pipeline
 from kareus.passes.base import PassContext, run_passes
-from kareus.runtime.clocks import ClockController, default_controller
+from kareus.runtime.clocks import ClockController, DryRunClocks, default_controller
 from kareus.runtime.comm_pool import CommunicatorPool, job_pool
 from kareus.runtime.switcher import ClockRuntime, IterationEnergy, Step
 
@@ -64,7 +64,7 @@ class KareusBackend:
         decisions: Mapping[str, Decision] | None = None,
         plan: Plan | str | pathlib.Path | None = None,
         stage: int = 0,
-        clocks: ClockController | None = None,
+        clocks: ClockController | str | None = None,
         journal: str | pathlib.Path | None = None,
         on_iteration: Callable[[IterationEnergy], None] | None = None,
         measure: bool | None = None,
@@ -78,22 +78,17 @@ class KareusBackend:
         self.plan = Plan.load(plan) if isinstance(plan, (str, pathlib.Path)) else plan
         if self.plan is not None:
             self.config = apply_plan.check_plan(self.plan, self.config, stage, schedule)
-        # Without a plan or decisions, compile plans by itself for a known GPU type.
-        self._plan_for = (
-            (self.config.gpu or apply_plan.this_gpu())
-            if plan is None and decisions is None
-            else None
-        )
-        if measure is None:
-            import importlib.util
-
-            measure = torch.cuda.is_available() and importlib.util.find_spec("zeus") is not None
+        # Without a plan or decisions, compile plans by itself for a known GPU type (which
+        # GPU this process runs on is asked at the first compile, not here: a backend may be
+        # made before torch.cuda.set_device).
+        self._planning = plan is None and decisions is None
+        self._plan_for_gpu: str | None = None
         self._runtime_options: dict[str, Any] = {
             "journal": journal,
             "on_iteration": on_iteration,
             "measure": measure,
         }
-        self._clocks = clocks
+        self._clocks, self._apply_planned_clocks = _clock_choice(clocks)
         self.stage = stage
         if decisions is None and self.plan is not None:
             decisions = self.plan.decisions_for(stage)
@@ -110,16 +105,33 @@ class KareusBackend:
     def __repr__(self) -> str:
         return f"KareusBackend({self.config!r}, regions={len(self.regions)})"
 
-    def _runtime_with(self, steps: list[Step], plan: Plan) -> ClockRuntime:
+    @property
+    def _plan_for(self) -> str | None:
+        """The GPU type compile-time planning plans for (None: no planning)."""
+        if self._planning and self._plan_for_gpu is None:
+            self._plan_for_gpu = self.config.gpu or apply_plan.this_gpu() or ""
+        return self._plan_for_gpu or None
+
+    def _runtime_with(
+        self, steps: list[Step], plan: Plan, clocks: ClockController | None = None
+    ) -> ClockRuntime:
         """Return the runtime of this process's GPU with ``steps`` added (one per GPU)."""
-        if self._clocks is None:
-            self._clocks = default_controller()
+        if clocks is None:
+            if self._clocks is None:
+                self._clocks = default_controller()
+            clocks = self._clocks
+        options = dict(self._runtime_options)
+        if options["measure"] is None:
+            import importlib.util
+
+            zeus = importlib.util.find_spec("zeus") is not None
+            options["measure"] = zeus and torch.cuda.is_available()
         return ClockRuntime.for_device(
             steps,
-            self._clocks,
+            clocks,
             static_power_w=plan.static_power_w,
             iteration_time_s=plan.chosen.time_s,
-            **self._runtime_options,
+            **options,
         )
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -199,8 +211,13 @@ class KareusBackend:
             self._pool = job_pool()
             region.findings["communicator_pool"] = self._pool
         # One runtime for the GPU: each planned region's instructions are a "stage" of it,
-        # numbered by region, so that its switches apply its own clocks.
-        self.runtime = self._runtime_with(apply_plan.steps(plan, 0, as_stage=region.index), plan)
+        # numbered by region, so that its switches apply its own clocks. Clocks planned here
+        # are applied only when asked (clocks="auto" or a controller): else a dry run.
+        dry = None if self._apply_planned_clocks else DryRunClocks()
+        steps = apply_plan.steps(plan, 0, as_stage=region.index)
+        self.runtime = self._runtime_with(steps, plan, dry)
+        if dry is not None:
+            apply_plan.note_dry_run(region)
         region.findings["clock_runtime"] = self.runtime
         region.findings["clock_stage"] = region.index
         # Rewrite both graphs by the plan, from the captured graphs.
@@ -236,8 +253,53 @@ class KareusBackend:
         return out
 
 
-default_backend = KareusBackend()
+class _DefaultBackend:
+    """The backend behind ``torch.compile(model, backend="kareus")``, made on first use.
+
+    Made at import, a :class:`KareusBackend` would depend on the machine before the program
+    chose a GPU (``torch.cuda.set_device``); this stand-in makes it when Dynamo first hands
+    it a graph.
+    """
+
+    def __init__(self) -> None:
+        self._backend: KareusBackend | None = None
+
+    @property
+    def backend(self) -> KareusBackend:
+        """The shared backend (made now if it was not)."""
+        if self._backend is None:
+            self._backend = KareusBackend()
+        return self._backend
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        """Compile one Dynamo graph with the shared backend."""
+        return self.backend(gm, example_inputs)
+
+    def __repr__(self) -> str:
+        return f"default {self._backend!r}" if self._backend else "default KareusBackend (unused)"
+
+
+default_backend = _DefaultBackend()
 """The backend behind ``torch.compile(model, backend="kareus")`` (shared by such calls)."""
+
+
+def _clock_choice(clocks: ClockController | str | None) -> tuple[ClockController | None, bool]:
+    """Return the controller asked for and whether compile-time plans' clocks are applied.
+
+    The controller None means this process's GPU's, made when needed. Clocks planned at
+    compile time are applied only when asked: ``"auto"`` or a controller.
+
+    Raises:
+        ValueError: ``clocks`` is a string other than ``"auto"``.
+    """
+    if isinstance(clocks, str):
+        if clocks != "auto":
+            raise ValueError(
+                f"clocks={clocks!r}: pass 'auto' to apply the clocks kareus plans at compile "
+                "time on this process's GPU, or a kareus.runtime.clocks controller"
+            )
+        return None, True
+    return clocks, clocks is not None
 
 
 def compile(
@@ -327,9 +389,13 @@ def find_backend(compiled: object) -> KareusBackend | None:
     backend = getattr(compiled, "_kareus_backend", None)
     if isinstance(backend, KareusBackend):
         return backend
+    if isinstance(backend, _DefaultBackend):
+        return backend.backend
     # torch.compile(model, backend=...) wraps the backend in a chain of callables.
     obj = getattr(getattr(compiled, "dynamo_ctx", None), "callback", None)
     for _ in range(16):
+        if isinstance(obj, _DefaultBackend):
+            return obj.backend
         if obj is None or isinstance(obj, KareusBackend):
             return obj
         nxt = getattr(obj, "_torchdynamo_orig_backend", None)

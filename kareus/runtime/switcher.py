@@ -174,9 +174,16 @@ class ClockRuntime:
         self._order: dict[int, list[tuple[str, int]]] = {}  # iteration 0's order, per stage
         self._seen: set[tuple[int, tuple[int, str, int]]] = set()
         self._current: float | None = None
+        # _lock guards the schedule's counters only: no controller, journal, monitor or user
+        # callback runs under it, and no signal handler takes it.
         self._lock = threading.Lock()
-        self._closed = False
-        self._restored = False
+        # _hw_lock serialises the controller's calls (switch worker, close, signal handler);
+        # re-entrant, so that a handler that interrupts a call on this thread can restore.
+        self._hw_lock = threading.RLock()
+        self._closed = False  # no more switches
+        self._restored = False  # no more clocks set: the default is (being) restored
+        self._reset_done = False  # the controller's reset ran (or failed and was reported)
+        self._finalised = False  # close() ran to its end
         self._queue: queue.Queue[Any] | None = None
         self._worker_thread: threading.Thread | None = None
         self._warned_closed = False
@@ -276,6 +283,8 @@ class ClockRuntime:
         per_iteration = self._counts.get((stage, kind), 0)
         if per_iteration == 0:
             return  # the plan has no such instruction on this GPU
+        finished = started = False
+        freq: float | None = None
         with self._lock:
             calls = self._calls.get((stage, kind, region), 0)
             self._calls[stage, kind, region] = calls + 1
@@ -285,10 +294,8 @@ class ClockRuntime:
                 return  # another region of the same pass already started it
             self._seen.add((iteration, step.key))
             if iteration > self._iteration:
-                if self._iteration >= 0:
-                    self._finish_iteration()  # the previous iteration is complete
-                elif self._monitor is not None:
-                    self._monitor.start()  # the first instruction: the energy window opens
+                finished = self._iteration >= 0  # the previous iteration is complete
+                started = self._iteration < 0  # the first instruction: energy window opens
                 if self._iteration == 0:
                     self._check_order()
                 self._iteration = iteration
@@ -296,15 +303,19 @@ class ClockRuntime:
             if iteration == 0:
                 self._order.setdefault(stage, []).append((kind, microbatch))
             self.applied.append((iteration, stage, kind, microbatch, step.freq_mhz))
-            freq = step.freq_mhz
-            if not self.enabled or freq == self._current:
-                return
-            self._current = freq
-            self.switch_count += 1
-            self.switches.append(freq)
-            if len(self.switches) > 2 * _KEEP:
-                del self.switches[:-_KEEP]
-        self._apply(freq)
+            if self.enabled and step.freq_mhz != self._current:
+                freq = self._current = step.freq_mhz
+                self.switch_count += 1
+                self.switches.append(freq)
+                if len(self.switches) > 2 * _KEEP:
+                    del self.switches[:-_KEEP]
+        # Outside the lock: the monitor, the user's callback and the controller.
+        if started and self._monitor is not None:
+            self._monitor.start()
+        if finished:
+            self._finish_iteration()
+        if freq is not None:
+            self._apply(freq)
 
     def _check_order(self) -> None:
         """Compare each stage's order in the first iteration with the plan's; report once."""
@@ -350,8 +361,14 @@ class ClockRuntime:
             self._set(freq)
 
     def _set(self, freq: float) -> None:
-        if self._restored:
-            return
+        with self._hw_lock:
+            if self._restored:
+                return
+            self._set_clock(freq)
+            if self._restored:  # a signal restored the clock while this one was being set
+                self._reset_now()
+
+    def _set_clock(self, freq: float) -> None:
         try:
             self.controller.set(freq)
             self._log("set", freq_mhz=freq)
@@ -418,25 +435,44 @@ class ClockRuntime:
 
         A failed restore is journalled and warned about with the GPU and how to restore it.
         """
-        if self._closed:
+        if self._finalised:
             return
+        self._finalised = True
+        already = self._closed  # a signal closed it: the clock is back already
         self._closed = True
         _RUNTIMES.pop(self.id, None)
         with self._lock:
             done = sum(1 for it, _key in self._seen if it == self._iteration)
-            if self._iteration >= 0 and done == len(self.schedule):
-                self._finish_iteration()  # the last iteration ran every instruction
+            last = not already and self._iteration >= 0 and done == len(self.schedule)
+            if last:
                 self._iteration += 1
+        if last:
+            self._finish_iteration()  # the last iteration ran every instruction
         if self._queue is not None and self._worker_thread is not None:
             self._queue.put(None)
             self._worker_thread.join(timeout=30)
-        self._restored = True
         try:
-            self._restore()
+            self.restore_now()
         finally:
             key = getattr(self.controller, "device_key", None)
             if key is not None:
                 _journal.release(key)  # only once the clock is back (or reported stuck)
+
+    def restore_now(self) -> None:
+        """Stop switching and restore the default clock now (idempotent, signal-safe).
+
+        Takes no lock a training thread may hold on this thread, runs no user code, and
+        waits only for a controller call in flight on the switch worker.
+        """
+        self._closed = True
+        self._restored = True
+        with self._hw_lock:
+            if not self._reset_done:
+                self._reset_now()
+
+    def _reset_now(self) -> None:
+        self._restore()
+        self._reset_done = True
 
     def _restore(self) -> None:
         if self._current is None or not self.enabled:
@@ -495,14 +531,16 @@ class ClockRuntime:
                 continue  # the program ignores it (or it was set outside Python): keep going
 
             def handler(signum: int, frame: Any, previous: Any = previous) -> None:
+                # No lock, no join, no user callback here: the signal may have interrupted
+                # this very thread inside the runtime, a callback or close().
                 if callable(previous):
                     try:
                         previous(signum, frame)
                     except BaseException:  # the handler ends the program (KeyboardInterrupt)
-                        self.close()
+                        self.restore_now()
                         raise
                     return  # the program's handler chose to go on: so do the clocks
-                self.close()
+                self.restore_now()
                 signal.signal(signum, signal.SIG_DFL)
                 signal.raise_signal(signum)
 
