@@ -198,3 +198,64 @@ def test_a_bare_declared_name_does_not_reach_aten_and_a_qualified_one_only_its_o
         assert per_sample._declared("mylib::myop", "mylib::myop")
     finally:
         per_sample._DECLARED.discard("myop")
+
+
+@torch.library.custom_op("kareus_test_ps::scale", mutates_args=("x",))
+def scale_in_place(x: torch.Tensor) -> None:
+    x.mul_(2)
+
+
+@torch.library.custom_op("kareus_test_ps::relu_", mutates_args=())
+def not_in_place(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(min=0)
+
+
+def test_writes_and_draws_are_read_from_schemas_and_tags_not_names():
+    import operator
+
+    import torch.fx as fx
+    import torch.nn.functional as F
+
+    from kareus.passes.per_sample import draws_random, writes_in_place
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+
+    def node(target, *args, op="call_function", **kwargs):
+        return g.create_node(op, target, args, kwargs)
+
+    cases = {  # name: (node, writes, draws)
+        "a custom op with mutates_args, named plainly": (
+            node(torch.ops.kareus_test_ps.scale.default, x),
+            True,
+            False,
+        ),
+        "a custom op named like an in-place op that writes nothing": (
+            node(torch.ops.kareus_test_ps.relu_.default, x),
+            False,
+            False,
+        ),
+        "tensor.add_": (node("add_", x, x, op="call_method"), True, False),
+        "aten.copy_": (node(torch.ops.aten.copy_.default, x, x), True, False),
+        "F.relu(inplace=True)": (node(F.relu, x, inplace=True), True, False),
+        "x[i] = v": (node(operator.setitem, x, 0, 1.0), True, False),
+        "torch.add(out=)": (node(torch.add, x, x, out=x), True, False),
+        "torch.add": (node(torch.add, x, x), False, False),
+        "torch.rand": (node(torch.rand, 3), False, True),
+        "tensor.uniform_": (node("uniform_", x, op="call_method"), True, True),
+        "F.dropout training": (node(F.dropout, x, 0.1, True), False, True),
+        "F.dropout eval": (node(F.dropout, x, 0.1, False), False, False),
+        "F.dropout p=0": (node(F.dropout, x, 0.0), False, False),
+        "F.dropout2d training": (node(F.dropout2d, x, 0.5, True), False, True),
+        "SDPA": (node(F.scaled_dot_product_attention, x, x, x), False, False),
+        "SDPA dropout": (node(F.scaled_dot_product_attention, x, x, x, dropout_p=0.1), False, True),
+        # missing from the hand-kept list the tags replaced: rrelu draws in training
+        "F.rrelu training": (node(F.rrelu, x, training=True), False, True),
+        "F.rrelu eval": (node(F.rrelu, x), False, False),
+    }
+    wrong = {
+        name: (writes_in_place(n), draws_random(n))
+        for name, (n, writes, draws) in cases.items()
+        if (writes_in_place(n), draws_random(n)) != (writes, draws)
+    }
+    assert wrong == {}

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from kareus.passes.per_sample import writes_in_place
+from kareus.passes.per_sample import draws_random, writes_in_place
 from kareus.passes.subgraphs import bodies, copy_graph
 from kareus.passes.tags import NodeTag, get_tag, set_tag
 
@@ -311,7 +311,7 @@ def check_no_random(gm: fx.GraphModule, *, bodies_only: bool = False) -> None:
         if bodies_only:
             if _is_call(node):
                 check_no_random(getattr(gm, str(node.args[0].target)))  # type: ignore[union-attr]
-        elif _is_random(node):
+        elif draws_random(node):
             raise OutlineError(
                 f"a block draws random numbers ({node.target}): traced without outlining"
             )
@@ -377,20 +377,6 @@ def _inline(gm: fx.GraphModule, call: fx.Node, renumber: _Renumber, tag: NodeTag
     gm.graph.erase_node(call)
     if not getter.users:
         gm.graph.erase_node(getter)
-
-
-def _is_random(node: fx.Node) -> bool:
-    """Return whether ``node`` draws random numbers (attention without dropout does not)."""
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
-        return False
-    if torch.Tag.nondeterministic_seeded not in target.tags:
-        return False
-    for i, arg in enumerate(target._schema.arguments):
-        if arg.name == "dropout_p":
-            value = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", 0.0)
-            return bool(value != 0)
-    return True
 
 
 def _unique(gm: fx.GraphModule, name: str) -> str:

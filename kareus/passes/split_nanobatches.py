@@ -36,33 +36,9 @@ import torch.fx as fx
 from kareus.passes.base import GraphPass, PassContext, PassResult
 from kareus.passes.census import census
 from kareus.passes.find_blocks import BlockSet
-from kareus.passes.per_sample import op_name, why_not_per_sample, writes_in_place
+from kareus.passes.per_sample import draws_random, op_name, why_not_per_sample, writes_in_place
 from kareus.passes.tags import NodeTag, set_tag
 
-_RANDOM = frozenset(
-    [
-        "rand",
-        "randn",
-        "rand_like",
-        "randn_like",
-        "randint",
-        "randint_like",
-        "randperm",
-        "bernoulli",
-        "multinomial",
-        "normal",
-        "poisson",
-        "uniform_",
-        "normal_",
-        "bernoulli_",
-        "exponential_",
-        "random_",
-        "geometric_",
-    ]
-)
-_DROPOUTS = frozenset(
-    ["dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d"]
-)
 _BATCH_NORMS = frozenset({"batch_norm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d"})
 
 
@@ -284,7 +260,7 @@ def _unsafe_op(nodes: list[fx.Node], inside: set[fx.Node], sym: Any, allow_rando
         name = op_name(node)
         if name in _BATCH_NORMS:
             return f"{node.name} ({name}) normalises across the batch"
-        if not allow_random and _is_random(node, name):
+        if not allow_random and draws_random(node):
             return (
                 f"{node.name} ({name}) draws random numbers, whose stream would change; set "
                 "Config(allow_random_split=True) to split anyway, or disable dropout"
@@ -299,19 +275,6 @@ def _unsafe_op(nodes: list[fx.Node], inside: set[fx.Node], sym: Any, allow_rando
         if reason:
             return reason
     return ""
-
-
-def _is_random(node: fx.Node, name: str) -> bool:
-    if name in _RANDOM:
-        return True
-    if name in _DROPOUTS:
-        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
-        training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
-        return bool(training) and bool(p != 0)
-    if name == "scaled_dot_product_attention":
-        p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
-        return bool(p != 0)
-    return False
 
 
 def rewrite_split(
