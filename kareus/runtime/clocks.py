@@ -37,7 +37,9 @@ class ClockController(Protocol):
     ``journal_name`` is how the clock journal names it, so that a later process can build
     the same controller (:func:`controller_for`) and restore a clock left locked;
     ``device_key`` names the physical device it controls on this host (None when nothing
-    outlives the process), so that two processes controlling one GPU are caught.
+    outlives the process), so that two processes controlling one GPU are caught. Real GPUs
+    also have ``uuid``, NVML's name of the GPU, the same whatever ``CUDA_VISIBLE_DEVICES``
+    and ``CUDA_DEVICE_ORDER`` say (controllers without one need not have it).
     """
 
     name: str
@@ -74,7 +76,8 @@ class ZeusClocks:
 
         gpu_index = local_cuda_index() if gpu_index is None else gpu_index
         self.index = gpu_index
-        self.device_key = f"gpu:{physical_gpu(gpu_index)}"
+        self.uuid = cuda_uuid(gpu_index)
+        self.device_key = f"gpu:{self.uuid or physical_gpu(gpu_index)}"
         try:
             self._gpus = get_gpus()
         except Exception as err:  # Zeus raises its own init errors without a GPU
@@ -111,31 +114,33 @@ class NvmlClocks:
     journal_name = "nvml"
     device_key: str | None
 
-    def __init__(self, gpu_index: int | None = None) -> None:
-        """``gpu_index`` is NVML's index (all GPUs of the host, CUDA_VISIBLE_DEVICES aside).
+    def __init__(self, gpu_index: int | None = None, *, uuid: str | None = None) -> None:
+        """Control the GPU named by ``uuid``, else by ``gpu_index``, else this process's.
 
-        Without it, the GPU this process computes on, its CUDA index mapped through
-        CUDA_VISIBLE_DEVICES (indices or UUIDs).
+        ``uuid`` is NVML's (as the clock journal records it); ``gpu_index`` NVML's index
+        (all GPUs of the host, in PCI order, whatever CUDA_VISIBLE_DEVICES says); without
+        either, the GPU this process computes on (its UUID as CUDA reports it, else its CUDA
+        index mapped through CUDA_VISIBLE_DEVICES).
         """
         import pynvml
 
         self._nvml = pynvml
         try:
             pynvml.nvmlInit()
-            if gpu_index is None:
-                ident = physical_gpu(local_cuda_index())
-                if ident.isdigit():
-                    gpu_index = int(ident)
-                    self._handle = pynvml.nvmlDeviceGetHandleByIndex(gpu_index)
-                else:
-                    self._handle = pynvml.nvmlDeviceGetHandleByUUID(ident)
-                    gpu_index = int(pynvml.nvmlDeviceGetIndex(self._handle))
+            if uuid is None and gpu_index is None:
+                uuid = cuda_uuid(local_cuda_index())
+                if uuid is None:
+                    ident = physical_gpu(local_cuda_index())
+                    uuid, gpu_index = (None, int(ident)) if ident.isdigit() else (ident, None)
+            if uuid is not None:
+                self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
             else:
                 self._handle = pynvml.nvmlDeviceGetHandleByIndex(gpu_index)
+            self.index = int(pynvml.nvmlDeviceGetIndex(self._handle))
+            self.uuid = _text(pynvml.nvmlDeviceGetUUID(self._handle))
         except pynvml.NVMLError as err:
             raise ClockError(f"NVML is not usable here: {err}") from err
-        self.index = gpu_index
-        self.device_key = f"gpu:{gpu_index}"
+        self.device_key = f"gpu:{self.uuid}"
 
     def _call(self, what: str, fn: object, *args: object) -> object:
         nv = self._nvml
@@ -256,19 +261,26 @@ class FileClocks:
         self.path.write_text("default\n")
 
 
-def controller_for(journal_name: str, gpu: int) -> ClockController | None:
-    """Build the controller a journal record names, or None when nothing outlives a process.
+def controller_for(journal_name: str, gpu: int, uuid: str | None = None) -> ClockController | None:
+    """Build a controller for the GPU a journal record names, or None where kareus cannot.
+
+    A real GPU is found by its UUID through NVML (Zeus's and NVML's locks are the same
+    driver setting), whatever this process's CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER
+    say; a record without a UUID only by an NVML index ("nvml" records): a "zeus" record's
+    index was the CUDA index of a process whose environment is gone. None also for
+    controllers whose state died with their process (emulated, dry run) and for kinds
+    kareus does not know.
 
     Raises:
-        ClockError: the controller cannot be built here (no GPU, no Zeus).
+        ClockError: the controller cannot be built here (no GPU, no NVML).
     """
     if journal_name.startswith("file:"):
         return FileClocks(journal_name[len("file:") :])
-    if journal_name == "zeus":
-        return ZeusClocks(gpu)
+    if journal_name in ("zeus", "nvml") and uuid:
+        return NvmlClocks(uuid=uuid)
     if journal_name == "nvml":
         return NvmlClocks(gpu)
-    return None  # emulated, dry run: the state died with the process
+    return None
 
 
 def local_cuda_index() -> int:
@@ -282,6 +294,27 @@ def local_cuda_index() -> int:
     if torch.cuda.is_available():
         return int(torch.cuda.current_device())
     return int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+
+def cuda_uuid(cuda_index: int) -> str | None:
+    """Return NVML's UUID of CUDA device ``cuda_index`` as CUDA reports it, or None.
+
+    CUDA numbers the visible devices in its own order (CUDA_DEVICE_ORDER), so an index is
+    no name outside this process; the UUID is.
+    """
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        uuid = str(torch.cuda.get_device_properties(cuda_index).uuid)
+    except Exception:  # an old torch without .uuid, or no such device
+        return None
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def physical_gpu(cuda_index: int) -> str:

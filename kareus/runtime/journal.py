@@ -1,11 +1,18 @@
 """The clock journal: who locked which GPU's clock, so a crashed run's lock can be undone.
 
-Each line is one JSON record: ``event`` ("set", "restore", "restore_failed" or
-"recovered"), ``freq_mhz`` for a set, and the process that wrote it (``pid``, ``host``),
-the GPU (``gpu``, its index) and the controller (``controller``: "zeus", "nvml", or
-"file:PATH" for the file-backed emulated GPU). A process killed with SIGKILL cannot restore
-its clock; the next run with the same journal (or ``kareus restore-clocks``) finds its last
-"set" without a later "restore" and, once that process no longer exists, restores it.
+Each line is one JSON record, a handful per process and GPU, not one per switch: ``event``
+"lock" (the process took the GPU from its default clock; ``freq_mhz`` its first clock),
+"restore" (its reset ran), "restore_failed" (with ``error``) or "recovered" (another
+process restored it: ``recovered_pid``). A record names the process by ``pid``, its
+``start`` time (clock ticks after boot, so a reused pid is not mistaken for it) and the
+host's ``boot`` id besides ``host``; the GPU by ``uuid`` (NVML's, which no
+``CUDA_VISIBLE_DEVICES`` or ``CUDA_DEVICE_ORDER`` changes) and, for people, ``gpu`` (the
+controller's index); and the ``controller`` ("zeus", "nvml", "file:PATH" for the
+file-backed emulated GPU, ...). A process killed with SIGKILL cannot restore its clock: the
+next run with the same journal (or ``kareus restore-clocks``) finds its lock without a
+later restore and, once that process no longer runs, restores it — and says "restored" only
+after a reset ran; where no controller can be built for the record it says the clock may
+still be locked, which GPU, and the command that restores it.
 
 Journal I/O never stops training: a journal that cannot be written is reported once by the
 runtime and then left alone.
@@ -21,51 +28,101 @@ from typing import Any
 
 HOST = socket.gethostname()
 
+LOCK_EVENTS = ("lock", "set", "restore_failed")
+"""Events after which a GPU's clock is (or may be) locked ("set": journals before "lock")."""
 
-def record(path: pathlib.Path, event: str, *, gpu: int, controller: str, **extra: Any) -> None:
+
+def _boot_id() -> str:
+    try:
+        return pathlib.Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def process_start(pid: int) -> int | None:
+    """Return when process ``pid`` started (clock ticks after boot), or None if unknown."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # after the command name, which may hold spaces
+    return int(fields[19]) if len(fields) > 19 else None
+
+
+BOOT = _boot_id()
+
+
+def record(
+    path: pathlib.Path,
+    event: str,
+    *,
+    gpu: int,
+    controller: str,
+    uuid: str | None = None,
+    **extra: Any,
+) -> None:
     """Append one record (raises OSError when the file cannot be written)."""
     line = {"event": event, "pid": os.getpid(), "host": HOST, "gpu": gpu}
-    line.update(controller=controller, **extra)
-    with path.open("a") as fh:
+    line.update(start=process_start(os.getpid()), boot=BOOT, controller=controller)
+    if uuid:
+        line["uuid"] = uuid
+    line.update(extra)
+    with path.open("a") as fh:  # a file object of its own: safe inside a signal handler
         fh.write(json.dumps(line, sort_keys=True) + "\n")
         fh.flush()
 
 
-def read(path: pathlib.Path) -> list[dict[str, Any]]:
-    """Return the journal's records (lines that are not records are skipped)."""
+def read(path: pathlib.Path) -> tuple[list[dict[str, Any]], int]:
+    """Return the journal's records and how many lines were not records."""
     try:
         text = path.read_text()
     except FileNotFoundError:
-        return []
-    out = []
+        return [], 0
+    out, bad = [], 0
     for line in text.splitlines():
         try:
             item = json.loads(line)
         except ValueError:
+            bad += 1
             continue
         if isinstance(item, dict) and "event" in item:
             out.append(item)
-    return out
+        else:
+            bad += 1
+    return out, bad
 
 
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host."""
+def alive(item: dict[str, Any]) -> bool:
+    """Whether the process that wrote ``item`` still runs (on this host).
+
+    Its pid must exist, in this boot, with the start time it recorded: a pid reused by
+    another process, or a record from before a reboot, is a process that is gone.
+    """
+    if item.get("boot") and BOOT and item["boot"] != BOOT:
+        return False
+    pid = int(item.get("pid", -1))
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    except (OverflowError, ValueError):
+        return False
+    started = item.get("start")
+    return started is None or process_start(pid) in (None, started)
+
+
+def _gpu_key(item: dict[str, Any]) -> tuple[Any, Any, Any]:
+    return item.get("host"), item.get("uuid") or item.get("gpu"), item.get("controller")
 
 
 def open_locks(path: pathlib.Path) -> list[dict[str, Any]]:
-    """Return the last "set" of each (host, GPU, controller) not followed by a restore."""
+    """Return the last record of each (host, GPU, controller) that leaves the clock locked."""
     last: dict[tuple[Any, Any, Any], dict[str, Any]] = {}
-    for item in read(path):
-        key = (item.get("host"), item.get("gpu"), item.get("controller"))
-        last[key] = item
-    return [item for item in last.values() if item["event"] in ("set", "restore_failed")]
+    for item in read(path)[0]:
+        last[_gpu_key(item)] = item
+    return [item for item in last.values() if item["event"] in LOCK_EVENTS]
 
 
 def stale_locks(path: pathlib.Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -77,54 +134,105 @@ def stale_locks(path: pathlib.Path) -> tuple[list[dict[str, Any]], list[dict[str
     for item in open_locks(path):
         if item.get("host") != HOST:
             elsewhere.append(item)
-        elif item.get("pid") != os.getpid() and not alive(int(item.get("pid", -1))):
+        elif item.get("pid") != os.getpid() and not alive(item):
             stale.append(item)
     return stale, elsewhere
 
 
-def recover(path: pathlib.Path) -> list[str]:
+def describe_gpu(item: dict[str, Any]) -> str:
+    """Name the GPU of a record: its UUID and index where known."""
+    uuid, gpu = item.get("uuid"), item.get("gpu")
+    return f"GPU {uuid} (index {gpu})" if uuid else f"GPU {gpu}"
+
+
+def reset_command(item: dict[str, Any]) -> str:
+    """Return the command that resets the GPU of a record by hand (as root).
+
+    By UUID where the record has it: nvidia-smi numbers GPUs in PCI order, which is neither
+    CUDA's numbering nor CUDA_VISIBLE_DEVICES's.
+    """
+    return f"nvidia-smi -rgc -i {item.get('uuid') or item.get('gpu')}"
+
+
+def recover(path: pathlib.Path, own: Any = None) -> list[str]:
     """Restore the clocks that dead processes left locked; return what was done, per GPU.
 
-    Each restore is journalled ("recovered", or "restore_failed" with the error), so a
-    second call does not try again what succeeded.
-    """
-    from kareus.runtime.clocks import ClockError, controller_for
+    Args:
+        path: the journal.
+        own: this process's controller: used for a record of the same kind and GPU when no
+            controller can be rebuilt from the record.
 
+    Each restore is journalled ("recovered", or "restore_failed" with the error), so a
+    second call does not try again what succeeded; a lock no controller can reset is
+    reported, with its GPU and the command, every time until it is reset.
+    """
     messages = []
+    _records, bad = read(path)
+    if bad:
+        messages.append(f"{path}: {bad} line(s) are not clock-journal records and were skipped")
     stale, elsewhere = stale_locks(path)
     for item in stale:
-        gpu, name = int(item.get("gpu", 0)), str(item.get("controller", ""))
-        what = (
-            f"GPU {gpu} ({name}) was left locked at {item.get('freq_mhz')} MHz by process "
-            f"{item.get('pid')}, which no longer runs"
-        )
-        try:
-            controller = controller_for(name, gpu)
-            if controller is not None:
-                controller.reset()
-        except (ClockError, OSError) as err:
-            record(
-                path,
-                "restore_failed",
-                gpu=gpu,
-                controller=name,
-                freq_mhz=item.get("freq_mhz"),
-                error=str(err),
-            )
-            messages.append(
-                f"{what}; restoring it failed: {err}. Restore it by hand (as root: "
-                f"`nvidia-smi -rgc -i {gpu}`) or with `kareus restore-clocks --journal {path}`"
-            )
-            continue
-        record(path, "recovered", gpu=gpu, controller=name, recovered_pid=item.get("pid"))
-        messages.append(f"{what}: restored to the default clock")
+        messages.append(_recover_one(path, item, own))
     for item in elsewhere:
         messages.append(
-            f"GPU {item.get('gpu')} on host {item.get('host')} may still be locked at "
-            f"{item.get('freq_mhz')} MHz by process {item.get('pid')}: run `kareus "
-            f"restore-clocks --journal {path}` on that host"
+            f"{describe_gpu(item)} on host {item.get('host')} may still have its clock locked "
+            f"by process {item.get('pid')}: run `kareus restore-clocks --journal {path}` on "
+            "that host"
         )
     return messages
+
+
+def _recover_one(path: pathlib.Path, item: dict[str, Any], own: Any) -> str:
+    from kareus.runtime.clocks import ClockError, controller_for
+
+    gpu, name = int(item.get("gpu", 0)), str(item.get("controller", ""))
+    uuid = item.get("uuid")
+    what = (
+        f"{describe_gpu(item)} ({name}) was left with its clock locked (first at "
+        f"{item.get('freq_mhz')} MHz) by process {item.get('pid')}, which no longer runs"
+    )
+    by_hand = (
+        f"restore it by hand (as root: `{reset_command(item)}`) or with `kareus "
+        f"restore-clocks --journal {path}`"
+    )
+    try:
+        controller = controller_for(name, gpu, uuid)
+    except (ClockError, OSError) as err:
+        return f"{what}; it is NOT restored: no controller for it here ({err}); {by_hand}"
+    if controller is None and own is not None and _same_gpu(own, name, uuid):
+        controller = own
+    if controller is None:
+        if name in ("emulated", "dry-run"):
+            record(
+                path,
+                "recovered",
+                gpu=gpu,
+                controller=name,
+                uuid=uuid,
+                recovered_pid=item.get("pid"),
+            )
+            return f"{what}: nothing to restore (an emulated GPU's clock ended with the process)"
+        return f"{what}; it is NOT restored: kareus cannot rebuild a {name!r} controller; {by_hand}"
+    try:
+        controller.reset()
+    except (ClockError, OSError) as err:
+        record(
+            path,
+            "restore_failed",
+            gpu=gpu,
+            controller=name,
+            uuid=uuid,
+            freq_mhz=item.get("freq_mhz"),
+            error=str(err),
+        )
+        return f"{what}; restoring it failed: {err}. It may still be locked; {by_hand}"
+    record(path, "recovered", gpu=gpu, controller=name, uuid=uuid, recovered_pid=item.get("pid"))
+    return f"{what}: restored to the default clock"
+
+
+def _same_gpu(own: Any, name: str, uuid: str | None) -> bool:
+    ours = getattr(own, "journal_name", None)
+    return ours == name and (uuid is None or getattr(own, "uuid", None) == uuid)
 
 
 _CLAIMS: dict[str, Any] = {}

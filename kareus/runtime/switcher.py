@@ -183,6 +183,7 @@ class ClockRuntime:
         self._closed = False  # no more switches
         self._restored = False  # no more clocks set: the default is (being) restored
         self._reset_done = False  # the controller's reset ran (or failed and was reported)
+        self._locked = False  # this process locked the clock since it was last restored
         self._finalised = False  # close() ran to its end
         self._queue: queue.Queue[Any] | None = None
         self._worker_thread: threading.Thread | None = None
@@ -212,7 +213,7 @@ class ClockRuntime:
         """Restore clocks that crashed runs of this journal left locked, and say so."""
         assert self.journal is not None
         try:
-            messages = _journal.recover(self.journal)
+            messages = _journal.recover(self.journal, own=self.controller)
         except OSError as err:
             self._journal_failed(err)
             return
@@ -371,7 +372,9 @@ class ClockRuntime:
     def _set_clock(self, freq: float) -> None:
         try:
             self.controller.set(freq)
-            self._log("set", freq_mhz=freq)
+            if not self._locked:  # one record per lock, not per switch: the journal stays small
+                self._locked = True
+                self._log("lock", freq_mhz=freq)
         except ClockPermissionError as err:
             self.enabled = False
             note = f"clocks were not applied: {err}"
@@ -480,17 +483,18 @@ class ClockRuntime:
         try:
             self.controller.reset()
         except Exception as err:  # any failure: say which GPU may still be locked
-            gpu = getattr(self.controller, "index", 0)
+            gpu = {"gpu": self.controller.index, "uuid": getattr(self.controller, "uuid", None)}
             note = (
-                f"restoring GPU {gpu}'s clock failed, it may still be locked at "
-                f"{self._current:g} MHz: {err}. Restore it with `kareus restore-clocks"
+                f"restoring {_journal.describe_gpu(gpu)}'s clock failed, it may still be "
+                f"locked at {self._current:g} MHz: {err}. Restore it with `kareus restore-clocks"
                 + (f" --journal {self.journal}`" if self.journal else "`")
-                + f" or, as root, `nvidia-smi -rgc -i {gpu}`"
+                + f" or, as root, `{_journal.reset_command(gpu)}`"
             )
             self.notes.append(note)
             warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=2)
             self._log("restore_failed", freq_mhz=self._current, error=str(err))
             return
+        self._locked = False
         self._log("restore")
 
     def __enter__(self) -> ClockRuntime:
@@ -508,6 +512,7 @@ class ClockRuntime:
                 event,
                 gpu=getattr(self.controller, "index", 0),
                 controller=getattr(self.controller, "journal_name", self.controller.name),
+                uuid=getattr(self.controller, "uuid", None),
                 **extra,
             )
         except OSError as err:

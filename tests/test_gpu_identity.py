@@ -1,0 +1,204 @@
+"""One GPU identity, and a clock journal that stays small and tells the truth.
+
+A fake NVML holds four GPUs; the process's CUDA view of them is permuted
+(CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER), so that an index means a different GPU to CUDA,
+NVML and nvidia-smi. Controllers, journal records, recovery and the advice printed must all
+name the same GPU: by UUID.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from kareus.runtime import journal
+from kareus.runtime.clocks import ClockError, NvmlClocks, controller_for
+
+UUIDS = ["GPU-aaaa", "GPU-bbbb", "GPU-cccc", "GPU-dddd"]
+
+
+class FakeNvml(types.ModuleType):
+    """NVML over four GPUs: their locked clocks live in ``locked``, by UUID."""
+
+    NVML_ERROR_NO_PERMISSION = 4
+
+    class NVMLError(Exception):
+        def __init__(self, value=0):
+            super().__init__(f"NVML error {value}")
+            self.value = value
+
+    def __init__(self, refuse=False):
+        super().__init__("pynvml")
+        self.locked = {}
+        self.refuse = refuse
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        if not 0 <= index < len(UUIDS):
+            raise self.NVMLError(2)
+        return UUIDS[index]
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        if uuid not in UUIDS:
+            raise self.NVMLError(2)
+        return uuid
+
+    def nvmlDeviceGetIndex(self, handle):
+        return UUIDS.index(handle)
+
+    def nvmlDeviceGetUUID(self, handle):
+        return handle.encode()  # older bindings return bytes
+
+    def nvmlDeviceSetGpuLockedClocks(self, handle, lo, hi):
+        if self.refuse:
+            raise self.NVMLError(self.NVML_ERROR_NO_PERMISSION)
+        self.locked[handle] = lo
+
+    def nvmlDeviceResetGpuLockedClocks(self, handle):
+        if self.refuse:
+            raise self.NVMLError(self.NVML_ERROR_NO_PERMISSION)
+        self.locked.pop(handle, None)
+
+
+@pytest.fixture
+def nvml(monkeypatch):
+    fake = FakeNvml()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    return fake
+
+
+def _cuda_sees(monkeypatch, visible):
+    """Make this process a CUDA process whose device 0 is GPU ``visible[0]`` of NVML."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(map(str, visible)))
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    props = {i: types.SimpleNamespace(uuid=UUIDS[v][4:]) for i, v in enumerate(visible)}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props[i])
+
+
+@pytest.mark.parametrize("visible", [[2, 0], [3], [1, 2, 3, 0]])
+def test_this_processs_gpu_is_named_by_uuid_whatever_cuda_numbers_it(monkeypatch, nvml, visible):
+    _cuda_sees(monkeypatch, visible)
+    clocks = NvmlClocks()
+    assert clocks.uuid == UUIDS[visible[0]] and clocks.index == visible[0]
+    assert clocks.device_key == f"gpu:{UUIDS[visible[0]]}"
+    clocks.set(1200)
+    assert nvml.locked == {UUIDS[visible[0]]: 1200}
+
+
+def _dead_lock(path, **fields):
+    # A lock by a process that ran on this host and is gone (a pid no process has).
+    record = {"event": "lock", "pid": 2**22 + 7, "host": journal.HOST, "freq_mhz": 1200}
+    record.update(boot=journal.BOOT, start=1, **fields)
+    with path.open("a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+@pytest.mark.parametrize("controller", ["zeus", "nvml"])
+def test_recovery_resets_the_recorded_gpu_under_another_processs_view(
+    tmp_path, monkeypatch, nvml, controller
+):
+    path = tmp_path / "journal"
+    nvml.locked[UUIDS[2]] = 1200  # locked by a run whose CUDA device 0 was NVML's GPU 2
+    _dead_lock(path, gpu=0, uuid=UUIDS[2], controller=controller)
+    _cuda_sees(monkeypatch, [1])  # the recovering process sees another GPU as device 0
+    (message,) = journal.recover(path)
+    assert nvml.locked == {} and "GPU-cccc" in message and "restored" in message, message
+    assert json.loads(path.read_text().splitlines()[-1])["event"] == "recovered"
+    assert journal.recover(path) == []  # done once
+
+
+def test_a_lock_no_controller_can_reset_is_reported_not_restored(tmp_path, nvml):
+    path = tmp_path / "journal"
+    # a Zeus record before UUIDs: its index was a CUDA index of a process that is gone
+    _dead_lock(path, gpu=1, controller="zeus")
+    _dead_lock(path, gpu=0, uuid=UUIDS[3], controller="my-own-controller")
+    messages = journal.recover(path)
+    assert len(messages) == 2 and all("NOT restored" in m for m in messages), messages
+    assert "`nvidia-smi -rgc -i 1`" in messages[0]
+    assert "`nvidia-smi -rgc -i GPU-dddd`" in messages[1]
+    assert "recovered" not in path.read_text()  # nothing claimed that did not happen
+    assert len(journal.recover(path)) == 2  # and said again until it is reset
+
+
+def test_the_running_processs_own_controller_of_the_same_kind_and_gpu_restores(tmp_path):
+    path = tmp_path / "journal"
+    _dead_lock(path, gpu=0, uuid=UUIDS[3], controller="my-own-controller")
+    resets = []
+    own = types.SimpleNamespace(
+        journal_name="my-own-controller", uuid=UUIDS[3], reset=lambda: resets.append(1)
+    )
+    other = types.SimpleNamespace(journal_name="my-own-controller", uuid=UUIDS[0], reset=None)
+    assert "NOT restored" in journal.recover(path, own=other)[0]
+    assert "restored to the default clock" in journal.recover(path, own=own)[0]
+    assert resets == [1]
+
+
+def test_a_reset_without_permission_is_not_claimed(tmp_path, monkeypatch):
+    path = tmp_path / "journal"
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(refuse=True))
+    _dead_lock(path, gpu=2, uuid=UUIDS[2], controller="nvml")
+    (message,) = journal.recover(path)
+    assert "restoring it failed" in message and "GPU-cccc" in message, message
+    assert json.loads(path.read_text().splitlines()[-1])["event"] == "restore_failed"
+
+
+def test_liveness_is_pid_and_start_time_and_boot(tmp_path):
+    parent = os.getppid()
+    started = journal.process_start(parent)
+    assert started is not None
+    me = {"pid": parent, "start": started, "boot": journal.BOOT}
+    assert journal.alive(me)
+    assert not journal.alive(me | {"start": started + 1})  # the pid was reused
+    assert not journal.alive(me | {"boot": "another-boot"})  # the host rebooted
+    assert journal.alive({"pid": parent})  # a record before start times: the pid decides
+    with subprocess.Popen([sys.executable, "-c", "pass"]) as child:
+        child.wait()
+    assert not journal.alive({"pid": child.pid, "start": 1, "boot": journal.BOOT})
+
+
+def test_bad_lines_and_other_hosts_are_said_once_and_left(tmp_path, nvml):
+    path = tmp_path / "journal"
+    path.write_text("not json\n[1, 2]\n")
+    _dead_lock(path, gpu=0, uuid=UUIDS[0], controller="nvml", host="another-host")
+    messages = journal.recover(path)
+    assert messages[0].endswith("2 line(s) are not clock-journal records and were skipped")
+    assert "on host another-host may still have its clock locked" in messages[1]
+    assert "GPU-aaaa" in messages[1] and len(messages) == 2
+
+
+def test_controller_for_builds_by_uuid_and_refuses_what_it_cannot(nvml):
+    assert controller_for("zeus", 0, UUIDS[1]).uuid == UUIDS[1]
+    assert controller_for("nvml", 3).uuid == UUIDS[3]
+    assert controller_for("zeus", 0) is None and controller_for("emulated", 0) is None
+    with pytest.raises(ClockError):
+        controller_for("nvml", 0, "GPU-not-here")
+
+
+def test_a_failed_restore_names_the_gpu_by_uuid(tmp_path):
+    from kareus.runtime.switcher import ClockRuntime, Step
+
+    class Stuck:
+        name = journal_name = "stuck"
+        index, uuid, device_key = 5, "GPU-eeee", None
+
+        def set(self, freq):
+            pass
+
+        def reset(self):
+            raise ClockError("the driver refused")
+
+    runtime = ClockRuntime([Step("forward", 1200)], Stuck(), journal=tmp_path / "j")
+    runtime.switch(0, "forward")
+    with pytest.warns(RuntimeWarning, match="nvidia-smi -rgc -i GPU-eeee"):
+        runtime.close()
+    events = [json.loads(line) for line in (tmp_path / "j").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["lock", "restore_failed"]
+    assert all(e["uuid"] == "GPU-eeee" for e in events)
