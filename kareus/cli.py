@@ -306,6 +306,23 @@ def _other_parsers(sub: Any) -> None:
         help="the clock journal",
     )
 
+    d = sub.add_parser(
+        "doctor",
+        formatter_class=_Formatter,
+        help="what this node offers kareus: NVML, Zeus, each GPU, clock permission",
+        description="Read the driver (NVML), Zeus and its daemon, each GPU (UUID, CUDA and "
+        "NVML index, current and supported clocks, power limit) and whether this process "
+        "may lock clocks, and say what to do where it may not. Changes nothing unless "
+        "--try-switch is given.",
+    )
+    d.add_argument(
+        "--try-switch",
+        action="store_true",
+        help="lock each GPU's clock once, time the call and the transition, restore at once "
+        "(also on Ctrl-C); the latencies are measured",
+    )
+    d.add_argument("--json", type=pathlib.Path, metavar="FILE", help="also write the report")
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
@@ -341,6 +358,8 @@ def _run(args: argparse.Namespace) -> int:
             return _explain(args.plan)
         if args.command == "restore-clocks":
             return _restore_clocks(args.journal)
+        if args.command == "doctor":
+            return _doctor(args)
         return _list()
     except InfeasiblePlanError as err:
         print(f"kareus: no plan meets --select {args.select}: {err}", file=sys.stderr)
@@ -369,6 +388,24 @@ def _restore_clocks(journal: pathlib.Path) -> int:
     if not messages:
         print(f"no clock left locked by a finished process in {journal}")
     return EXIT_FAILED if any("failed" in m for m in messages) else EXIT_OK
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from kareus.jobs.doctor import diagnose, try_switches, write_json
+
+    report = diagnose()
+    if args.try_switch:
+        if not report.gpus:
+            print("kareus doctor: --try-switch needs a GPU; there is none here", file=sys.stderr)
+        elif not report.may_lock:
+            print(f"kareus doctor: --try-switch skipped: {report.why}", file=sys.stderr)
+        else:
+            report.switches = try_switches(report)
+    print(report.to_text())
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    return EXIT_OK
 
 
 def _list() -> int:

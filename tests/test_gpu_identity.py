@@ -65,6 +65,33 @@ class FakeNvml(types.ModuleType):
             raise self.NVMLError(self.NVML_ERROR_NO_PERMISSION)
         self.locked.pop(handle, None)
 
+    # what kareus doctor reads
+    NVML_CLOCK_SM = 1
+
+    def nvmlSystemGetDriverVersion(self):
+        return b"550.54"
+
+    def nvmlDeviceGetCount(self):
+        return len(UUIDS)
+
+    def nvmlDeviceGetName(self, handle):
+        return b"NVIDIA H200"
+
+    def nvmlDeviceGetClockInfo(self, handle, kind):
+        return self.locked.get(handle, 1980)
+
+    def nvmlDeviceGetMaxClockInfo(self, handle, kind):
+        return 1980
+
+    def nvmlDeviceGetSupportedMemoryClocks(self, handle):
+        return [2619]
+
+    def nvmlDeviceGetSupportedGraphicsClocks(self, handle, memory):
+        return list(range(1980, 344, -15))
+
+    def nvmlDeviceGetPowerManagementLimit(self, handle):
+        return 700000
+
 
 @pytest.fixture
 def nvml(monkeypatch):
@@ -202,3 +229,65 @@ def test_a_failed_restore_names_the_gpu_by_uuid(tmp_path):
     events = [json.loads(line) for line in (tmp_path / "j").read_text().splitlines()]
     assert [e["event"] for e in events] == ["lock", "restore_failed"]
     assert all(e["uuid"] == "GPU-eeee" for e in events)
+
+
+def test_doctor_on_a_machine_without_gpu_says_so_and_exits_0(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "kareus", "doctor", "--try-switch", "--json", str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    if torch.cuda.is_available():  # pragma: no cover - a GPU machine has other things to say
+        return
+    assert "no GPU here" in out.stdout and "needs a GPU" in out.stderr
+    assert json.loads((tmp_path / "d").read_text())["gpus"] == []
+
+
+def test_doctor_names_every_gpu_by_uuid_and_both_indices(monkeypatch, nvml):
+    from kareus.jobs.doctor import diagnose
+
+    _cuda_sees(monkeypatch, [2, 0])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    report = diagnose()
+    assert report.driver == "550.54" and len(report.gpus) == 4
+    by_uuid = {g.uuid: g for g in report.gpus}
+    assert by_uuid["GPU-cccc"].cuda_index == 0 and by_uuid["GPU-cccc"].nvml_index == 2
+    assert by_uuid["GPU-aaaa"].cuda_index == 1 and by_uuid["GPU-bbbb"].cuda_index is None
+    assert by_uuid["GPU-aaaa"].power_limit_w == 700 and by_uuid["GPU-aaaa"].sm_clock_mhz == 1980
+    text = report.to_text()
+    assert "GPU GPU-cccc: NVIDIA H200; NVML index 2, CUDA index 0" in text
+    assert "may this process lock clocks" in text
+    assert not nvml.locked  # reading changed nothing
+
+
+def test_doctor_try_switch_measures_and_restores_every_gpu(monkeypatch, nvml):
+    from kareus.jobs.doctor import diagnose, try_switches
+
+    report = diagnose()
+    switches = try_switches(report, settle_s=0.05)
+    assert set(switches) == set(UUIDS) and not nvml.locked
+    for sw in switches.values():
+        assert sw["source"] == "measured" and sw["lock_call_s"] >= 0
+        assert sw["target_mhz"] == 1485 and sw["transition_s"] is not None
+
+
+def test_doctor_try_switch_restores_on_ctrl_c(monkeypatch, nvml):
+    import signal
+
+    from kareus.jobs.doctor import diagnose, try_switches
+
+    report = diagnose()
+    real_set = nvml.nvmlDeviceSetGpuLockedClocks
+
+    def set_then_interrupt(handle, lo, hi):
+        real_set(handle, lo, hi)
+        signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(nvml, "nvmlDeviceSetGpuLockedClocks", set_then_interrupt)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        try_switches(report, settle_s=0.05)
+    assert nvml.locked == {}  # the first GPU's clock went back; the others were never locked
+    assert signal.getsignal(signal.SIGINT) is before
