@@ -610,3 +610,24 @@ def test_measure_without_zeus_is_a_clear_error(monkeypatch):
         kareus.compile(
             BrokenMLP(), plan=make_plan(ACCUMULATE), clocks=EmulatedClocks(), measure=True
         )
+
+
+def test_switch_calls_and_the_workers_wait_are_measured_and_reported():
+    import time
+
+    from kareus.runtime.switcher import ClockRuntime, Step
+
+    class SlowGPU:  # an event the GPU reaches after 50 ms; waiting on it sleeps
+        def synchronize(self):
+            time.sleep(0.05)
+
+    clocks = EmulatedClocks()
+    runtime = ClockRuntime([Step("forward", 1200), Step("backward", 1005)], clocks)
+    runtime.switch(0, "forward")  # no CUDA: set at once, timed
+    runtime._enqueue(SlowGPU(), 1005)  # as a CUDA switch is: the worker waits, then sets
+    runtime.close()
+    assert runtime.switch_calls == 2 and runtime.switch_call_max_s > 0
+    assert runtime.worker_cpu_s < 0.02  # a blocking wait, not a spinning one
+    text = runtime.to_text()
+    assert "switch calls (measured): mean" in text and "over 2" in text
+    assert "switch worker CPU time waiting on the GPU (measured)" in text

@@ -37,6 +37,7 @@ import pathlib
 import queue
 import signal
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -164,6 +165,10 @@ class ClockRuntime:
         self.switches: list[float] = []  # the last _KEEP clocks set
         self.switch_count = 0
         self.failed_switches = 0
+        self.switch_calls = 0  # controller.set calls that returned
+        self.switch_call_s = 0.0  # their wall time in all (measured)
+        self.switch_call_max_s = 0.0
+        self.worker_cpu_s = 0.0  # CPU time the switch worker spent waiting on events (measured)
         self.enabled = True
         self.applied: collections.deque[tuple[int, int, str, int, float]] = collections.deque(
             maxlen=_KEEP
@@ -335,7 +340,9 @@ class ClockRuntime:
 
     def _apply(self, freq: float) -> None:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            event = torch.cuda.Event()
+            # blocking: the worker's synchronize() sleeps until the GPU gets there instead of
+            # spinning a CPU core per rank
+            event = torch.cuda.Event(blocking=True)
             event.record()
             self._enqueue(event, freq)
         else:
@@ -358,7 +365,9 @@ class ClockRuntime:
             if item is None:  # close(): every queued switch before it has been applied
                 return
             event, freq = item
+            cpu = time.thread_time()
             event.synchronize()  # the GPU reached the switch point
+            self.worker_cpu_s += time.thread_time() - cpu
             self._set(freq)
 
     def _set(self, freq: float) -> None:
@@ -371,7 +380,12 @@ class ClockRuntime:
 
     def _set_clock(self, freq: float) -> None:
         try:
+            start = time.perf_counter()
             self.controller.set(freq)
+            took = time.perf_counter() - start
+            self.switch_call_s += took
+            self.switch_call_max_s = max(self.switch_call_max_s, took)
+            self.switch_calls += 1
             if not self._locked:  # one record per lock, not per switch: the journal stays small
                 self._locked = True
                 self._log("lock", freq_mhz=freq)
@@ -425,6 +439,16 @@ class ClockRuntime:
             + ("applied" if self.enabled else "NOT applied")
             + (f"; {self.failed_switches} switch(es) failed" if self.failed_switches else ""),
         ]
+        if self.switch_calls:
+            lines.append(
+                f"switch calls (measured): mean {self.switch_call_s / self.switch_calls * 1e3:.3f}"
+                f" ms, max {self.switch_call_max_s * 1e3:.3f} ms over {self.switch_calls}"
+            )
+        if self._worker_thread is not None:
+            lines.append(
+                f"switch worker CPU time waiting on the GPU (measured): "
+                f"{self.worker_cpu_s * 1e3:.1f} ms in all"
+            )
         lines += [
             f"iteration {r.iteration}: {r.time_s:.6f} s, {r.energy_j:.3f} J ({r.source})"
             for r in self.iterations[-5:]
