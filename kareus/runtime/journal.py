@@ -201,32 +201,18 @@ def _recover_one(path: pathlib.Path, item: dict[str, Any], own: Any) -> str:
         return f"{what}; it is NOT restored: no controller for it here ({err}); {by_hand}"
     if controller is None and own is not None and _same_gpu(own, name, uuid):
         controller = own
+    ids: dict[str, Any] = {"gpu": gpu, "controller": name, "uuid": uuid}
     if controller is None:
         if name in ("emulated", "dry-run"):
-            record(
-                path,
-                "recovered",
-                gpu=gpu,
-                controller=name,
-                uuid=uuid,
-                recovered_pid=item.get("pid"),
-            )
+            record(path, "recovered", **ids, recovered_pid=item.get("pid"))
             return f"{what}: nothing to restore (an emulated GPU's clock ended with the process)"
         return f"{what}; it is NOT restored: kareus cannot rebuild a {name!r} controller; {by_hand}"
     try:
         controller.reset()
     except (ClockError, OSError) as err:
-        record(
-            path,
-            "restore_failed",
-            gpu=gpu,
-            controller=name,
-            uuid=uuid,
-            freq_mhz=item.get("freq_mhz"),
-            error=str(err),
-        )
+        record(path, "restore_failed", **ids, freq_mhz=item.get("freq_mhz"), error=str(err))
         return f"{what}; restoring it failed: {err}. It may still be locked; {by_hand}"
-    record(path, "recovered", gpu=gpu, controller=name, uuid=uuid, recovered_pid=item.get("pid"))
+    record(path, "recovered", **ids, recovered_pid=item.get("pid"))
     return f"{what}: restored to the default clock"
 
 
