@@ -1,6 +1,10 @@
 """One prepared GPU check: kareus on a real GPU, measured against its own model.
 
-Seven steps, each reported even when another fails:
+Eight steps, each reported even when another fails:
+
+0. ``devices``: which GPU is which — each GPU's NVML UUID, NVML index and CUDA index, clock
+   and power limit (``kareus doctor``'s reading) — and the CPU time a switch's wait costs on
+   a blocking CUDA event (as the clock runtime waits) against a spinning one.
 
 1. ``compile``: kareus.compile of a tiny Llama (python and Inductor codegen, with and
    without a clock plan; the dry run leaves Inductor to the test suite) trains like eager:
@@ -92,6 +96,70 @@ class StepResult:
     summary: str
     rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+
+
+# ---- 0. devices --------------------------------------------------------------------------------
+
+
+def step_devices(ctx: Context) -> StepResult:
+    """Which GPU is which (UUID, NVML and CUDA index), and what a switch's wait costs the CPU.
+
+    Reads only (``kareus doctor`` without ``--try-switch``). The wait: the switch worker
+    waits for the GPU to reach a switch point on a CUDA event; a blocking event sleeps, a
+    spinning one burns a core. Both are timed over a 50 ms sleep kernel, in CPU seconds of
+    the waiting thread (on the CPU, the dry run times a 50 ms sleep in their place).
+    """
+    from kareus.jobs.doctor import diagnose
+
+    report = diagnose()
+    rows: list[dict[str, Any]] = [
+        {
+            "what": "gpu",
+            "uuid": g.uuid,
+            "nvml_index": g.nvml_index,
+            "cuda_index": g.cuda_index,
+            "name": g.name,
+            "sm_clock_mhz": g.sm_clock_mhz,
+            "power_limit_w": g.power_limit_w,
+        }
+        for g in report.gpus
+    ]
+    waits = {}
+    for blocking in (True, False):
+        cpu, wall = _timed_wait(ctx, blocking)
+        waits[blocking] = cpu
+        rows.append({"what": "wait", "blocking": blocking, "cpu_s": cpu, "wall_s": wall})
+    mapping = ", ".join(
+        f"CUDA {g.cuda_index} = NVML {g.nvml_index} = {g.uuid}"
+        for g in report.gpus
+        if g.cuda_index is not None
+    )
+    return StepResult(
+        "devices",
+        "passed" if waits[True] <= max(0.5 * waits[False], 0.01) else "failed",
+        f"{len(report.gpus)} GPU(s) by NVML ({report.nvml_error or 'driver ' + str(report.driver)})"
+        f"{'; ' + mapping if mapping else ''}; waiting 50 ms on the GPU costs "
+        f"{waits[True] * 1e3:.1f} ms of CPU with a blocking event, {waits[False] * 1e3:.1f} ms "
+        "spinning (measured)",
+        rows,
+    )
+
+
+def _timed_wait(ctx: Context, blocking: bool) -> tuple[float, float]:
+    """CPU and wall seconds of this thread waiting 50 ms for the device."""
+    cpu, wall = time.thread_time(), time.perf_counter()
+    if ctx.device.type == "cuda":  # pragma: no cover - needs a GPU
+        torch.cuda._sleep(int(0.05 * 1.5e9))
+        event = torch.cuda.Event(blocking=blocking)
+        event.record()
+        event.synchronize()
+    elif blocking:
+        time.sleep(0.05)
+    else:  # what a spinning wait does on the CPU
+        end = time.perf_counter() + 0.05
+        while time.perf_counter() < end:
+            pass
+    return time.thread_time() - cpu, time.perf_counter() - wall
 
 
 # ---- 1. compile -------------------------------------------------------------------------------
@@ -730,6 +798,7 @@ def step_nccl(ctx: Context) -> StepResult:
 # ---- driver -----------------------------------------------------------------------------------
 
 STEPS = (
+    step_devices,
     step_compile,
     step_switches,
     step_energy,

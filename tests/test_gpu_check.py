@@ -21,12 +21,16 @@ def test_dry_run_runs_every_step_and_writes_summary_and_data(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     assert "dry run: no figure here measures a GPU" in summary
     assert "No clock, power limit or other setting was changed" in summary
-    steps = ("compile", "switches", "energy", "ops", "sizes", "profile", "nccl")
+    steps = ("devices", "compile", "switches", "energy", "ops", "sizes", "profile", "nccl")
     for step in steps:
         assert f"| {step} | passed |" in summary, summary
         rows = list(csv.DictReader((tmp_path / "data" / "dry-run" / f"{step}.csv").open()))
         assert rows, step
     data = tmp_path / "data" / "dry-run"
+    waits = {
+        r["blocking"]: float(r["cpu_s"]) for r in csv.DictReader((data / "devices.csv").open())
+    }
+    assert waits["True"] < waits["False"]  # a blocking wait spends less CPU than spinning
     compiled = list(csv.DictReader((data / "compile.csv").open()))
     assert {(r["codegen"], r["plan"]) for r in compiled} == {
         ("python", "False"),
