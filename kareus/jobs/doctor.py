@@ -19,7 +19,7 @@ import signal
 import time
 from typing import Any
 
-from kareus.runtime.clocks import PERMISSION_FIX, ClockError, NvmlClocks, cuda_uuid
+from kareus.runtime.clocks import PERMISSION_FIX, ClockError, NvmlClocks, cuda_uuid, nvml_str
 
 
 @dataclasses.dataclass
@@ -125,7 +125,7 @@ def _cuda_indices() -> dict[str, int]:
 
 def _gpu(nv: Any, index: int, cuda: dict[str, int]) -> GPUReport:
     handle = nv.nvmlDeviceGetHandleByIndex(index)
-    uuid = _text(nv.nvmlDeviceGetUUID(handle))
+    uuid = nvml_str(nv.nvmlDeviceGetUUID(handle))
 
     def ask(fn: str, *args: Any) -> Any:
         try:
@@ -139,17 +139,13 @@ def _gpu(nv: Any, index: int, cuda: dict[str, int]) -> GPUReport:
     return GPUReport(
         index,
         uuid,
-        _text(ask("nvmlDeviceGetName") or "?"),
+        nvml_str(ask("nvmlDeviceGetName") or "?"),
         cuda.get(uuid),
         ask("nvmlDeviceGetClockInfo", nv.NVML_CLOCK_SM),
         ask("nvmlDeviceGetMaxClockInfo", nv.NVML_CLOCK_SM),
         sorted(supported or [], reverse=True),
         None if limit is None else limit / 1000,
     )
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def diagnose() -> Report:
@@ -165,7 +161,7 @@ def diagnose() -> Report:
         import pynvml as nv
 
         nv.nvmlInit()
-        driver = _text(nv.nvmlSystemGetDriverVersion())
+        driver = nvml_str(nv.nvmlSystemGetDriverVersion())
         count = int(nv.nvmlDeviceGetCount())
     except Exception as err:  # no library, no driver, no GPU: all say "no NVML here"
         may, why = _permission(False, zeusd)

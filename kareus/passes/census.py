@@ -31,11 +31,14 @@ ranks ("ranks 0,1"), or its name where it cannot be resolved."""
 _NAMESPACES = ("_c10d_functional::", "_c10d_functional_autograd::")
 
 
+def qualified_name(target: object) -> str:
+    """Return ``ns::name`` of a torch op (overload or packet), or "" for anything else."""
+    schema = getattr(target, "_schema", None)
+    return str(schema.name if schema is not None else getattr(target, "_qualified_op_name", ""))
+
+
 def _qualified(node: fx.Node) -> str:
-    schema = getattr(node.target, "_schema", None)
-    return str(
-        schema.name if schema is not None else getattr(node.target, "_qualified_op_name", "")
-    )
+    return qualified_name(node.target)
 
 
 def collective_kind(node: fx.Node) -> str | None:

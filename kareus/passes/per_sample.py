@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from kareus.passes.census import qualified_name
 from kareus.passes.subgraphs import bodies
 
 
@@ -226,24 +227,15 @@ def declare_elementwise(*ops: Any) -> None:
         if isinstance(op, str):
             _DECLARED.add(op.split(".")[0])
         else:
-            _DECLARED.add(_qualified(op) or str(getattr(op, "__name__", op)))
-
-
-def _qualified(target: Any) -> str | None:
-    """Return ``ns::name`` of a torch op (overload or packet), or None for anything else."""
-    schema = getattr(target, "_schema", None)
-    if schema is not None:
-        return str(schema.name)
-    qualified = getattr(target, "_qualified_op_name", None)
-    return str(qualified) if qualified else None
+            _DECLARED.add(qualified_name(op) or str(getattr(op, "__name__", op)))
 
 
 def _foreign(node: fx.Node) -> str | None:
     """Return ``ns::name`` of ``node``'s op if it is a torch op outside the known namespaces."""
     if node.op != "call_function":
         return None
-    qualified = _qualified(node.target)
-    if qualified is None or qualified.split("::")[0] in KNOWN_NAMESPACES:
+    qualified = qualified_name(node.target)
+    if not qualified or qualified.split("::")[0] in KNOWN_NAMESPACES:
         return None
     return qualified
 
@@ -293,7 +285,7 @@ def torch_overloads(node: fx.Node) -> list[Any]:
         return [target]
     if isinstance(target, torch._ops.OpOverloadPacket):
         return [getattr(target, o) for o in target.overloads()]
-    if node.op not in ("call_function", "call_method") or _qualified(target) is not None:
+    if node.op not in ("call_function", "call_method") or qualified_name(target):
         return []
     name = op_name(node)
     packet = getattr(torch.ops.aten, _ATEN_ALIASES.get(name, name), None)

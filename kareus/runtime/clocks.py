@@ -137,7 +137,7 @@ class NvmlClocks:
             else:
                 self._handle = pynvml.nvmlDeviceGetHandleByIndex(gpu_index)
             self.index = int(pynvml.nvmlDeviceGetIndex(self._handle))
-            self.uuid = _text(pynvml.nvmlDeviceGetUUID(self._handle))
+            self.uuid = nvml_str(pynvml.nvmlDeviceGetUUID(self._handle))
         except pynvml.NVMLError as err:
             raise ClockError(f"NVML is not usable here: {err}") from err
         self.device_key = f"gpu:{self.uuid}"
@@ -313,7 +313,8 @@ def cuda_uuid(cuda_index: int) -> str | None:
     return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
 
 
-def _text(value: object) -> str:
+def nvml_str(value: object) -> str:
+    """Return an NVML string as str (older bindings return bytes)."""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
