@@ -38,7 +38,12 @@ from kareus.ir.partitions import Decision, PartitionSet
 from kareus.ir.plan_file import Plan
 from kareus.passes import pipeline
 from kareus.passes.base import PassContext, run_passes
-from kareus.runtime.clocks import ClockController, DryRunClocks, default_controller
+from kareus.runtime.clocks import (
+    ClockController,
+    DryRunClocks,
+    default_controller,
+    local_cuda_index,
+)
 from kareus.runtime.comm_pool import CommunicatorPool, job_pool
 from kareus.runtime.switcher import ClockRuntime, IterationEnergy, Step
 
@@ -213,7 +218,8 @@ class KareusBackend:
         # One runtime for the GPU: each planned region's instructions are a "stage" of it,
         # numbered by region, so that its switches apply its own clocks. Clocks planned here
         # are applied only when asked (clocks="auto" or a controller): else a dry run.
-        dry = None if self._apply_planned_clocks else DryRunClocks()
+        # (the dry run stands for this process's GPU: measured energy reads that one)
+        dry = None if self._apply_planned_clocks else DryRunClocks(index=local_cuda_index())
         steps = apply_plan.steps(plan, 0, as_stage=region.index)
         self.runtime = self._runtime_with(steps, plan, dry)
         if dry is not None:

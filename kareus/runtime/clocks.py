@@ -203,9 +203,10 @@ class DryRunClocks:
     journal_name = "dry-run"
     device_key: str | None = None  # changes nothing: may watch a GPU another process controls
 
-    def __init__(self, inner: ClockController | None = None) -> None:
+    def __init__(self, inner: ClockController | None = None, *, index: int | None = None) -> None:
+        """Wrap ``inner``, or stand for the GPU of CUDA index ``index`` (default 0)."""
         self.inner = inner
-        self.index = inner.index if inner is not None else 0
+        self.index = inner.index if inner is not None else (index or 0)
 
     def supported_clocks(self) -> list[int]:
         """Return the wrapped controller's clocks (reading is allowed)."""
