@@ -69,7 +69,7 @@ class Report:
                 f"GPU {g.uuid}: {g.name}; NVML index {g.nvml_index}, CUDA index "
                 f"{'not visible' if g.cuda_index is None else g.cuda_index}; SM clock now "
                 f"{g.sm_clock_mhz} MHz (max {g.max_sm_clock_mhz}); {clocks}; power limit "
-                f"{g.power_limit_w} W"
+                f"{g.power_limit_w} W (read from NVML)"
             )
         lines.append(
             f"may this process lock clocks: {'yes' if self.may_lock else 'no'} ({self.why})"
