@@ -161,7 +161,7 @@ def _where(name: str, step: int, message: str) -> str:
 
 
 def _plain(name: str) -> str:
-    return name.removeprefix("_orig_mod.")
+    return name.replace("_orig_mod.", "")  # torch.compile's wrapper, at any depth
 
 
 def hf_tiny(kind: str) -> nn.Module:

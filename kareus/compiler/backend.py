@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
+from kareus._torch_internals import traced_frame
 from kareus.compiler import apply_plan
 from kareus.compiler.apply_plan import Decisions
 from kareus.compiler.config import Config
@@ -149,6 +150,9 @@ class KareusBackend:
             region.findings["plan"] = self.plan
             region.findings["plan_stage"] = self.stage
         region.findings["region_index"] = region.index
+        frame = traced_frame()
+        # A layer's forward traced to its return: the region is one call of it.
+        region.findings["region_code"] = frame.qualname if frame.whole_call else None
         if self.runtime is not None:
             region.findings["clock_runtime"] = self.runtime
             region.findings["clock_stage"] = self.stage

@@ -12,6 +12,14 @@ On the AOT forward, backward and inference graphs the pass maps nodes back to bl
 tag, else by ``nn_module_stack`` (forward) or ``fwd_nn_module_stack`` (backward), else by
 ``seq_nr`` (the backward node of a forward op shares its number), else by data flow (nodes
 such as gradient-accumulation adds whose block-mapped inputs all lie in one block).
+
+A region may also *be* one block: compiled block by block (``kareus.compile`` on each layer,
+as torchtitan applies ``torch.compile``) or cut at every layer by FSDP2's hooks, a region is
+one call of a layer's ``forward``, and holds no family of its own. Such a region (Dynamo
+traced a method ``<Class>.forward`` and found no family in it) is one block of the family
+``<Class>``: it is split and its collectives overlapped by the same passes and checks as a
+block of a whole-model graph. Only the overlap across layers (a collective of one layer
+beside the next layer's compute) needs two layers in one graph.
 """
 
 from __future__ import annotations
@@ -71,6 +79,7 @@ class BlockSet:
 
     blocks: list[Block] = dataclasses.field(default_factory=list)
     why_none: str = ""
+    whole_region: bool = False
     mismatched: dict[str, str] = dataclasses.field(default_factory=dict)
     split: list[str] = dataclasses.field(default_factory=list)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -117,7 +126,16 @@ class BlockSet:
                 cells += ["whole", self.skipped.get(b.name, self.mismatched.get(b.name, ""))]
             rows.append(cells)
         cols = ["family", "block", "module", "dynamo nodes", *(f"{k} nodes" for k in kinds)]
-        return render_table(
+        head = ""
+        if self.whole_region:
+            b = self.blocks[0]
+            head = (
+                f"this region is one call of {b.module_type}.forward (compiled block by block, "
+                "or cut at the layer by hooks such as FSDP's): the region is the block. Only "
+                "overlap across layers (a collective of one layer beside the next layer's "
+                "compute) needs the layers in one graph, and is not done here\n"
+            )
+        return head + render_table(
             "blocks (graph nodes; of a split block, per nanobatch, nb0/nb1, and shared: nodes "
             "of both, such as the split's narrow and cat and the sums of weight gradients)",
             [*cols, "nanobatches", "reason"],
@@ -134,7 +152,7 @@ class FindBlocks(GraphPass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         """Record the blocks (Dynamo graph) or their spans (AOT graphs); never rewrites."""
         if ctx.graph == "dynamo":
-            blockset = find_blocks(gm.graph)
+            blockset = find_blocks(gm.graph, ctx.findings.get("region_code"))
             for b in blockset.blocks:
                 nodes = set(b.nodes)
                 for node in gm.graph.nodes:
@@ -205,8 +223,14 @@ def _signature(node: fx.Node) -> tuple[str, str]:
     return node.op, name
 
 
-def find_blocks(graph: fx.Graph) -> BlockSet:
+def find_blocks(graph: fx.Graph, region_code: str | None = None) -> BlockSet:
     """Find the repeated blocks of a Dynamo graph (pure: does not change the graph).
+
+    Args:
+        graph: the Dynamo graph.
+        region_code: the qualified name of the code Dynamo traced (``Layer.forward``); a
+            region that is one call of a module's ``forward`` and holds no family is one
+            block of that module's type.
 
     Returns:
         The blocks in graph order, with structurally odd ones listed in ``mismatched``.
@@ -242,6 +266,8 @@ def find_blocks(graph: fx.Graph) -> BlockSet:
     blockset = BlockSet(blocks=blocks)
     if not blocks:
         blockset.why_none = _why_none(compute)
+        if not blockset.why_none:
+            return _region_block(compute, region_code) or blockset
     # 3. Structural equality within a family (autograd plumbing aside: Dynamo inlines an
     # autograd.Function whose inputs need no gradient, as in the first layer, and wraps it
     # in autograd_function_apply elsewhere; both compute the same).
@@ -261,6 +287,23 @@ def find_blocks(graph: fx.Graph) -> BlockSet:
                     f"{family} block: a graph break inside the block, or a different structure"
                 )
     return blockset
+
+
+_FORWARD = re.compile(r"^(?P<cls>[A-Za-z_]\w*)\.forward$")
+
+
+def _region_block(compute: list[fx.Node], region_code: str | None) -> BlockSet | None:
+    """Return the region as one block, when it is one call of a module's ``forward``.
+
+    A region holding a member of a layer container (``layers.0``: a pipeline stage of one
+    layer with its head, say) is a model, not a layer: it is not taken as a block.
+    """
+    m = _FORWARD.match(region_code or "")
+    if m is None or not compute or any(_indexed_paths(n) for n in compute):
+        return None
+    cls = m.group("cls")
+    block = Block(cls, 0, "L['self']", cls, tuple(n.name for n in compute))
+    return BlockSet(blocks=[block], whole_region=True)
 
 
 def map_blocks(

@@ -1,0 +1,85 @@
+"""The private PyTorch internals kareus reads, in one place, each with a safe fallback.
+
+kareus reads a few things PyTorch does not promise to keep. Each is read here, behind a
+function that returns None (or the conservative answer) where the installed PyTorch keeps
+it elsewhere, so that a PyTorch upgrade costs kareus an optimisation, never a wrong result:
+:func:`self_test` says which of them this PyTorch still provides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedFrame:
+    """What Dynamo is compiling: the frame's code and whether a graph break ended it.
+
+    Attributes:
+        qualname: the qualified name of the frame's code (``Layer.forward``), or None.
+        graph_break: True when the graph ends at a graph break (the frame goes on in a
+            resume function), False when it ends at the frame's return, None when unknown.
+    """
+
+    qualname: str | None
+    graph_break: bool | None
+
+    @property
+    def whole_call(self) -> bool:
+        """Whether the graph is known to hold a whole call of the frame's code."""
+        return self.qualname is not None and self.graph_break is False
+
+
+def traced_frame() -> TracedFrame:
+    """Return the frame Dynamo is compiling now (call it from a ``torch.compile`` backend).
+
+    Read from Dynamo's tracing context (its first traced code is the frame's own) and the
+    current instruction translator's compile reason.
+    """
+    context = torch._guards.TracingContext.try_get()
+    codes = getattr(context, "traced_code", None) or ()
+    qualname = getattr(codes[0], "co_qualname", None) if codes else None
+    graph_break = None
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        reason = getattr(getattr(tx, "output", None), "compile_subgraph_reason", None)
+        graph_break = getattr(reason, "graph_break", None)
+    except (ImportError, AttributeError, AssertionError, IndexError):
+        graph_break = None
+    return TracedFrame(qualname, graph_break if isinstance(graph_break, bool) else None)
+
+
+def self_test() -> dict[str, bool]:
+    """Compile two tiny modules and say which internals this PyTorch still provides."""
+    import torch._dynamo
+
+    seen: list[TracedFrame] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: object) -> object:
+        seen.append(traced_frame())
+        return gm.forward
+
+    class _Whole(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 1
+
+    class _Broken(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x + 1
+            torch._dynamo.graph_break()
+            return x * 2
+
+    x = torch.ones(2)
+    for module in (_Whole(), _Broken()):
+        torch.compile(module, backend=backend)(x)
+    whole = seen[0] if seen else TracedFrame(None, None)
+    broken = seen[1] if len(seen) > 1 else TracedFrame(None, None)
+    return {
+        "traced frame name": whole.qualname is not None
+        and whole.qualname.endswith("_Whole.forward"),
+        "graph break told": whole.graph_break is False and broken.graph_break is True,
+    }

@@ -1,0 +1,269 @@
+"""kareus where real jobs compile: block by block, under FSDP2, on 2-D (dp, tp) meshes.
+
+Each test checks both halves of the job: the model trains as it does without kareus, and
+kareus did its work there (each layer's region split into nanobatches and its collectives
+partitioned), or says why not.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import kareus
+from kareus.testing import assert_same_history, compare_training, run_ranks, train
+
+DIM = 16
+
+
+class Layer(nn.Module):
+    """Attention-shaped projections, then an MLP: two column/row-parallel pairs under TP."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.up = nn.Linear(dim, 2 * dim, bias=False)
+        self.down = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.wo(torch.tanh(self.wq(x)))
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class BreakLayer(Layer):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.wo(torch.tanh(self.wq(x)))
+        torch._dynamo.graph_break()
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Model(nn.Module):
+    def __init__(self, layers: int = 2, layer: type[nn.Module] = Layer) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layer() for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+
+def compile_blocks(model: Model, **options) -> Model:
+    """Compile each layer on its own, as torchtitan applies torch.compile."""
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = kareus.compile(layer, **options)
+    return model
+
+
+def block_sets(model: Model) -> list:
+    """Each layer's regions' block sets."""
+    return [
+        region.findings["find_blocks"]
+        for layer in model.layers
+        for region in kareus.explain(layer).regions
+    ]
+
+
+def batches(count: int = 2, seed: int = 0) -> list[tuple[torch.Tensor]]:
+    return [
+        (torch.randn(6, 4, DIM, generator=torch.Generator().manual_seed(seed + i)),)
+        for i in range(count)
+    ]
+
+
+def test_each_block_compiled_on_its_own_is_split_and_trains_the_same():
+    holder = {}
+
+    def comp(model):
+        holder["m"] = compile_blocks(model, nanobatches=2)
+        return holder["m"]
+
+    ref, got = compare_training(lambda: _seeded(Model, 3), comp, batches(3), resync=True)
+    assert_same_history(ref, got, bitwise_loss=False)
+    sets = block_sets(holder["m"])
+    assert len(sets) == 3
+    for bs in sets:
+        assert bs.whole_region and bs.split == ["Layer.0"], bs.skipped
+    text = kareus.explain(holder["m"].layers[0]).summary()
+    assert "this region is one call of Layer.forward" in text
+
+
+def test_a_layer_cut_by_a_graph_break_is_not_taken_for_a_block():
+    holder = {}
+
+    def comp(model):
+        holder["m"] = compile_blocks(model, nanobatches=2)
+        return holder["m"]
+
+    ref, got = compare_training(lambda: _seeded(Model, 2, BreakLayer), comp, batches())
+    assert_same_history(ref, got)
+    for bs in block_sets(holder["m"]):
+        assert not bs.whole_region and bs.split == []
+
+
+def _seeded(cls, *args):
+    torch.manual_seed(0)
+    return cls(*args)
+
+
+def _tp_plan():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "wq": ColwiseParallel(),
+        "wo": RowwiseParallel(),
+        "up": ColwiseParallel(),
+        "down": RowwiseParallel(),
+    }
+
+
+def _tp_model(mesh) -> Model:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model = _seeded(Model, 2)
+    for layer in model.layers:
+        parallelize_module(layer, mesh, _tp_plan())
+    return model
+
+
+def _partition_types(compiled_regions) -> list:
+    """(instruction, description, count) of every partition type, sorted."""
+    out = []
+    for region in compiled_regions:
+        pset = region.findings["cut_partitions"]
+        for kind in ("forward", "backward"):
+            counts = pset.counts(kind)
+            for key, t in pset.types.items():
+                if t.instruction == kind:
+                    out.append((kind, t.describe(exact=True), counts.get(key, 0)))
+    return sorted(out)
+
+
+def _tp_per_block(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    holder = {}
+
+    def whole(model):
+        holder["whole"] = kareus.compile(model)
+        return holder["whole"]
+
+    def blocks(model):
+        holder["blocks"] = compile_blocks(model)
+        return holder["blocks"]
+
+    make = lambda: _tp_model(mesh)  # noqa: E731
+    out = {"whole": compare_training(make, whole, batches(), resync=True)}
+    out["blocks"] = compare_training(make, blocks, batches(), resync=True)
+    out["whole types"] = _partition_types(kareus.explain(holder["whole"]).regions)
+    regions = [r for layer in holder["blocks"].layers for r in kareus.explain(layer).regions]
+    out["block types"] = _partition_types(regions)
+    out["split"] = [r.findings["find_blocks"].split for r in regions]
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_tensor_parallel_blocks_compiled_one_by_one_split_like_the_whole_model():
+    """DTensor TP (Colwise/Rowwise, 2 gloo ranks) compiled block by block: every block is
+    split, and its partitions are those of the model compiled whole (the same kinds of
+    partition, as many in all) except across the layer boundary: compiled whole, a layer's
+    last collective runs beside the next layer's first compute; compiled block by block,
+    each block starts with a partition without collective (as the first layer does when
+    compiled whole)."""
+    for out in run_ranks(_tp_per_block):
+        for how in ("whole", "blocks"):
+            ref, got = out[how]
+            assert_same_history(ref, got, bitwise_loss=False)
+        assert out["split"] == [["Layer.0"], ["Layer.0"]]
+        whole, blocks = out["whole types"], out["block types"]
+        assert {(k, d) for k, d, _c in blocks} == {(k, d) for k, d, _c in whole}
+        for kind in ("forward", "backward"):
+            total = [sum(c for k, _d, c in types if k == kind) for types in (whole, blocks)]
+            assert total[0] == total[1] > 0, (kind, total)
+            first = [
+                sum(c for k, d, c in types if k == kind and d.endswith("no collective"))
+                for types in (whole, blocks)
+            ]
+            assert first == [1, 2], (kind, first)  # one per graph
+
+
+def _fsdp(rank, per_block):
+    from torch.distributed.fsdp import fully_shard
+
+    def make(compile_fn=None):
+        model = _seeded(Model, 2)
+        if compile_fn is not None and per_block:
+            compile_fn(model)
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        if compile_fn is not None and not per_block:
+            model = kareus.compile(model)
+        return model
+
+    data = batches(2, seed=10 * rank)
+    ref = train(make(), data)
+    model = make(compile_blocks)
+    got = train(model, data)
+    layers = model.layers if per_block else [model]
+    regions = [r for m in layers for r in kareus.explain(m).regions]
+    return (
+        ref,
+        got,
+        [
+            (r.findings["find_blocks"].whole_region, r.findings["find_blocks"].skipped)
+            for r in regions
+        ],
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("per_block", [False, True], ids=["whole-model", "per-block"])
+def test_fsdp2_layers_are_regions_of_their_own(per_block):
+    """FSDP2 (fully_shard per layer and at the root, 2 gloo ranks): its hooks cut the graph at
+    every layer, so each region is one layer; FSDP's own collectives run in its hooks,
+    outside the graphs, so there is nothing to overlap inside a layer, and kareus says so."""
+    for ref, got, regions in run_ranks(_fsdp, per_block):
+        assert_same_history(ref, got)
+        layer_regions = [skipped for whole, skipped in regions if whole]
+        assert len(layer_regions) >= 2, regions
+        for skipped in layer_regions:
+            assert "collective" in skipped.get("Layer.0", ""), skipped
+
+
+def _fsdp_tp(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def make(compiled):
+        model = _tp_model(mesh["tp"])
+        if compiled:
+            compile_blocks(model)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        return model
+
+    data = batches(2, seed=10 * mesh["dp"].get_local_rank())
+    ref = train(make(False), data)
+    model = make(True)
+    got = train(model, data)
+    regions = [r for layer in model.layers for r in kareus.explain(layer).regions]
+    return ref, got, [r.findings["find_blocks"].split for r in regions], _partition_types(regions)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_fsdp2_with_tensor_parallel_on_a_2d_mesh_splits_every_layer():
+    """torchtitan's layout: TP on the mesh's "tp" dimension, compile per block, then FSDP2 on
+    "dp" (4 gloo ranks). Trains as without kareus; every layer is split and its TP
+    all-reduces are partitioned beside the other nanobatch's compute."""
+    for ref, got, split, types in run_ranks(_fsdp_tp, world=4, timeout_s=300):
+        assert_same_history(ref, got, bitwise_loss=False)
+        assert split == [["Layer.0"], ["Layer.0"]]
+        assert any("all_reduce" in desc and count > 0 for _k, desc, count in types), types
