@@ -100,3 +100,20 @@ def _port():
     from kareus.testing import free_port
 
     return free_port()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_fsdp_tp_example_splits_every_block_compiled_on_its_own(tmp_path):
+    """torchtitan's layout (TP on "tp", compile per block, FSDP2 on "dp"; 4 ranks): the two
+    ranks of a TP group see the same loss, and every block's region is split and its TP
+    all-reduces partitioned."""
+    out = _torchrun(4, "examples/train_fsdp_tp.py", "--steps", "2", tmp_path=tmp_path)
+    losses = {int(r): {} for r in re.findall(r"rank (\d) step 0", out)}
+    for rank, step, loss in re.findall(r"rank (\d) step (\d): loss ([0-9.]+)", out):
+        losses[int(rank)][int(step)] = float(loss)
+    assert sorted(losses) == [0, 1, 2, 3] and all(len(v) == 2 for v in losses.values())
+    assert losses[0] == losses[1] and losses[2] == losses[3]  # TP pairs (ranks 0,1 and 2,3)
+    blocks = re.findall(r"block (\d): split \['Block\.0'\], (\d+) partitions", out)
+    assert [b for b, _n in blocks] == ["0", "1"] and all(int(n) > 0 for _b, n in blocks)
+    assert "one call of Block.forward" in out

@@ -267,3 +267,28 @@ def test_fsdp2_with_tensor_parallel_on_a_2d_mesh_splits_every_layer():
         assert_same_history(ref, got, bitwise_loss=False)
         assert split == [["Layer.0"], ["Layer.0"]]
         assert any("all_reduce" in desc and count > 0 for _k, desc, count in types), types
+
+
+def test_blocks_compiled_one_by_one_share_the_gpu_runtime_and_count_iterations_once():
+    """Each block planned at compile time (emulated A100, clocks applied on an emulated GPU)
+    is its own instruction set on one runtime for the GPU: every block's pass switches to its
+    own planned clock, and an iteration is counted once, not once per block."""
+    from kareus.compiler.backend import find_backend
+    from kareus.runtime.clocks import EmulatedClocks
+
+    clocks = EmulatedClocks()
+    model = compile_blocks(_seeded(Model, 3), gpu="a100-40gb", clocks=clocks, nanobatches=2)
+    steps = 4
+    train(model, batches(steps))
+    runtimes = {id(find_backend(layer).runtime) for layer in model.layers}
+    assert len(runtimes) == 1
+    runtime = find_backend(model.layers[0]).runtime
+    try:
+        assert len(runtime.stages()) == 3  # one per block's region
+        assert len(runtime.iterations) == steps - 1  # the last one is still open
+        last = [a for a in runtime.applied if a[0] == steps - 1]
+        assert sorted(kind for _i, _s, kind, _mb, _f in last) == ["backward"] * 3 + ["forward"] * 3
+        assert runtime.switch_count >= 1 and clocks.current is not None
+    finally:
+        runtime.close()
+    assert all(find_backend(layer).regions[0].findings["planned"] for layer in model.layers)

@@ -10,6 +10,7 @@ codegen passes. A plan, given or made at compile time, is applied by
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import pathlib
 from collections.abc import Callable, Mapping, Sequence
@@ -50,6 +51,9 @@ from kareus.runtime.switcher import ClockRuntime, IterationEnergy, Step
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
+_REGION_IDS = itertools.count()
+"""Process-wide region numbers: the clock runtime of a GPU counts each region's passes on
+its own, and regions of different backends (a model compiled block by block) share it."""
 _ORIG = "_orig_mod."
 
 
@@ -149,7 +153,7 @@ class KareusBackend:
         if self.plan is not None:
             region.findings["plan"] = self.plan
             region.findings["plan_stage"] = self.stage
-        region.findings["region_index"] = region.index
+        region.findings["region_index"] = next(_REGION_IDS)
         frame = traced_frame()
         # A layer's forward traced to its return: the region is one call of it.
         region.findings["region_code"] = frame.qualname if frame.whole_call else None
@@ -224,12 +228,17 @@ class KareusBackend:
         # are applied only when asked (clocks="auto" or a controller): else a dry run.
         # (the dry run stands for this process's GPU: measured energy reads that one)
         dry = None if self._apply_planned_clocks else DryRunClocks(index=local_cuda_index())
-        steps = apply_plan.steps(plan, 0, as_stage=region.index)
+        uid = region.findings["region_index"]
+        steps = apply_plan.steps(plan, 0, as_stage=uid)
         self.runtime = self._runtime_with(steps, plan, dry)
         if dry is not None:
             apply_plan.note_dry_run(region)
         region.findings["clock_runtime"] = self.runtime
-        region.findings["clock_stage"] = region.index
+        region.findings["clock_stage"] = uid
+        # The forward that ran before the plan existed was this region's first instruction.
+        self.runtime.count_unswitched(
+            uid, "forward", uid, region.findings.get("early_forward_runs", 0)
+        )
         # Rewrite both graphs by the plan, from the captured graphs.
         region.findings["cut_partitions"] = PartitionSet()
         for kind in ("forward", "backward"):

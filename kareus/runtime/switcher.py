@@ -323,6 +323,24 @@ class ClockRuntime:
         if freq is not None:
             self._apply(freq)
 
+    def count_unswitched(self, stage: int, kind: str, region: int, passes: int) -> None:
+        """Count ``passes`` of ``kind`` that ``region`` ran before its switch existed.
+
+        A region planned at compile time gets its plan at its first backward, after its first
+        forward ran: that forward was the first instruction of the plan, at the clock the GPU
+        had, and the region's later passes count from it.
+        """
+        if passes <= 0 or self._counts.get((stage, kind), 0) == 0:
+            return
+        with self._lock:
+            calls = self._calls.get((stage, kind, region), 0)
+            self._calls[stage, kind, region] = calls + passes
+            for n in range(calls, calls + passes):
+                iteration, microbatch = divmod(n, self._counts[stage, kind])
+                self._seen.add((iteration, (stage, kind, microbatch)))
+                if iteration == 0:
+                    self._order.setdefault(stage, []).append((kind, microbatch))
+
     def _check_order(self) -> None:
         """Compare each stage's order in the first iteration with the plan's; report once."""
         for stage, seen in sorted(self._order.items()):
