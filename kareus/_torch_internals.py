@@ -9,6 +9,8 @@ it elsewhere, so that a PyTorch upgrade costs kareus an optimisation, never a wr
 from __future__ import annotations
 
 import dataclasses
+import sys
+import types
 
 import torch
 
@@ -25,11 +27,12 @@ class TracedFrame:
 
     qualname: str | None
     graph_break: bool | None
+    piece: bool = False
 
     @property
     def whole_call(self) -> bool:
         """Whether the graph is known to hold a whole call of the frame's code."""
-        return self.qualname is not None and self.graph_break is False
+        return self.qualname is not None and self.graph_break is False and not self.piece
 
 
 def traced_frame() -> TracedFrame:
@@ -50,7 +53,37 @@ def traced_frame() -> TracedFrame:
         graph_break = getattr(reason, "graph_break", None)
     except (ImportError, AttributeError, AssertionError, IndexError):
         graph_break = None
-    return TracedFrame(qualname, graph_break if isinstance(graph_break, bool) else None)
+    return TracedFrame(
+        qualname, graph_break if isinstance(graph_break, bool) else None, ddp_piece()
+    )
+
+
+def ddp_piece() -> bool:
+    """Whether the graph being compiled is one piece of a graph Dynamo's DDPOptimizer split.
+
+    Under DDP (with ``torch._dynamo.config.optimize_ddp``) Dynamo cuts a frame's graph at the
+    gradient buckets and compiles each piece on its own, from ``SubmodCompiler.compile_submod``
+    (a graph of one bucket is compiled whole). Where this PyTorch has no such method, any
+    graph compiled under DDP counts as a piece: a piece is never taken for a whole call.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not torch._dynamo.config.optimize_ddp:
+        return False
+    if DistributedDataParallel._get_active_ddp_module() is None:
+        return False
+    from torch._dynamo.backends import distributed
+
+    method = getattr(getattr(distributed, "SubmodCompiler", None), "compile_submod", None)
+    code = getattr(method, "__code__", None)
+    if code is None:
+        return True
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def self_test() -> dict[str, bool]:
@@ -82,4 +115,12 @@ def self_test() -> dict[str, bool]:
         "traced frame name": whole.qualname is not None
         and whole.qualname.endswith("_Whole.forward"),
         "graph break told": whole.graph_break is False and broken.graph_break is True,
+        "DDP's graph pieces told": _has_submod_compiler(),
     }
+
+
+def _has_submod_compiler() -> bool:
+    from torch._dynamo.backends import distributed
+
+    method = getattr(getattr(distributed, "SubmodCompiler", None), "compile_submod", None)
+    return getattr(method, "__code__", None) is not None

@@ -71,6 +71,13 @@ def batches(count: int = 2, seed: int = 0) -> list[tuple[torch.Tensor]]:
     ]
 
 
+def test_the_pytorch_internals_kareus_reads_are_there():
+    from kareus._torch_internals import self_test
+
+    found = self_test()
+    assert found and all(found.values()), found
+
+
 def test_each_block_compiled_on_its_own_is_split_and_trains_the_same():
     holder = {}
 
@@ -189,16 +196,21 @@ def test_tensor_parallel_blocks_compiled_one_by_one_split_like_the_whole_model()
             assert first == [1, 2], (kind, first)  # one per graph
 
 
-def _fsdp(rank, per_block):
+def _fsdp(rank, per_block, reshard=True, hsdp=False):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    # HSDP: replicate over the mesh's first dimension, shard over its second
+    shape = (2, 2) if hsdp else (dist_world(),)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
 
     def make(compile_fn=None):
         model = _seeded(Model, 2)
         if compile_fn is not None and per_block:
             compile_fn(model)
         for layer in model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         if compile_fn is not None and not per_block:
             model = kareus.compile(model)
         return model
@@ -219,14 +231,26 @@ def _fsdp(rank, per_block):
     )
 
 
+def dist_world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("per_block", [False, True], ids=["whole-model", "per-block"])
-def test_fsdp2_layers_are_regions_of_their_own(per_block):
-    """FSDP2 (fully_shard per layer and at the root, 2 gloo ranks): its hooks cut the graph at
-    every layer, so each region is one layer; FSDP's own collectives run in its hooks,
-    outside the graphs, so there is nothing to overlap inside a layer, and kareus says so."""
-    for ref, got, regions in run_ranks(_fsdp, per_block):
+@pytest.mark.parametrize(
+    ("per_block", "reshard", "hsdp"),
+    [(False, True, False), (True, True, False), (True, False, False), (True, True, True)],
+    ids=["whole-model", "per-block", "per-block-no-reshard", "per-block-hsdp"],
+)
+def test_fsdp2_layers_are_regions_of_their_own(per_block, reshard, hsdp):
+    """FSDP2 (fully_shard per layer and at the root; with and without resharding after the
+    forward; HSDP on a 2 x 2 mesh): its hooks cut the graph at every layer, so each region
+    is one layer; FSDP's own collectives run in its hooks, outside the graphs, so there is
+    nothing to overlap inside a layer, and kareus says so."""
+    world = 4 if hsdp else 2
+    for ref, got, regions in run_ranks(_fsdp, per_block, reshard, hsdp, world=world):
         assert_same_history(ref, got)
         layer_regions = [skipped for whole, skipped in regions if whole]
         assert len(layer_regions) >= 2, regions
@@ -292,3 +316,62 @@ def test_blocks_compiled_one_by_one_share_the_gpu_runtime_and_count_iterations_o
     finally:
         runtime.close()
     assert all(find_backend(layer).regions[0].findings["planned"] for layer in model.layers)
+
+
+def _ddp(rank, per_block, dim, optimize_ddp=True):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch._dynamo.config.optimize_ddp = optimize_ddp
+
+    def make(compiled):
+        torch.manual_seed(0)
+        model = Model(4, lambda: Layer(dim))
+        if compiled and per_block:
+            compile_blocks(model, nanobatches=2)
+        model = DDP(model, bucket_cap_mb=1)
+        return kareus.compile(model, nanobatches=2) if compiled and not per_block else model
+
+    data = [
+        (torch.randn(6, 4, dim, generator=torch.Generator().manual_seed(10 * rank + i)),)
+        for i in range(2)
+    ]
+    ref = train(make(False), data)
+    model = make(True)
+    got = train(model, data)
+    regions = (
+        [r for m in model.module.layers for r in kareus.explain(m).regions]
+        if per_block
+        else kareus.explain(model).regions
+    )
+    split = [b for r in regions for b in r.findings["find_blocks"].split]
+    return ref, got, split, [n for r in regions for n in r.notes]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("per_block", "dim", "optimize_ddp", "want_split"),
+    [
+        (False, DIM, True, ["layers.0", "layers.1", "layers.2", "layers.3"]),
+        (True, DIM, True, ["Layer.0"] * 4),
+        (False, 256, True, []),
+        (True, 256, True, []),
+        (True, 256, False, ["Layer.0"] * 4),
+    ],
+    ids=["whole-1-bucket", "blocks-1-bucket", "whole-cut", "blocks-cut", "blocks-no-ddp-opt"],
+)
+def test_ddp_trains_the_same_and_splits_unless_its_buckets_cut_the_layers(
+    per_block, dim, optimize_ddp, want_split
+):
+    """DDP (2 gloo ranks, 1 MB buckets). Dynamo's DDPOptimizer cuts each compiled graph at
+    the gradient buckets, the whole model's or a block's: where one bucket holds it, the
+    layers are split as usual; where buckets cut a layer (256-wide layers), no piece is
+    taken for a layer, and every piece says why and what to do. Without DDPOptimizer
+    (optimize_ddp=False), every block compiled on its own is split."""
+    for ref, got, split, notes in run_ranks(_ddp, per_block, dim, optimize_ddp):
+        # the split sums each weight gradient over two halves: fp32 rounding, grown by one
+        # AdamW step on 256-wide layers
+        assert_same_history(ref, got, bitwise_loss=False, rtol=1e-4, atol=1e-5)
+        assert split == want_split
+        if not want_split:
+            assert any("DDPOptimizer" in n and "optimize_ddp" in n for n in notes), notes

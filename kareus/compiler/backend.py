@@ -148,13 +148,15 @@ class KareusBackend:
         """Compile one Dynamo graph (called by Dynamo, once per graph and recompile)."""
         compile_id = torch._guards.CompileContext.current_compile_id()
         region = Region(index=len(self.regions), compile_id=str(compile_id))
+        frame = traced_frame()
+        if frame.piece or any(r.compile_id == region.compile_id for r in self.regions):
+            region.notes.append(_PIECES)
         self.regions.append(region)
         region.findings["decisions"] = Decisions(self.decisions)
         if self.plan is not None:
             region.findings["plan"] = self.plan
             region.findings["plan_stage"] = self.stage
         region.findings["region_index"] = next(_REGION_IDS)
-        frame = traced_frame()
         # A layer's forward traced to its return: the region is one call of it.
         region.findings["region_code"] = frame.qualname if frame.whole_call else None
         if self.runtime is not None:
@@ -270,6 +272,14 @@ class KareusBackend:
         region.history.extend(records)
         record.final_code = out.code  # generated when the last pass that changed it ran
         return out
+
+
+_PIECES = (
+    "this graph is one of several pieces of one Dynamo graph (under DDP, Dynamo's DDPOptimizer "
+    "cuts a graph at the gradient buckets): a layer cut between pieces is left whole. Set "
+    "torch._dynamo.config.optimize_ddp = False (DDP still overlaps its all-reduces with the "
+    "backward of the layers before), or make the buckets hold whole layers (bucket_cap_mb)"
+)
 
 
 class _DefaultBackend:
