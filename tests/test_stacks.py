@@ -375,3 +375,26 @@ def test_ddp_trains_the_same_and_splits_unless_its_buckets_cut_the_layers(
         assert split == want_split
         if not want_split:
             assert any("DDPOptimizer" in n and "optimize_ddp" in n for n in notes), notes
+
+
+def test_blocks_under_activation_checkpointing_compiled_one_by_one_are_split():
+    """torchtitan's order: checkpoint_wrapper on each block, then compile each block; with
+    gradient accumulation (two micro-batches per step)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    holder = {}
+
+    def make():
+        model = _seeded(Model, 3)
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(layer)
+        return model
+
+    def comp(model):
+        holder["m"] = compile_blocks(model, nanobatches=2)
+        return holder["m"]
+
+    ref, got = compare_training(make, comp, batches(4), resync=True, accumulate=2)
+    assert_same_history(ref, got, bitwise_loss=False)
+    for bs in block_sets(holder["m"]):
+        assert bs.whole_region and bs.split == ["CheckpointWrapper.0"], bs.skipped
