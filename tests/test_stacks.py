@@ -398,3 +398,60 @@ def test_blocks_under_activation_checkpointing_compiled_one_by_one_are_split():
     assert_same_history(ref, got, bitwise_loss=False)
     for bs in block_sets(holder["m"]):
         assert bs.whole_region and bs.split == ["CheckpointWrapper.0"], bs.skipped
+
+
+def _plan_then_blocks(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from kareus.compiler.backend import find_backend
+    from kareus.runtime.clocks import EmulatedClocks
+
+    mesh = init_device_mesh("cpu", (2,))
+    # The plan: the model compiled whole and planned for an A100 (clocks not applied).
+    whole = kareus.compile(_tp_model(mesh), gpu="a100-40gb")
+    train(whole, batches(1))
+    plan = kareus.explain(whole).regions[0].findings["plan"]
+    clocks = EmulatedClocks()
+    holder = {}
+
+    def comp(model):
+        holder["m"] = compile_blocks(model, plan=plan, clocks=clocks)
+        return holder["m"]
+
+    steps = 3
+    ref, got = compare_training(lambda: _tp_model(mesh), comp, batches(steps), resync=True)
+    layers = holder["m"].layers
+    runtime = find_backend(layers[0]).runtime
+    applied = [a[2:] for a in runtime.applied if a[0] == 1]  # (kind, microbatch, MHz)
+    iterations = len(runtime.iterations)
+    runtime.close()
+    regions = [r for layer in layers for r in kareus.explain(layer).regions]
+    planned = plan.decisions_for(0)
+    decisions = []
+    for region in regions:
+        pset = region.findings["cut_partitions"]
+        for key, dec in region.findings["decisions"].items():
+            # the plan's decision for the plan's type described as this block's type is
+            want = [
+                d
+                for k, d in planned.items()
+                if plan.fingerprint[f"0/{k.split('.')[0]}"][k].rsplit(" x", 1)[0]
+                == pset.fingerprint(key.split(".")[0])[key].rsplit(" x", 1)[0]
+            ]
+            decisions.append(dec in want)
+    steps_planned = [(s.kind, s.microbatch, s.freq_mhz) for s in plan.schedule]
+    return ref, got, applied, steps_planned, iterations, decisions
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_plan_for_the_whole_model_applies_to_its_blocks_compiled_one_by_one():
+    """A plan made for the TP model compiled whole applies, unchanged, to the same model
+    compiled block by block: each block's types are found among the plan's (by ops and
+    collective), get the plan's decisions for them, and each instruction gets its planned
+    clock once per iteration (not once per block)."""
+    for ref, got, applied, planned, iterations, decisions in run_ranks(_plan_then_blocks):
+        assert_same_history(ref, got, bitwise_loss=False)
+        assert applied == planned  # iteration 1: each instruction once, at its clock
+        assert iterations == 2
+        assert decisions and all(decisions)

@@ -13,6 +13,7 @@ decisions of matching types are kept.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch.fx as fx
 
@@ -38,7 +39,15 @@ class CheckPlan(GraphPass):
         check_group_sizes(plan, gm)
         if not plan.fingerprint:
             return PassResult(gm, modified=False)
-        differences = compare(plan, stage, ctx.graph, pset)
+        blockset = ctx.findings.get("find_blocks")
+        if getattr(blockset, "whole_region", False):
+            # One block compiled on its own: the plan is checked and applied per block type.
+            differences, mapping = compare_block(plan, stage, ctx.graph, pset)
+            if not differences:
+                _remap_decisions(ctx.findings.get("decisions"), ctx.graph, mapping)
+                return PassResult(gm, modified=False)
+        else:
+            differences = compare(plan, stage, ctx.graph, pset)
         if not differences:
             return PassResult(gm, modified=False)
         message = (
@@ -100,3 +109,74 @@ def compare(plan: Plan, stage: int, kind: str, pset: PartitionSet) -> list[str]:
         elif want[key] != have[key]:
             out.append(f"type {key}: plan {want[key]}, model {have[key]}")
     return out
+
+
+def compare_block(
+    plan: Plan, stage: int, kind: str, pset: PartitionSet
+) -> tuple[list[str], dict[str, str]]:
+    """Compare one block's partition types with the plan's, by what they are, not how many.
+
+    A region that is one block (compiled block by block, or between FSDP's hooks) holds a
+    share of the plan's partitions: each of its types must be one of the plan's (same ops
+    and collective), and an unsplit block's matmuls and collectives a whole fraction of the
+    plan's. Counts over all blocks are not seen from one of them.
+
+    Returns:
+        The differences (empty if the block fits), and this block's type keys mapped to the
+        plan's.
+    """
+    want = plan.fingerprint.get(f"{stage}/{kind}")
+    if want is None:
+        return [f"the plan has no stage {stage} {kind} (stages {plan.stages()})"], {}
+    have = pset.fingerprint(kind)
+    if "whole" in have:
+        if "whole" in want and _fraction(want["whole"], have["whole"]):
+            return [], {}
+        return [f"block {have['whole']} is no share of the plan's {want.get('whole', want)}"], {}
+    plan_types: dict[str, str] = {}
+    for key, value in want.items():
+        if key != "whole":
+            plan_types.setdefault(value.rsplit(" x", 1)[0], key)
+    out, mapping = [], {}
+    for key, value in have.items():
+        described = value.rsplit(" x", 1)[0]
+        if described in plan_types:
+            mapping[key] = plan_types[described]
+        else:
+            out.append(f"type {key} ({described}): the plan has no type like it")
+    return out, mapping
+
+
+def _items(text: str) -> dict[str, int]:
+    """Parse "4 gemm, 1 attention ‖ all_reduce 0.8 KiB x2 x4" into item counts."""
+    ops, _sep, colls = text.partition(" ‖ ")
+    out: dict[str, int] = {}
+    for item in ops.split(", "):
+        count, _sp, name = item.partition(" ")
+        if count.isdigit():
+            out[name] = int(count)
+    for item in colls.split(", "):
+        name, _sp, count = item.rpartition(" x")
+        if count.isdigit():
+            out[name] = int(count)
+    return out
+
+
+def _fraction(whole: str, part: str) -> bool:
+    """Whether ``part``'s counts are all the same whole fraction of ``whole``'s."""
+    a, b = _items(whole), _items(part)
+    if not b or a.keys() != b.keys():
+        return False
+    ratios = {a[k] / b[k] for k in a}
+    return len(ratios) == 1 and (r := ratios.pop()) >= 1 and r == int(r)
+
+
+def _remap_decisions(decisions: dict[str, Any] | None, kind: str, mapping: dict[str, str]) -> None:
+    """Key ``kind``'s decisions by this block's type keys instead of the plan's."""
+    if decisions is None:
+        return
+    prefix = f"{kind}."
+    planned = {k: decisions.pop(k) for k in [k for k in decisions if k.startswith(prefix)]}
+    decisions.update(
+        {mine: planned[theirs] for mine, theirs in mapping.items() if theirs in planned}
+    )
