@@ -25,6 +25,7 @@ OPS = [
     ("center_rows", lambda h: h - h.mean(1, keepdim=True), None),
     ("regroup", lambda h: h.view(h.shape[0], 2, 4).transpose(1, 2).reshape(h.shape[0], 8), None),
     ("slice_features", lambda h: torch.cat([h[:, 4:], h[:, :4]], dim=1), None),
+    ("complex_rotary", lambda h: _rotate(h), None),
     ("flip_batch", lambda h: h.flip(0), "flip"),
     ("roll_batch", lambda h: h.roll(1, 0), "roll"),
     ("cumsum_batch", lambda h: h.cumsum(0), "cumsum"),
@@ -41,6 +42,13 @@ OPS = [
     ("batch_size_value", lambda h: h * h.shape[0], "mul"),
     ("position_along_batch", lambda h: h + torch.arange(h.shape[0])[:, None], "arange"),
 ]
+
+
+def _rotate(h):
+    """Meta's Llama rotary embedding: pairs of features as complex numbers, turned."""
+    turn = torch.polar(torch.ones(4), torch.arange(4.0))
+    pairs = torch.view_as_complex(h.float().reshape(*h.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * turn).flatten(-2).type_as(h)
 
 
 class Block(nn.Module):
@@ -259,3 +267,68 @@ def test_writes_and_draws_are_read_from_schemas_and_tags_not_names():
         if (writes_in_place(n), draws_random(n)) != (writes, draws)
     }
     assert wrong == {}
+
+
+class ComplexRotaryLayer(nn.Module):
+    """Attention with Meta's complex rotary embedding (view_as_complex / view_as_real)."""
+
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        angles = torch.outer(
+            torch.arange(8.0), 1.0 / 10000 ** (torch.arange(0, self.hd, 2) / self.hd)
+        )
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, self.heads, self.hd) for w in (self.wq, self.wk, self.wv))
+        freqs = self.freqs_cis[:s].view(1, s, 1, self.hd // 2)
+        q, k = (
+            torch.view_as_real(
+                torch.view_as_complex(t.float().reshape(b, s, self.heads, -1, 2)) * freqs
+            )
+            .flatten(3)
+            .type_as(t)
+            for t in (q, k)
+        )
+        a = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return x + self.wo(a.transpose(1, 2).reshape(b, s, -1))
+
+
+class ComplexRotaryModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(ComplexRotaryLayer() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+
+def test_meta_llama_complex_rotary_blocks_are_split_and_train_the_same():
+    """view_as_complex / view_as_real (Meta's reference Llama, and the stacks derived from it)
+    keep each sample at its batch index: such blocks are split, and train as without kareus."""
+    from kareus.testing import assert_same_history, compare_training
+
+    holder = {}
+
+    def make():
+        torch.manual_seed(0)
+        return ComplexRotaryModel()
+
+    def comp(model):
+        holder["m"] = kareus.compile(model, nanobatches=2)
+        return holder["m"]
+
+    batches = [
+        (torch.randn(6, 8, 16, generator=torch.Generator().manual_seed(i)),) for i in range(2)
+    ]
+    ref, got = compare_training(make, comp, batches, resync=True)
+    assert_same_history(ref, got, bitwise_loss=False)
+    blocks = kareus.explain(holder["m"]).regions[0].findings["find_blocks"]
+    assert blocks.split == ["layers.0", "layers.1"], blocks.skipped

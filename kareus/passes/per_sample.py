@@ -57,6 +57,7 @@ _ELEMENTWISE = _names(
     add_ sub_ mul_ div_ masked_fill_ clamp_ relu_ copy_ zero_
     iadd isub imul itruediv truediv floordiv mod neg pos invert and_ or_ xor
     wait_tensor all_reduce dropout alpha_dropout feature_alpha_dropout
+    real imag conj conj_physical resolve_conj resolve_neg polar complex
     """
 )
 """Ops that compute each output element from the elements at the same (broadcast) index;
@@ -76,10 +77,11 @@ _METADATA = _names("size dim numel stride is_contiguous __len__ getattr")
 _PERMUTE = _names(
     """
     permute transpose t movedim moveaxis swapaxes swapdims squeeze unsqueeze expand expand_as
+    view_as_complex view_as_real
     """
 )
-"""Ops that reorder, add or drop dimensions (or broadcast size-1 ones): a sample's
-elements stay at its own batch index."""
+"""Ops that reorder, add or drop dimensions (or broadcast size-1 ones; a complex view pairs
+or unpairs the trailing size-2 dimension): a sample's elements stay at its own batch index."""
 
 _RESHAPE = _names("view reshape view_as reshape_as flatten unflatten")
 """Ops that regroup elements in row-major order; checked by :func:`_keeps_samples`."""
