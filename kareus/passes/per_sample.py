@@ -429,7 +429,9 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
             return ""
         return f"{label} moves elements of different samples into one row"
     if name in _ALONG:
-        return _along_reason(node, name, carrying, label)
+        return _aligned_reason(node, name, carrying, sym, label) or _along_reason(
+            node, name, carrying, label
+        )
     return (
         f"{label} is not known to act per sample, so splitting the batch could change its "
         "result; kareus splits only blocks whose every op it knows (an elementwise custom "
@@ -469,6 +471,36 @@ def _dtensor_reason(
     batch_dims = {d for _i, d in carrying} | {out_dim}
     if any(isinstance(d, int) and d in batch_dims for d in sharded):
         return f"{label} shards the batch dimension across ranks"
+    return ""
+
+
+_ALIGNED = {
+    "scatter": (("index", 2), ("src", 3)),
+    "scatter_add": (("index", 2), ("src", 3)),
+    "scatter_reduce": (("index", 2), ("src", 3)),
+    "index_add": (("source", 3),),
+    "index_copy": (("source", 3),),
+}
+"""Ops that write rows of one tensor argument into ``self`` by position: those arguments
+must carry the batch where ``self`` does, or each nanobatch would get the first rows."""
+
+
+def _aligned_reason(
+    node: fx.Node, name: str, carrying: list[tuple[fx.Node, Any]], sym: Any, label: str
+) -> str:
+    """Say why a scatter writes rows that are not the sample's own ("" if they are)."""
+    if name not in _ALIGNED or not carrying:
+        return ""
+    self_dim = batch_dim_of(node.args[0].meta.get("example_value"), sym) if node.args else None
+    for arg_name, index in _ALIGNED[name]:
+        arg = _arg(node, index, arg_name)
+        if not isinstance(arg, fx.Node):
+            continue  # a scalar value: the same for every element
+        if batch_dim_of(arg.meta.get("example_value"), sym) != self_dim:
+            return (
+                f"{label} writes rows of {arg.name} ({arg_name}) that do not carry the batch "
+                "where its input does: each nanobatch would get the first rows"
+            )
     return ""
 
 
