@@ -491,7 +491,9 @@ def _aligned_reason(
     """Say why a scatter writes rows that are not the sample's own ("" if they are)."""
     if name not in _ALIGNED or not carrying:
         return ""
-    self_dim = batch_dim_of(node.args[0].meta.get("example_value"), sym) if node.args else None
+    first = node.args[0] if node.args else None
+    value = first.meta.get("example_value") if isinstance(first, fx.Node) else None
+    self_dim = batch_dim_of(value, sym)
     for arg_name, index in _ALIGNED[name]:
         arg = _arg(node, index, arg_name)
         if not isinstance(arg, fx.Node):
