@@ -130,6 +130,11 @@ def _search_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clocks", type=_ints, help="SM clocks to consider, MHz, comma-separated")
     p.add_argument("--sm-shares", type=_ints, help="SM shares of the collective, comma-separated")
     p.add_argument("--exhaustive", action="store_true", help="evaluate the whole knob grid")
+    p.add_argument(
+        "--gpu-profile",
+        type=pathlib.Path,
+        help="`kareus doctor --try-switch --json FILE`'s FILE: price clock changes as measured",
+    )
 
 
 def _output_options(p: argparse.ArgumentParser, default: str, files: str) -> None:
@@ -654,11 +659,14 @@ def _workload(args: argparse.Namespace) -> Any:
 
 
 def _settings(args: argparse.Namespace) -> Any:
+    from kareus.jobs.doctor import switch_cost
     from kareus.planner import PlannerSettings
 
+    profile = getattr(args, "gpu_profile", None)
     return PlannerSettings(
         clocks_mhz=args.clocks,
         exhaustive=args.exhaustive,
+        switch=switch_cost(profile) if profile is not None else None,
         **({"sm_shares": args.sm_shares} if args.sm_shares else {}),
     )
 

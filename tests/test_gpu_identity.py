@@ -291,3 +291,35 @@ def test_doctor_try_switch_restores_on_ctrl_c(monkeypatch, nvml):
         try_switches(report, settle_s=0.05)
     assert nvml.locked == {}  # the first GPU's clock went back; the others were never locked
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_doctor_report_prices_clock_changes_in_kareus_plan(monkeypatch, nvml, tmp_path):
+    """`kareus doctor --try-switch --json F` (fake NVML), then `kareus plan --gpu-profile F`:
+    the plan prices each clock change with the slowest GPU's measured change, says so, and
+    counts the changes; a report without a measured change is refused with what to run."""
+    import dataclasses
+    import json
+
+    from kareus.cli import EXIT_BAD_INPUT, EXIT_OK, main
+    from kareus.ir.plan_file import Plan
+    from kareus.jobs.doctor import diagnose, try_switches, write_json
+
+    report = diagnose()
+    report.switches = try_switches(report, settle_s=0.05)
+    path = tmp_path / "doctor.json"
+    write_json(report, path)
+    small = ["--model", "tiny-4l", "--tp", "2", "--microbatch-size", "4", "--seq-len", "32"]
+    out = tmp_path / "out"
+    args = ["plan", *small, "--quiet", "--out", str(out), "--gpu-profile", str(path)]
+    assert main(args) == EXIT_OK
+    plan = Plan.load(out / "plan.json")
+    slowest = max(s["lock_call_s"] + s["transition_s"] for s in report.switches.values())
+    assert plan.clock_switch["time_s"] == pytest.approx(slowest)
+    assert "measured by kareus doctor" in plan.clock_switch["source"]
+    assert plan.chosen.switches is not None
+    assert "Clock changes per iteration" in (out / "report.md").read_text()
+    empty = tmp_path / "empty.json"
+    write_json(dataclasses.replace(report, switches={}), empty)
+    args[-1] = str(empty)
+    assert main(args) == EXIT_BAD_INPUT
+    json.loads(empty.read_text())  # (a valid report, only without a measured change)

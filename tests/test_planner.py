@@ -11,7 +11,15 @@ from kareus.ir.costs import CollectiveCost, Knobs, OpCost
 from kareus.ir.partitions import PartitionSet
 from kareus.ir.plan_file import FrontierPoint, Plan
 from kareus.planner.compose import Composer
-from kareus.planner.dag import Option, chain, gpipe, makespan, one_f_one_b, pipeline
+from kareus.planner.dag import (
+    Option,
+    SwitchCost,
+    chain,
+    gpipe,
+    makespan,
+    one_f_one_b,
+    pipeline,
+)
 from kareus.planner.iteration import (
     Parallelism,
     PlannerSettings,
@@ -418,7 +426,18 @@ def test_70b_pipeline_is_proven_by_the_relaxation_without_search():
     pset = megatron_partition_set(
         hidden=8192, ffn=28672, heads=64, seq=4096, microbatch=8, layers=10, tp=8
     )
-    settings = PlannerSettings(solver_time_limit_s=0.001)
+    # Clock changes priced (the A100's prior): the relaxation leaves them out, so its proofs
+    # hold with them only up to what they cost (58-205 changes an iteration, about 0.1 %).
+    priced = plan_for_gpu(
+        pset,
+        SPEC,
+        parallel=Parallelism(tp=8, pp=8, microbatches=16),
+        settings=PlannerSettings(solver_time_limit_s=0.001),
+    ).plan
+    assert all(p.gap is not None and p.gap <= 0.01 for p in priced.frontier)
+    assert all(p.switches for p in priced.frontier)
+    # Free changes: the relaxation alone proves every point within the gap limit.
+    settings = PlannerSettings(solver_time_limit_s=0.001, switch=SwitchCost())
     plan = plan_for_gpu(
         pset, SPEC, parallel=Parallelism(tp=8, pp=8, microbatches=16), settings=settings
     ).plan
@@ -964,7 +983,9 @@ def test_baselines_run_the_original_graphs_and_kareus_never_loses_to_them():
     split, whole = _split_and_whole(
         hidden=4096, ffn=14336, heads=32, seq=4096, microbatch=4, layers=2, tp=8
     )
-    settings = PlannerSettings(sweep_points=4, clocks_mhz=(1410, 1200, 1005))
+    # (clock changes free: on two layers an instruction takes milliseconds, and a change's
+    # 1 ms prior, not the split, would decide which plan is chosen)
+    settings = PlannerSettings(sweep_points=4, clocks_mhz=(1410, 1200, 1005), switch=SwitchCost())
     parallel = Parallelism(tp=8, pp=2, microbatches=2)
     result = plan_for_gpu(split, SPEC, parallel=parallel, settings=settings, original=whole)
     plan = result.plan
@@ -1061,3 +1082,29 @@ def test_interleaved_split_and_unsplit_frontiers_are_proven_point_by_point():
         any(q.time_s <= p.time_s + 1e-6 and q.energy_j <= p.energy_j * (1 + 1e-9) for q in out)
         for p in naive
     )
+
+
+def test_clock_changes_are_priced_and_never_kept_when_they_do_not_pay():
+    """Forward is cheapest at 1000 MHz, backward at 1410: with free changes every
+    micro-batch alternates (8 changes, the one back to the first clock included); a change
+    worth 50 ms still pays; one worth 500 ms does not, and the plan keeps one clock."""
+    fwd = [Option(1410, "a", 1.0, 100.0), Option(1000, "a", 1.2, 60.0)]
+    bwd = [Option(1410, "a", 2.0, 200.0), Option(1000, "a", 3.2, 180.0)]
+    options = {(0, "forward"): fwd, (0, "backward"): bwd}
+    energies = []
+    for cost, changes in ((0.0, 8), (0.05, 8), (0.5, 0)):
+        comp = Composer(chain(4), options, static_power_w=50, gpus=1, switch=SwitchCost(cost))
+        sol = comp.solve()
+        assert comp.switches(sol.choices) == changes, cost
+        # priced: the plan's energy is its instructions' plus each change's
+        plain = Composer(chain(4), options, static_power_w=50, gpus=1).evaluate(sol.choices)[1]
+        # a change before backward costs 50 ms x (its highest dynamic power 100 W + 50 W)
+        assert sol.energy_j == pytest.approx(
+            plain + changes / 2 * cost * 150 + changes / 2 * cost * 150
+        )
+        energies.append(sol.energy_j)
+    assert energies[0] < energies[1] < energies[2]
+    # a plan handed in with a change that does not pay for itself is repaired
+    comp = Composer(chain(1), options, static_power_w=50, gpus=1, switch=SwitchCost(0.5))
+    sol = comp.solve(hint=None)
+    assert comp.switches(sol.choices) == 0

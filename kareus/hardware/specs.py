@@ -195,6 +195,16 @@ class Calibration:
         return cls(**data)
 
 
+CLOCK_SWITCH_SOURCE = (
+    "prior, not measured here: arXiv 2502.20075 (Velicka et al., 2025) measures NVIDIA clock "
+    "changes on A100 and GH200 taking from about a millisecond to hundreds, set mostly by "
+    "the target clock. The GPU keeps computing meanwhile, at the old clock, so a change "
+    "costs a fraction of its latency; kareus charges 1 ms of GPU time at the instruction's "
+    "highest dynamic power per change. `kareus doctor --try-switch --json F` measures this "
+    "GPU, and `kareus plan --gpu-profile F` charges the measured transition whole instead"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class GPUSpec:
     """One GPU model. Peaks are dense (no sparsity) at ``peak_clock_mhz``."""
@@ -218,6 +228,12 @@ class GPUSpec:
     sources: dict[str, str]
     calibration: Calibration = dataclasses.field(default_factory=Calibration)
     calibration_source: str = "uncalibrated priors"
+    clock_switch_s: float = 0.001  # GPU time a clock change costs (see CLOCK_SWITCH_SOURCE)
+    clock_switch_source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.clock_switch_source:
+            object.__setattr__(self, "clock_switch_source", CLOCK_SWITCH_SOURCE)
 
     def clocks_mhz(self) -> list[int]:
         """Return the supported SM clocks, highest first."""

@@ -33,12 +33,15 @@ class FrontierPoint:
     one uses less energy (None where none was proven); the gap to ``energy_j`` is what the
     limited search may have left. ``nanobatches``: 2 for a plan of the graphs split in two
     nanobatches, 1 for one of the original graphs (no split, no overlap: clocks only).
+    ``switches``: clock changes in one iteration, over the pipeline's ranks (a rank's change
+    from its last instruction's clock to its first's included); None where not counted.
     """
 
     time_s: float
     energy_j: float
     lower_bound_j: float | None = None
     nanobatches: int = 2
+    switches: int | None = None
 
     @property
     def gap(self) -> float | None:
@@ -79,6 +82,7 @@ class Plan:
     workload: dict[str, Any] = dataclasses.field(default_factory=dict)
     fingerprint: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     pipeline_schedule: str = "1F1B"  # "1F1B", "GPipe" or "Interleaved1F1B"
+    clock_switch: dict[str, Any] = dataclasses.field(default_factory=dict)  # time_s, source
     version: int = PLAN_VERSION
 
     @property
@@ -264,7 +268,14 @@ class Plan:
             )
             for s in sorted({c.stage for c in self.schedule})
         )
-        parts = [head, front, bases, decs, "clock schedule (MHz):\n" + clocks]
+        changes = (
+            ""
+            if self.chosen.switches is None
+            else (
+                f"\n({self.chosen.switches} clock changes per iteration over the pipeline's ranks)"
+            )
+        )
+        parts = [head, front, bases, decs, "clock schedule (MHz):\n" + clocks + changes]
         if self.evaluations:
             parts.append(
                 "evaluations: " + ", ".join(f"{k} {v}" for k, v in self.evaluations.items())

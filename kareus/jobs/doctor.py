@@ -227,6 +227,40 @@ def _one_switch(clocks: NvmlClocks, target: int, settle_s: float) -> dict[str, A
     }
 
 
+def switch_cost(path: pathlib.Path) -> Any:
+    """Return the clock-change cost measured by ``kareus doctor --try-switch --json path``.
+
+    The slowest GPU's transition (lock call to clock reached), charged whole: an upper bound
+    of what a change costs, since the GPU computes through it at the old clock.
+
+    Raises:
+        ValueError: the file is not such a report, or measured no switch.
+    """
+    from kareus.planner.dag import SwitchCost
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--gpu-profile {path}: not a kareus doctor JSON report ({err})") from err
+    measured = {
+        uuid: sw["lock_call_s"] + sw["transition_s"]
+        for uuid, sw in (data.get("switches") or {}).items()
+        if isinstance(sw, dict) and sw.get("transition_s") is not None and "lock_call_s" in sw
+    }
+    if not measured:
+        raise ValueError(
+            f"--gpu-profile {path}: no clock change measured there; run `kareus doctor "
+            "--try-switch --json FILE` on the GPU node (it needs permission to lock clocks)"
+        )
+    uuid = max(measured, key=lambda u: measured[u])
+    return SwitchCost(
+        measured[uuid],
+        f"measured by kareus doctor --try-switch ({path}): slowest of {len(measured)} GPU(s), "
+        f"{uuid}, {measured[uuid] * 1e3:.2f} ms from the lock call to the clock reached, "
+        "charged whole",
+    )
+
+
 def write_json(report: Report, path: pathlib.Path) -> None:
     """Write the report (switch latencies included) as JSON."""
     path.write_text(json.dumps(dataclasses.asdict(report), indent=1) + "\n")

@@ -349,7 +349,23 @@ def _clocks_section(plan: Plan) -> list[str]:
             if c.stage == s
         )
         lines.append(f"- stage {s}: {steps}")
+    lines += ["", switch_sentence(plan)]
     return [*lines, ""]
+
+
+def switch_sentence(plan: Plan) -> str:
+    """Say how many clock changes an iteration makes and what each was charged (modelled)."""
+    changes = plan.chosen.switches
+    counted = "not counted" if changes is None else f"{changes}"
+    cost = plan.clock_switch or {}
+    if not cost.get("time_s"):
+        return f"Clock changes per iteration, over the pipeline's ranks: {counted} (priced free)."
+    return (
+        f"Clock changes per iteration, over the pipeline's ranks: {counted} (a rank's change "
+        "back to its first clock included); each was charged the energy of "
+        f"{cost['time_s'] * 1e3:g} ms of GPU time at the instruction's highest power "
+        f"(modelled; {cost.get('source', 'source not recorded')})."
+    )
 
 
 def _partitions_section(planned: WorkloadPlan) -> list[str]:

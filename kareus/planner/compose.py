@@ -28,8 +28,11 @@ from kareus.errors import KareusError
 from kareus.planner.dag import (
     Iteration,
     Option,
+    SwitchCost,
+    change_energy,
     makespan,
     plan_cost,
+    switches,
 )
 from kareus.planner.pareto import TIME_RESOLUTION_S, pareto_front
 
@@ -127,6 +130,9 @@ class Composer:
         dive_max_instructions: the relaxation's dive improves the rounded plan only in
             iterations of at most this many instructions (None: any); a larger one keeps
             the rounded plan and its proven gap.
+        switch: what a clock change costs (:class:`~kareus.planner.dag.SwitchCost`); every
+            plan is priced with it, CP-SAT weighs it, and a change whose saving does not
+            pay for it is undone. The relaxation leaves it out: its bound stays a bound.
     """
 
     def __init__(
@@ -143,6 +149,7 @@ class Composer:
         gap_limit: float = 0.0,
         search_max_instructions: int | None = None,
         dive_max_instructions: int | None = None,
+        switch: SwitchCost | None = None,
     ) -> None:
         self.it = iteration
         self.options = {g: tuple(o) for g, o in options.items()}
@@ -166,6 +173,12 @@ class Composer:
         self.searches = 0  # of which CP-SAT searched (the relaxation had not proven them)
         self._relaxation: Relaxation | None = None  # built at the first solve, then kept
         self._memo: dict[float | None, Solution] = {}  # each bound's solution, since frontier()
+        self.switch = switch if switch is not None and switch.time_s > 0 else None
+        # the energy of a clock change before each instruction, on all GPUs of its stage
+        self._change_j = [
+            change_energy(self.switch, self.options[i.group], static_power_w) * gpus_per_stage
+            for i in iteration.instructions
+        ]
 
     def evaluate(self, choices: Sequence[Option]) -> tuple[float, float]:
         """Return (iteration time, energy of all GPUs) of one choice per instruction."""
@@ -175,7 +188,12 @@ class Composer:
             static_power_w=self.static_w,
             gpus=self.gpus,
             gpus_per_stage=self.per_stage,
+            change_j=self._change_j if self.switch is not None else (),
         )
+
+    def switches(self, choices: Sequence[Option]) -> int:
+        """Return the clock changes one iteration of ``choices`` makes, on all GPUs."""
+        return len(switches(self.it, choices))
 
     def solve(
         self,
@@ -258,6 +276,7 @@ class Composer:
         return self._cp_sat(bound_s, best, relaxed.bound_j, fastest=minimise == "time")
 
     def _record(self, found: Solution) -> Solution:
+        found = self._pay_for_switches(found)
         self.solves.append(found)
         self._memo[found.within_s] = found
         return found
@@ -271,6 +290,41 @@ class Composer:
             return prior
         bound_j = None if prior.bound_j is None else min(prior.bound_j, hint.energy_j)
         return dataclasses.replace(hint, status="HINT", within_s=bound_s, bound_j=bound_j)
+
+    def _pay_for_switches(self, found: Solution) -> Solution:
+        """Undo each clock change whose saving does not pay for it (greedy, to a fixpoint).
+
+        At each change, the instruction after it takes the clock before it, or the one
+        before takes the clock after it (the same profile at that clock); a move is kept
+        when it lowers the energy and keeps the bound.
+        """
+        if self.switch is None:
+            return found
+        choices = list(found.choices)
+        by_clock = {
+            g: {(o.profile, o.freq_mhz): o for o in opts} for g, opts in self.options.items()
+        }
+        best = (found.energy_j, found.time_s)
+        changed = True
+        while changed:
+            changed = False
+            for a, b in self.it.switch_pairs():
+                if choices[a].freq_mhz == choices[b].freq_mhz:
+                    continue
+                for i, j in ((b, a), (a, b)):
+                    group = self.it.instructions[i].group
+                    alt = by_clock[group].get((choices[i].profile, choices[j].freq_mhz))
+                    if alt is None:
+                        continue
+                    trial = list(choices)
+                    trial[i] = alt
+                    t, e = self.evaluate(trial)
+                    if (e, t) < best and (found.within_s is None or t <= found.within_s + 1e-9):
+                        choices, best, changed = trial, (e, t), True
+                        break
+        if best == (found.energy_j, found.time_s):
+            return found
+        return dataclasses.replace(found, choices=tuple(choices), energy_j=best[0], time_s=best[1])
 
     def _solution(self, choices: Sequence[Option], status: str) -> Solution:
         time_s, energy_j = self.evaluate(choices)
@@ -368,6 +422,7 @@ class Composer:
         for g in groups:
             m.add_exactly_one(y[g].values())
         start, end = [], []
+        switch_uj = self._switch_terms(m, x, opts)
         for i, instr in enumerate(self.it.instructions):
             m.add_exactly_one(x[i])
             for k, opt in enumerate(opts[i]):
@@ -390,8 +445,30 @@ class Composer:
             for k, o in enumerate(opts[i])
         )
         static_w = round(self.static_w * self.gpus)  # W x us = uJ
-        m.minimize(dyn + static_w * t)
+        m.minimize(dyn + switch_uj + static_w * t)
         return m, x
+
+    def _switch_terms(self, m: Any, x: list[list[Any]], opts: Sequence[Sequence[Option]]) -> Any:
+        """Add the clock changes to CP-SAT's model; return their energy (uJ).
+
+        A change before instruction b (its predecessor on the GPU runs another clock) costs
+        :meth:`change_j` of b: the change's time at b's highest dynamic power and the
+        static power of b's GPUs.
+        """
+        if self.switch is None:
+            return 0
+        clocks = [
+            sum(round(o.freq_mhz) * v for o, v in zip(opts[i], x[i], strict=True))
+            for i in range(len(opts))
+        ]
+        top = max(round(o.freq_mhz) for row in opts for o in row)
+        energy: Any = 0
+        for a, b in self.it.switch_pairs():
+            w = m.new_bool_var(f"w{a}_{b}")
+            m.add(clocks[a] - clocks[b] <= top * w)
+            m.add(clocks[b] - clocks[a] <= top * w)
+            energy += round(self._change_j[b] * 1e6) * w
+        return energy
 
     def fastest_choice(self) -> Solution:
         """Every instruction's fastest option (least energy among equals): a feasible start."""

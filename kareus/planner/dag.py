@@ -40,10 +40,25 @@ class Instruction:
 
 @dataclasses.dataclass(frozen=True)
 class Iteration:
-    """The DAG: instructions, precedence edges, and each stage's execution order."""
+    """The DAG: instructions, precedence edges, and each GPU's execution order.
+
+    ``orders`` lists, per pipeline rank (a GPU), the indices of its instructions in the order
+    it runs them: a clock change happens between consecutive ones, and between its last and
+    its first (the clock one iteration ends with is the one the next starts with).
+    """
 
     instructions: tuple[Instruction, ...]
     edges: tuple[tuple[int, int], ...]
+    orders: tuple[tuple[int, ...], ...] = ()
+
+    def switch_pairs(self) -> list[tuple[int, int]]:
+        """Return (before, after) of each place a GPU may change its clock, wrap included."""
+        pairs: list[tuple[int, int]] = []
+        for order in self.orders:
+            if len(order) > 1:
+                pairs.extend(itertools.pairwise(order))
+                pairs.append((order[-1], order[0]))
+        return pairs
 
 
 def chain(microbatches: int = 1) -> Iteration:
@@ -51,7 +66,8 @@ def chain(microbatches: int = 1) -> Iteration:
     instrs = tuple(
         Instruction(0, kind, m) for m in range(microbatches) for kind in ("forward", "backward")
     )
-    return Iteration(instrs, tuple((i, i + 1) for i in range(len(instrs) - 1)))
+    edges = tuple((i, i + 1) for i in range(len(instrs) - 1))
+    return Iteration(instrs, edges, (tuple(range(len(instrs))),))
 
 
 def one_f_one_b(stages: int, microbatches: int) -> Iteration:
@@ -166,6 +182,7 @@ def _dag(rank_orders: Sequence[Sequence[tuple[int, str, int]]], stages: int) -> 
     instrs: list[Instruction] = []
     index: dict[tuple[int, str, int], int] = {}
     edges: set[tuple[int, int]] = set()
+    orders = []
     for order in rank_orders:
         ids = []
         for s, kind, m in order:
@@ -173,6 +190,7 @@ def _dag(rank_orders: Sequence[Sequence[tuple[int, str, int]]], stages: int) -> 
             ids.append(len(instrs))
             instrs.append(Instruction(s, kind, m))
         edges.update(itertools.pairwise(ids))
+        orders.append(tuple(ids))
     last = stages - 1
     for (s, kind, m), i in index.items():
         if kind == "forward" and s < last:
@@ -181,7 +199,7 @@ def _dag(rank_orders: Sequence[Sequence[tuple[int, str, int]]], stages: int) -> 
             edges.add((index[(s + 1, "backward", m)], i))
         if kind == "backward" and s == last:
             edges.add((index[(s, "forward", m)], i))
-    return Iteration(tuple(instrs), tuple(sorted(edges)))
+    return Iteration(tuple(instrs), tuple(sorted(edges)), tuple(orders))
 
 
 def schedule_iteration(schedule: str, ranks: int, microbatches: int, virtual: int = 1) -> Iteration:
@@ -201,6 +219,32 @@ def _check_sizes(name: str, stages: int, microbatches: int) -> None:
         raise KareusError(
             f"{name} needs stages >= 1 and micro-batches >= 1, got {stages}, {microbatches}"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class SwitchCost:
+    """What one clock change costs the GPU that makes it (see ``hardware/specs.py``).
+
+    The GPU keeps computing through a change, at the clock it had: a change costs energy
+    (:func:`change_energy`: ``time_s`` at the highest power the instruction it starts may
+    draw), not time, so every time bound the composer proves holds with changes too.
+    """
+
+    time_s: float = 0.0
+    source: str = "none: clock changes are free"
+
+
+def change_energy(switch: SwitchCost | None, options: Sequence[Option], static_w: float) -> float:
+    """Return what one change before an instruction with ``options`` costs one GPU (J)."""
+    if switch is None or switch.time_s <= 0:
+        return 0.0
+    dynamic_w = max((o.dynamic_energy_j / o.time_s for o in options if o.time_s > 0), default=0.0)
+    return switch.time_s * (dynamic_w + static_w)
+
+
+def switches(iteration: Iteration, choices: Sequence[Option]) -> list[int]:
+    """Return the instructions that start with a clock change (wrap-around included)."""
+    return [b for a, b in iteration.switch_pairs() if choices[a].freq_mhz != choices[b].freq_mhz]
 
 
 def makespan(iteration: Iteration, durations: Sequence[float]) -> float:
@@ -225,8 +269,14 @@ def plan_cost(
     static_power_w: float,
     gpus: int,
     gpus_per_stage: int,
+    change_j: Sequence[float] = (),
 ) -> tuple[float, float]:
-    """Return (iteration time, energy of all GPUs) of one choice per instruction."""
+    """Return (iteration time, energy of all GPUs) of one choice per instruction.
+
+    ``change_j``: per instruction, what a clock change before it costs on all its GPUs
+    (:func:`change_energy`); each change (:func:`switches`) adds it. Empty: changes free.
+    """
     t = makespan(iteration, [c.time_s for c in choices])
     dyn = sum(c.dynamic_energy_j for c in choices) * gpus_per_stage
-    return t, dyn + static_power_w * gpus * t
+    changes = sum(change_j[b] for b in switches(iteration, choices)) if change_j else 0.0
+    return t, dyn + changes + static_power_w * gpus * t

@@ -25,7 +25,14 @@ from kareus.ir.costs import Evaluator, Knobs, PartitionWork
 from kareus.ir.partitions import Decision, PartitionSet
 from kareus.ir.plan_file import FrontierPoint, Plan, ScheduledInstruction
 from kareus.planner.compose import REFINE_GAP, Composer, Solution, best_within
-from kareus.planner.dag import SCHEDULES, Iteration, Option, schedule_iteration
+from kareus.planner.dag import (
+    SCHEDULES,
+    Iteration,
+    Option,
+    SwitchCost,
+    schedule_iteration,
+    switches,
+)
 from kareus.planner.knobs import CountingEvaluator, KnobSpace, Setting, default_clocks, knobs_of
 from kareus.planner.pareto import TIME_RESOLUTION_S, pareto_front
 from kareus.planner.search import SearchResult, exhaustive, search
@@ -74,6 +81,8 @@ class PlannerSettings:
             re-solves a program of about 100,000 variables: with dives planning took more
             than 15 minutes, without them 24-47 s with every point within 0.92 % (the
             chosen one within 0.43 %).
+        switch: what one clock change costs; None takes the GPU spec's
+            (:func:`plan_for_gpu`), or none where no spec is given.
     """
 
     clocks_mhz: tuple[float, ...] | None = None
@@ -88,6 +97,7 @@ class PlannerSettings:
     solver_gap_limit: float = 0.005
     search_max_instructions: int | None = 128
     dive_max_instructions: int | None = 1024
+    switch: SwitchCost | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -194,6 +204,7 @@ def plan_iteration(
         "skip_reasons": tuple(skip_reasons),
         "static_power_w": static_power_w,
         "workload": dict(workload or {}),
+        "clock_switch": dataclasses.asdict(settings.switch or SwitchCost()),
     }
     counts = {
         "search": evaluated.searched,
@@ -253,12 +264,14 @@ def _plan_file(
         },
         pipeline_schedule=parallel.schedule,
         parallel=_parallel_record(parallel),
-        frontier=tuple(_point(s) for s in frontiers["kareus"]),
-        chosen=_point(chosen),
+        frontier=tuple(_point(s, iteration) for s in frontiers["kareus"]),
+        chosen=_point(chosen, iteration),
         schedule=_clock_schedule(iteration, chosen),
         decisions=_decisions(iteration, chosen, evaluated.profiles, unsplit),
         baselines={
-            m: tuple(_point(s) for s in sols) for m, sols in frontiers.items() if m != "kareus"
+            m: tuple(_point(s, iteration) for s in sols)
+            for m, sols in frontiers.items()
+            if m != "kareus"
         },
         evaluations=counts,
         **meta,
@@ -310,6 +323,7 @@ def _composers(
             gap_limit=settings.solver_gap_limit,
             search_max_instructions=settings.search_max_instructions,
             dive_max_instructions=settings.dive_max_instructions,
+            switch=settings.switch,
         )
         for method, keep in restrict.items()
     }
@@ -527,8 +541,9 @@ def _with_unsplit(
     return out
 
 
-def _point(s: Solution) -> FrontierPoint:
-    return FrontierPoint(s.time_s, s.energy_j, s.bound_j, _nanobatches(s))
+def _point(s: Solution, iteration: Iteration) -> FrontierPoint:
+    changes = len(switches(iteration, s.choices))
+    return FrontierPoint(s.time_s, s.energy_j, s.bound_j, _nanobatches(s), changes)
 
 
 @dataclasses.dataclass
@@ -686,16 +701,22 @@ def plan_for_gpu(
     evaluator: Evaluator | None = None,
     **kwargs: Any,
 ) -> PlanningResult:
-    """Plan for a GPU spec: its name, clocks and static power; the emulator by default.
+    """Plan for a GPU spec: its name, clocks, static power and clock-change cost.
 
-    Other keyword arguments are :func:`plan_iteration`'s.
+    The emulator prices the options by default. Other keyword arguments are
+    :func:`plan_iteration`'s.
     """
+    settings = kwargs.pop("settings", None) or PlannerSettings()
+    if settings.switch is None:
+        switch = SwitchCost(spec.clock_switch_s, spec.clock_switch_source)
+        settings = dataclasses.replace(settings, switch=switch)
     return plan_iteration(
         psets,
         evaluator if evaluator is not None else Emulator(spec),
         gpu=spec.name,
         clocks_mhz=spec.clocks_mhz(),
         static_power_w=spec.calibration.static_power_w,
+        settings=settings,
         **kwargs,
     )
 
