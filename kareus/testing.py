@@ -640,7 +640,7 @@ def per_sample_verdict(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Per
     yes, the function is run on the two halves and on the whole, and the outputs compared:
     a claim the numbers refute is unsound.
     """
-    from kareus.passes.per_sample import batch_dim_of, draws_random, why_not_per_sample
+    from kareus.passes.per_sample import draws_random, why_not_per_sample
 
     first = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor)), None)
     if first is None or args[first].dim() == 0 or args[first].shape[0] < 4:
@@ -691,6 +691,15 @@ def per_sample_verdict(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Per
         return PerSampleVerdict(True, "random: not compared", None)
     if any("empty" in str(n.target) for n in gm.graph.nodes if n.op != "placeholder"):
         return PerSampleVerdict(True, "uninitialised memory: not compared", None)
+    return _compare_halves(gm, sym, call, inputs, size)
+
+
+def _compare_halves(
+    gm: torch.fx.GraphModule, sym: Any, call: Callable[..., Any], inputs: list[Any], size: int
+) -> PerSampleVerdict:
+    """Run ``call`` on the halves of the batch and on the whole; compare the outputs."""
+    from kareus.passes.per_sample import batch_dim_of
+
     outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     dims = [
         batch_dim_of(o.meta.get("example_value"), sym) if isinstance(o, torch.fx.Node) else None

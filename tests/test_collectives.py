@@ -190,3 +190,82 @@ def test_runner_refuses_a_pass_that_loses_a_collective_unannounced():
     ctx = PassContext(Config(), "forward", {})
     with pytest.raises(PassError, match="lost 1 forward all_reduce on 'g'"):
         run_passes(gm, [Drop()], ctx)
+
+
+def _traced_all_reduce(symbolic):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fc = torch.ops._c10d_functional
+
+    def fn(x, y):
+        return fc.wait_tensor.default(fc.all_reduce.default(x, "sum", "g")) + y.sum()
+
+    mode = "symbolic" if symbolic else "fake"
+    return make_fx(fn, tracing_mode=mode)(torch.randn(4, 8), torch.randn(8, 8))
+
+
+def test_runner_refuses_a_pass_that_resizes_or_swaps_a_collective():
+    """The census weighs as well as counts: an all-reduce moved onto another tensor (of
+    another size) is refused, though no collective was lost or added."""
+    from kareus.compiler.config import Config
+    from kareus.passes.base import PassContext, run_passes
+
+    class Swap(GraphPass):
+        name = "swap"
+        graphs = frozenset({"forward"})
+
+        def run(self, gm, ctx):
+            _x, y = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            reduce = next(n for n in gm.graph.nodes if "all_reduce" in str(n.target))
+            reduce.args = (y, *reduce.args[1:])
+            reduce.meta["val"] = y.meta["val"]
+            return PassResult(gm, True)
+
+    ctx = PassContext(Config(), "forward", {})
+    with pytest.raises(
+        PassError, match=r"all_reduce on 'g' \(torch.float32\): 32 elements before, 64"
+    ):
+        run_passes(_traced_all_reduce(False), [Swap()], ctx)
+
+
+def test_a_split_collective_weighs_what_the_whole_did():
+    """A collective split in two along a symbolic batch (s//2 and s - s//2 rows) moves what
+    the whole did, so a split that announces the doubled count passes the runner's checks."""
+    from kareus.compiler.config import Config
+    from kareus.passes.base import PassContext, run_passes
+
+    fc = torch.ops._c10d_functional
+
+    class SplitReduce(GraphPass):
+        name = "split_reduce"
+        graphs = frozenset({"forward"})
+
+        def run(self, gm, ctx):
+            expected = census(gm) + census(gm)
+            reduce = next(n for n in gm.graph.nodes if "all_reduce" in str(n.target))
+            wait = next(iter(reduce.users))
+            x = reduce.args[0]
+            rows = x.meta["val"].shape[0]
+            half = rows // 2
+            g = gm.graph
+            with g.inserting_before(wait.next):
+                parts = []
+                for start, length in ((0, half), (half, rows - half)):
+                    piece = g.call_function(torch.ops.aten.narrow.default, (x, 0, start, length))
+                    piece.meta["val"] = x.meta["val"].narrow(0, start, length)
+                    r = g.call_function(fc.all_reduce.default, (piece, "sum", "g"))
+                    r.meta["val"] = piece.meta["val"]
+                    w = g.call_function(fc.wait_tensor.default, (r,))
+                    w.meta["val"] = piece.meta["val"]
+                    parts.append(w)
+                joined = g.call_function(torch.ops.aten.cat.default, (parts, 0))
+                joined.meta["val"] = x.meta["val"]
+            wait.replace_all_uses_with(joined)
+            g.erase_node(wait)
+            g.erase_node(reduce)
+            return PassResult(gm, True, collectives=expected)
+
+    gm = _traced_all_reduce(True)
+    ctx = PassContext(Config(), "forward", {})
+    out, _records = run_passes(gm, [SplitReduce()], ctx)
+    assert census(out) == collections.Counter({("forward", "all_reduce", "g"): 2})

@@ -506,3 +506,27 @@ def test_blocks_left_whole_are_costed_as_blocks_not_with_the_head():
         assert 1 <= len(gemms) <= 2  # the head's (and its weight gradient's)
     redo = pset.recomputed("full").recompute["backward"]
     assert redo == tuple(o for ops in pset.block_other["forward"].values() for o in ops)
+
+
+def test_a_later_batch_too_small_to_split_runs_whole_and_says_so():
+    """The split's preconditions hold for each batch size a region is lowered for: after a
+    batch of 6 (split 3 + 3), a last batch of 3 or 2 (a nanobatch of 1) runs the captured,
+    unsplit graph, equal to the eager model bit for bit, and explain says why."""
+    torch.manual_seed(0)
+    model = Stack(lambda: MaybeOdd(True))
+    ref = copy.deepcopy(model)
+    compiled = kareus.compile(model, nanobatches=2)
+    for batch in (6, 3, 2):
+        x = torch.randn(batch, 8, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        out, want = compiled(x), ref(x_ref)
+        out.sum().backward()
+        want.sum().backward()
+        if batch < 4:
+            assert torch.equal(out, want) and torch.equal(x.grad, x_ref.grad), batch
+        else:
+            torch.testing.assert_close(out, want)
+    region = kareus.explain(compiled).regions[0]
+    assert region.findings["find_blocks"].split  # the batch of 6 was split
+    assert any("batch 3 runs whole" in n for n in region.notes)
+    assert any("batch 2 runs whole" in n for n in region.notes)

@@ -170,7 +170,35 @@ class KareusBackend:
         lower = functools.partial(self._lower_or_captured, region, gm, captured)
         if len(symbols(example_inputs)) > 1:
             return lower(example_inputs)  # sizes besides the batch vary: lower symbolically
-        return Specialised(lower, region)
+        blockset = region.findings.get("find_blocks")
+        if gm is captured or blockset is None or not blockset.split:
+            return Specialised(lower, region)
+        batch_at = next(
+            (i for i, v in enumerate(example_inputs) if isinstance(v, torch.SymInt)), None
+        )
+        whole = functools.partial(self._lower_whole, region, captured)
+        return Specialised(lower, region, batch_at=batch_at, whole=whole)
+
+    def _lower_whole(
+        self, region: Region, captured: fx.GraphModule, example_inputs: Sequence[Any]
+    ) -> Callable[..., Any]:
+        """Lower the captured (unsplit) graph: only the clock switch is inserted."""
+        from kareus.passes.insert_clock_switches import InsertClockSwitches
+
+        def switch_only(kind: str, g: fx.GraphModule, inputs: Sequence[Any]) -> fx.GraphModule:
+            ctx = PassContext(self.config, kind, region.findings, inputs)
+            out, records = run_passes(copy_module(g), [InsertClockSwitches()], ctx)
+            region.history.extend(records)
+            return out
+
+        return lower_with_aot(
+            captured,
+            example_inputs,
+            config=self.config.replace(trace_blocks_once=False),
+            region=region,
+            run_passes=switch_only,
+            on_graphs=lambda _compiled: None,
+        )
 
     def _lower_or_captured(
         self,

@@ -185,6 +185,10 @@ def symbols(values: Sequence[Any]) -> set[Any]:
     return found
 
 
+MIN_NANOBATCH = 2
+"""The smallest nanobatch a split runs: a size of one would be specialised by Dynamo."""
+
+
 class Specialised:
     """A region's compiled function, lowered through AOTAutograd once per batch size.
 
@@ -195,10 +199,19 @@ class Specialised:
     concrete sizes on its first call, as Dynamo would recompile a static graph.
     """
 
-    def __init__(self, lower: Callable[[Sequence[Any]], Callable[..., Any]], region: Region):
+    def __init__(
+        self,
+        lower: Callable[[Sequence[Any]], Callable[..., Any]],
+        region: Region,
+        *,
+        batch_at: int | None = None,
+        whole: Callable[[Sequence[Any]], Callable[..., Any]] | None = None,
+    ):
         self._lower = lower
         self._region = region
         self._compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        self._batch_at = batch_at  # the argument that is the batch size
+        self._whole = whole  # lowers the region unsplit (for a batch too small to split)
 
     def __call__(self, *args: Any) -> Any:
         """Run the function lowered for these inputs' sizes (lowering it on first sight)."""
@@ -226,6 +239,15 @@ class Specialised:
             else:
                 self._region.notes.append(note)
         _log.info("region %d: lowering for first input %s", self._region.index, shape)
+        batch = args[self._batch_at] if self._batch_at is not None else None
+        if self._whole is not None and isinstance(batch, int) and batch // 2 < MIN_NANOBATCH:
+            # Each split precondition holds for each batch size lowered: a nanobatch of one
+            # would specialise (and broadcast) where the split graph assumed a batch.
+            self._region.notes.append(
+                f"batch {batch} runs whole: a nanobatch of {batch // 2} is too small to split "
+                f"(the split needs batches of {2 * MIN_NANOBATCH} or more)"
+            )
+            return self._whole(list(args))
         return self._lower(list(args))
 
 

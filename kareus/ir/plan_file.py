@@ -201,6 +201,21 @@ class Plan:
 
         return cls.from_json(read_text(path, "kareus plan"), str(path))
 
+    def _clocks_text(self) -> str:
+        """Each stage's clocks in order, and the changes an iteration makes."""
+        clocks = "\n".join(
+            f"stage {s}: "
+            + " ".join(
+                f"{c.kind[0].upper()}{c.microbatch}@{c.freq_mhz:g}"
+                for c in self.schedule
+                if c.stage == s
+            )
+            for s in sorted({c.stage for c in self.schedule})
+        )
+        if self.chosen.switches is None:
+            return clocks
+        return f"{clocks}\n({self.chosen.switches} clock changes per iteration over the ranks)"
+
     def to_text(self) -> str:
         """Render the plan as tables; every figure says it is modelled or measured."""
         src = self.source
@@ -259,23 +274,7 @@ class Plan:
         decs = render_table(
             "overlap decisions", ("stage/kind", "type", "launch slot", "SM share"), dec_rows
         )
-        clocks = "\n".join(
-            f"stage {s}: "
-            + " ".join(
-                f"{c.kind[0].upper()}{c.microbatch}@{c.freq_mhz:g}"
-                for c in self.schedule
-                if c.stage == s
-            )
-            for s in sorted({c.stage for c in self.schedule})
-        )
-        changes = (
-            ""
-            if self.chosen.switches is None
-            else (
-                f"\n({self.chosen.switches} clock changes per iteration over the pipeline's ranks)"
-            )
-        )
-        parts = [head, front, bases, decs, "clock schedule (MHz):\n" + clocks + changes]
+        parts = [head, front, bases, decs, "clock schedule (MHz):\n" + self._clocks_text()]
         if self.evaluations:
             parts.append(
                 "evaluations: " + ", ".join(f"{k} {v}" for k, v in self.evaluations.items())

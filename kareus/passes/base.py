@@ -154,12 +154,13 @@ def run_passes(
         nodes_before = len(before)
         start = time.perf_counter()
         try:
-            collectives = _census.census(gm)
+            collectives, weights = _census.census(gm), _census.volume(gm)
             p.requires(gm, ctx)
             result = p.run(gm, ctx)
             result.gm.graph.lint()
             p.ensures(result.gm, ctx)
             _check_collectives(collectives, result)
+            _check_sizes(weights, result)
             if not result.modified and not same_structure(structure(result.gm.graph), before):
                 raise ValueError("the pass reported no change but changed the graph")
         except Exception as exc:
@@ -206,6 +207,18 @@ def _check_collectives(before: collections.Counter[_census.Key], result: PassRes
             "the pass changed the graph's collectives: "
             + "; ".join(parts)
             + " (a lost collective means wrong results, so the rewrite is refused)"
+        )
+
+
+def _check_sizes(before: dict[_census.VolumeKey, Any], result: PassResult) -> None:
+    """Raise when the pass changed how much its collectives move (a split conserves it)."""
+    changed = _census.resized(before, _census.volume(result.gm))
+    if changed:
+        raise ValueError(
+            "the pass changed the sizes of the graph's collectives: "
+            + "; ".join(changed)
+            + " (a collective resized or swapped for another tensor's moves the wrong data, "
+            "so the rewrite is refused)"
         )
 
 

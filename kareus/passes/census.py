@@ -19,7 +19,9 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Iterable
+from typing import Any
 
+import torch
 import torch.fx as fx
 
 from kareus.passes.subgraphs import bodies
@@ -118,6 +120,76 @@ def _count(
             # An autograd.Function's second body is its backward.
             body_side = "backward" if is_function and i == 1 else side
             _count(sub, sub.graph.nodes, body_side, out)
+
+
+VolumeKey = tuple[str, str, str, str]
+"""(side, kind, group, dtype) of collectives whose sizes :func:`volume` sums."""
+
+
+def volume(gm: fx.GraphModule, nodes: Iterable[fx.Node] | None = None) -> dict[VolumeKey, Any]:
+    """Sum the elements the live collectives of ``gm`` produce, by side, kind, group, dtype.
+
+    Sizes are sympy expressions of the graph's symbolic sizes (a split block's two halves
+    add up to the whole: ``s//2 * h + (s - s//2) * h == s * h``), or None for a key with a
+    collective whose size the graph does not record (one inside a higher-order op's body,
+    traced once for calls of several sizes). Where :func:`census` counts, this
+    weighs: a collective resized, or swapped for another tensor's of another size or type,
+    changes it.
+    """
+    out: dict[VolumeKey, Any] = {}
+    _weigh(gm, gm.graph.nodes if nodes is None else nodes, "forward", out)
+    return out
+
+
+def _weigh(
+    gm: fx.GraphModule,
+    nodes: Iterable[fx.Node],
+    side: str,
+    out: dict[VolumeKey, Any],
+    body: bool = False,
+) -> None:
+    import sympy
+
+    for node in nodes:
+        kind = collective_kind(node)
+        if kind is not None:
+            if _live(node):
+                value = node.meta.get("val", node.meta.get("example_value"))
+                dtype = str(getattr(value, "dtype", "?"))
+                key = (side, kind, _group(node), dtype)
+                numel = value.numel() if isinstance(value, torch.Tensor) else None
+                # a body's sizes are those it was traced with, not each call's: unknown
+                if numel is None or body:
+                    out[key] = None
+                elif key not in out or out[key] is not None:
+                    size = (
+                        numel.node.expr if isinstance(numel, torch.SymInt) else sympy.Integer(numel)
+                    )
+                    out[key] = out.get(key, sympy.Integer(0)) + size
+            continue
+        is_function = getattr(node.target, "__name__", "") == "autograd_function_apply"
+        for i, (_arg, sub) in enumerate(bodies(node)):
+            body_side = "backward" if is_function and i == 1 else side
+            _weigh(sub, sub.graph.nodes, body_side, out, body=True)
+
+
+def resized(before: dict[VolumeKey, Any], after: dict[VolumeKey, Any]) -> list[str]:
+    """Say how the collectives' sizes changed between two :func:`volume` weighings."""
+    import sympy
+
+    out = []
+    for key in sorted(set(before) | set(after)):
+        a, b = before.get(key), after.get(key)
+        if key in before and key in after and (a is None or b is None):
+            continue  # a size the graph does not record: the count alone is checked
+        if a is None or b is None or sympy.expand(a - b) != 0:
+            side, kind, group, dtype = key
+            where = group if group.startswith("ranks ") else repr(group)
+            out.append(
+                f"{side} {kind} on {where} ({dtype}): {a if a is not None else 0} elements "
+                f"before, {b if b is not None else 0} after"
+            )
+    return out
 
 
 def as_side(counts: collections.Counter[Key], side: str) -> collections.Counter[Key]:
