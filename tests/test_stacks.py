@@ -455,3 +455,54 @@ def test_a_plan_for_the_whole_model_applies_to_its_blocks_compiled_one_by_one():
         assert applied == planned  # iteration 1: each instruction once, at its clock
         assert iterations == 2
         assert decisions and all(decisions)
+
+
+def _fsdp_tp_planned(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from kareus.compiler.backend import find_backend
+    from kareus.runtime.clocks import EmulatedClocks
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    whole = kareus.compile(_tp_model(mesh["tp"]), gpu="a100-40gb")
+    train(whole, batches(1))
+    plan = kareus.explain(whole).regions[0].findings["plan"]
+    clocks = EmulatedClocks()
+
+    def make(compiled):
+        model = _tp_model(mesh["tp"])
+        if compiled:
+            compile_blocks(model, plan=plan, clocks=clocks)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        return model
+
+    data = batches(3, seed=10 * mesh["dp"].get_local_rank())
+    ref = train(make(False), data)
+    model = make(True)
+    got = train(model, data)
+    runtime = find_backend(model.layers[0]).runtime
+    applied = [a[2:] for a in runtime.applied if a[0] == 1]  # (kind, microbatch, MHz)
+    iterations = len(runtime.iterations)
+    runtime.close()
+    split = [
+        r.findings["find_blocks"].split for m in model.layers for r in kareus.explain(m).regions
+    ]
+    planned = [(s.kind, s.microbatch, s.freq_mhz) for s in plan.schedule]
+    return ref, got, applied, planned, iterations, split
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_fsdp2_with_tensor_parallel_runs_every_instruction_at_its_planned_clock():
+    """torchtitan's layout (4 gloo ranks) with a plan made for the TP model: trains as
+    without kareus, every block split, and each instruction at its planned clock once per
+    iteration (emulated GPU)."""
+    for ref, got, applied, planned, iterations, split in run_ranks(
+        _fsdp_tp_planned, world=4, timeout_s=300
+    ):
+        assert_same_history(ref, got, bitwise_loss=False)
+        assert split == [["Layer.0"], ["Layer.0"]]
+        assert applied == planned and iterations == 2
