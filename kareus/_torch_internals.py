@@ -72,10 +72,7 @@ def ddp_piece() -> bool:
         return False
     if DistributedDataParallel._get_active_ddp_module() is None:
         return False
-    from torch._dynamo.backends import distributed
-
-    method = getattr(getattr(distributed, "SubmodCompiler", None), "compile_submod", None)
-    code = getattr(method, "__code__", None)
+    code = _submod_compiler_code()
     if code is None:
         return True
     frame: types.FrameType | None = sys._getframe(1)
@@ -115,12 +112,13 @@ def self_test() -> dict[str, bool]:
         "traced frame name": whole.qualname is not None
         and whole.qualname.endswith("_Whole.forward"),
         "graph break told": whole.graph_break is False and broken.graph_break is True,
-        "DDP's graph pieces told": _has_submod_compiler(),
+        "DDP's graph pieces told": _submod_compiler_code() is not None,
     }
 
 
-def _has_submod_compiler() -> bool:
+def _submod_compiler_code() -> types.CodeType | None:
+    """Return the code DDPOptimizer compiles each graph piece from (None in this PyTorch)."""
     from torch._dynamo.backends import distributed
 
     method = getattr(getattr(distributed, "SubmodCompiler", None), "compile_submod", None)
-    return getattr(method, "__code__", None) is not None
+    return getattr(method, "__code__", None)

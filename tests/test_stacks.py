@@ -258,25 +258,48 @@ def test_fsdp2_layers_are_regions_of_their_own(per_block, reshard, hsdp):
             assert "collective" in skipped.get("Layer.0", ""), skipped
 
 
-def _fsdp_tp(rank):
-    from torch.distributed.device_mesh import init_device_mesh
+def _train_fsdp_tp(mesh, steps, **options):
+    """Train TP on "tp" + FSDP2 on "dp" without kareus, then compiled block by block."""
     from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
     def make(compiled):
         model = _tp_model(mesh["tp"])
         if compiled:
-            compile_blocks(model)
+            compile_blocks(model, **options)
         for layer in model.layers:
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
         return model
 
-    data = batches(2, seed=10 * mesh["dp"].get_local_rank())
+    data = batches(steps, seed=10 * mesh["dp"].get_local_rank())
     ref = train(make(False), data)
     model = make(True)
-    got = train(model, data)
+    return ref, train(model, data), model
+
+
+def _whole_model_plan(mesh):
+    """The plan of the TP model compiled whole, planned for an A100 (clocks not applied)."""
+    whole = kareus.compile(_tp_model(mesh), gpu="a100-40gb")
+    train(whole, batches(1))
+    return kareus.explain(whole).regions[0].findings["plan"]
+
+
+def _second_iteration(model):
+    """(kind, micro-batch, MHz) the GPU's runtime applied in iteration 1, and iterations done."""
+    from kareus.compiler.backend import find_backend
+
+    runtime = find_backend(model.layers[0]).runtime
+    applied = [a[2:] for a in runtime.applied if a[0] == 1]
+    iterations = len(runtime.iterations)
+    runtime.close()
+    return applied, iterations
+
+
+def _fsdp_tp(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    ref, got, model = _train_fsdp_tp(mesh, steps=2)
     regions = [r for layer in model.layers for r in kareus.explain(layer).regions]
     return ref, got, [r.findings["find_blocks"].split for r in regions], _partition_types(regions)
 
@@ -403,14 +426,10 @@ def test_blocks_under_activation_checkpointing_compiled_one_by_one_are_split():
 def _plan_then_blocks(rank):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from kareus.compiler.backend import find_backend
     from kareus.runtime.clocks import EmulatedClocks
 
     mesh = init_device_mesh("cpu", (2,))
-    # The plan: the model compiled whole and planned for an A100 (clocks not applied).
-    whole = kareus.compile(_tp_model(mesh), gpu="a100-40gb")
-    train(whole, batches(1))
-    plan = kareus.explain(whole).regions[0].findings["plan"]
+    plan = _whole_model_plan(mesh)
     clocks = EmulatedClocks()
     holder = {}
 
@@ -421,10 +440,7 @@ def _plan_then_blocks(rank):
     steps = 3
     ref, got = compare_training(lambda: _tp_model(mesh), comp, batches(steps), resync=True)
     layers = holder["m"].layers
-    runtime = find_backend(layers[0]).runtime
-    applied = [a[2:] for a in runtime.applied if a[0] == 1]  # (kind, microbatch, MHz)
-    iterations = len(runtime.iterations)
-    runtime.close()
+    applied, iterations = _second_iteration(holder["m"])
     regions = [r for layer in layers for r in kareus.explain(layer).regions]
     planned = plan.decisions_for(0)
     decisions = []
@@ -459,34 +475,13 @@ def test_a_plan_for_the_whole_model_applies_to_its_blocks_compiled_one_by_one():
 
 def _fsdp_tp_planned(rank):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    from kareus.compiler.backend import find_backend
     from kareus.runtime.clocks import EmulatedClocks
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    whole = kareus.compile(_tp_model(mesh["tp"]), gpu="a100-40gb")
-    train(whole, batches(1))
-    plan = kareus.explain(whole).regions[0].findings["plan"]
-    clocks = EmulatedClocks()
-
-    def make(compiled):
-        model = _tp_model(mesh["tp"])
-        if compiled:
-            compile_blocks(model, plan=plan, clocks=clocks)
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-        return model
-
-    data = batches(3, seed=10 * mesh["dp"].get_local_rank())
-    ref = train(make(False), data)
-    model = make(True)
-    got = train(model, data)
-    runtime = find_backend(model.layers[0]).runtime
-    applied = [a[2:] for a in runtime.applied if a[0] == 1]  # (kind, microbatch, MHz)
-    iterations = len(runtime.iterations)
-    runtime.close()
+    plan = _whole_model_plan(mesh["tp"])
+    ref, got, model = _train_fsdp_tp(mesh, steps=3, plan=plan, clocks=EmulatedClocks())
+    applied, iterations = _second_iteration(model)
     split = [
         r.findings["find_blocks"].split for m in model.layers for r in kareus.explain(m).regions
     ]

@@ -201,17 +201,20 @@ class Plan:
 
         return cls.from_json(read_text(path, "kareus plan"), str(path))
 
-    def _clocks_text(self) -> str:
-        """Each stage's clocks in order, and the changes an iteration makes."""
-        clocks = "\n".join(
-            f"stage {s}: "
-            + " ".join(
+    def stage_clocks(self) -> dict[int, str]:
+        """Each stage's instructions and clocks in order (``F0@1410 B0@1200 ...``)."""
+        return {
+            s: " ".join(
                 f"{c.kind[0].upper()}{c.microbatch}@{c.freq_mhz:g}"
                 for c in self.schedule
                 if c.stage == s
             )
             for s in sorted({c.stage for c in self.schedule})
-        )
+        }
+
+    def _clocks_text(self) -> str:
+        """Each stage's clocks in order, and the changes an iteration makes."""
+        clocks = "\n".join(f"stage {s}: {text}" for s, text in self.stage_clocks().items())
         if self.chosen.switches is None:
             return clocks
         return f"{clocks}\n({self.chosen.switches} clock changes per iteration over the ranks)"

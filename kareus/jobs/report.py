@@ -342,13 +342,7 @@ def _decisions_section(plan: Plan) -> list[str]:
 
 def _clocks_section(plan: Plan) -> list[str]:
     lines = ["## Clock schedule (MHz; F = forward, B = backward, then the micro-batch)", ""]
-    for s in sorted({c.stage for c in plan.schedule}):
-        steps = " ".join(
-            f"{c.kind[0].upper()}{c.microbatch}@{c.freq_mhz:g}"
-            for c in plan.schedule
-            if c.stage == s
-        )
-        lines.append(f"- stage {s}: {steps}")
+    lines += [f"- stage {s}: {steps}" for s, steps in plan.stage_clocks().items()]
     lines += ["", switch_sentence(plan)]
     return [*lines, ""]
 

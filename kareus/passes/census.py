@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -102,24 +102,28 @@ def census(gm: fx.GraphModule, nodes: Iterable[fx.Node] | None = None) -> collec
         nodes: restrict the count to these nodes of ``gm.graph`` (their bodies included).
     """
     out: collections.Counter[Key] = collections.Counter()
-    _count(gm, gm.graph.nodes if nodes is None else nodes, "forward", out)
+    for node, side, _body in _live_collectives(gm.graph.nodes if nodes is None else nodes):
+        out[(side, collective_kind(node) or "", _group(node))] += 1
     return out
 
 
-def _count(
-    gm: fx.GraphModule, nodes: Iterable[fx.Node], side: str, out: collections.Counter[Key]
-) -> None:
+def _live_collectives(
+    nodes: Iterable[fx.Node], side: str = "forward", body: bool = False
+) -> Iterator[tuple[fx.Node, str, bool]]:
+    """Yield each live collective of ``nodes``, with its side and whether it lies in a body.
+
+    Bodies of higher-order ops count once per call.
+    """
     for node in nodes:
-        kind = collective_kind(node)
-        if kind is not None:
+        if collective_kind(node) is not None:
             if _live(node):
-                out[(side, kind, _group(node))] += 1
+                yield node, side, body
             continue
         is_function = getattr(node.target, "__name__", "") == "autograd_function_apply"
         for i, (_arg, sub) in enumerate(bodies(node)):
             # An autograd.Function's second body is its backward.
             body_side = "backward" if is_function and i == 1 else side
-            _count(sub, sub.graph.nodes, body_side, out)
+            yield from _live_collectives(sub.graph.nodes, body_side, True)
 
 
 VolumeKey = tuple[str, str, str, str]
@@ -136,41 +140,20 @@ def volume(gm: fx.GraphModule, nodes: Iterable[fx.Node] | None = None) -> dict[V
     weighs: a collective resized, or swapped for another tensor's of another size or type,
     changes it.
     """
-    out: dict[VolumeKey, Any] = {}
-    _weigh(gm, gm.graph.nodes if nodes is None else nodes, "forward", out)
-    return out
-
-
-def _weigh(
-    gm: fx.GraphModule,
-    nodes: Iterable[fx.Node],
-    side: str,
-    out: dict[VolumeKey, Any],
-    body: bool = False,
-) -> None:
     import sympy
 
-    for node in nodes:
-        kind = collective_kind(node)
-        if kind is not None:
-            if _live(node):
-                value = node.meta.get("val", node.meta.get("example_value"))
-                dtype = str(getattr(value, "dtype", "?"))
-                key = (side, kind, _group(node), dtype)
-                numel = value.numel() if isinstance(value, torch.Tensor) else None
-                # a body's sizes are those it was traced with, not each call's: unknown
-                if numel is None or body:
-                    out[key] = None
-                elif key not in out or out[key] is not None:
-                    size = (
-                        numel.node.expr if isinstance(numel, torch.SymInt) else sympy.Integer(numel)
-                    )
-                    out[key] = out.get(key, sympy.Integer(0)) + size
-            continue
-        is_function = getattr(node.target, "__name__", "") == "autograd_function_apply"
-        for i, (_arg, sub) in enumerate(bodies(node)):
-            body_side = "backward" if is_function and i == 1 else side
-            _weigh(sub, sub.graph.nodes, body_side, out, body=True)
+    out: dict[VolumeKey, Any] = {}
+    for node, side, body in _live_collectives(gm.graph.nodes if nodes is None else nodes):
+        value = node.meta.get("val", node.meta.get("example_value"))
+        key = (side, collective_kind(node) or "", _group(node), str(getattr(value, "dtype", "?")))
+        # a body's sizes are those it was traced with, not each call's: unknown
+        if body or not isinstance(value, torch.Tensor):
+            out[key] = None
+        elif key not in out or out[key] is not None:
+            numel = value.numel()
+            size = numel.node.expr if isinstance(numel, torch.SymInt) else sympy.Integer(numel)
+            out[key] = out.get(key, sympy.Integer(0)) + size
+    return out
 
 
 def resized(before: dict[VolumeKey, Any], after: dict[VolumeKey, Any]) -> list[str]:

@@ -175,10 +175,14 @@ class Composer:
         self._memo: dict[float | None, Solution] = {}  # each bound's solution, since frontier()
         self.switch = switch if switch is not None and switch.time_s > 0 else None
         # the energy of a clock change before each instruction, on all GPUs of its stage
+        # (empty when changes are free)
         self._change_j = [
             change_energy(self.switch, self.options[i.group], static_power_w) * gpus_per_stage
-            for i in iteration.instructions
+            for i in (iteration.instructions if self.switch is not None else ())
         ]
+        self._by_clock = {
+            g: {(o.profile, o.freq_mhz): o for o in opts} for g, opts in self.options.items()
+        }
 
     def evaluate(self, choices: Sequence[Option]) -> tuple[float, float]:
         """Return (iteration time, energy of all GPUs) of one choice per instruction."""
@@ -188,7 +192,7 @@ class Composer:
             static_power_w=self.static_w,
             gpus=self.gpus,
             gpus_per_stage=self.per_stage,
-            change_j=self._change_j if self.switch is not None else (),
+            change_j=self._change_j,
         )
 
     def switches(self, choices: Sequence[Option]) -> int:
@@ -301,9 +305,6 @@ class Composer:
         if self.switch is None:
             return found
         choices = list(found.choices)
-        by_clock = {
-            g: {(o.profile, o.freq_mhz): o for o in opts} for g, opts in self.options.items()
-        }
         best = (found.energy_j, found.time_s)
         changed = True
         while changed:
@@ -313,7 +314,7 @@ class Composer:
                     continue
                 for i, j in ((b, a), (a, b)):
                     group = self.it.instructions[i].group
-                    alt = by_clock[group].get((choices[i].profile, choices[j].freq_mhz))
+                    alt = self._by_clock[group].get((choices[i].profile, choices[j].freq_mhz))
                     if alt is None:
                         continue
                     trial = list(choices)
@@ -452,8 +453,7 @@ class Composer:
         """Add the clock changes to CP-SAT's model; return their energy (uJ).
 
         A change before instruction b (its predecessor on the GPU runs another clock) costs
-        :meth:`change_j` of b: the change's time at b's highest dynamic power and the
-        static power of b's GPUs.
+        b's :func:`~kareus.planner.dag.change_energy` on all its GPUs.
         """
         if self.switch is None:
             return 0
