@@ -8,11 +8,17 @@ it elsewhere, so that a PyTorch upgrade costs kareus an optimisation, never a wr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import sys
 import types
+import warnings
+from collections.abc import Iterator
+from typing import Any
 
 import torch
+import torch.fx as fx
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +89,189 @@ def ddp_piece() -> bool:
     return False
 
 
+def dynamo_function_name(name: str) -> str:
+    """Return the name of the function a Dynamo graph calls, without Dynamo's wrapper prefix.
+
+    torch 2.11's Dynamo calls ``DTensor.from_local``, ``to_local`` and ``redistribute``
+    through wrappers named ``"prim from_local"``, ``"prim_to_local"`` and
+    ``"prim_redistribute"`` that bind the non-tensor arguments (placements among them);
+    later ones call them by their own names.
+    """
+    for prefix in ("prim ", "prim_"):
+        if name.startswith(prefix) and name[len(prefix) :] in _DTENSOR_CALLS:
+            return name[len(prefix) :]
+    return name
+
+
+_DTENSOR_CALLS = frozenset({"from_local", "to_local", "redistribute"})
+
+
+def invoke_subgraph() -> Any:
+    """Return PyTorch's ``invoke_subgraph`` higher-order op (None in this PyTorch)."""
+    return getattr(torch.ops.higher_order, "invoke_subgraph", None)
+
+
+def call_id(node: fx.Node) -> Any:
+    """Return the number AOTAutograd gives an ``invoke_subgraph`` call (None: not given).
+
+    The forward call of a body and the backward call that differentiates it carry the same
+    number in ``meta["custom"]["call_id"]``; the backward node's other metadata does not
+    say which forward call it belongs to.
+    """
+    custom = node.meta.get("custom")
+    return custom.get("call_id") if isinstance(custom, dict) else None
+
+
+SEQ_NR = "seq_nr"
+"""The node metadata key of autograd's sequence number: a forward op and the backward ops
+that differentiate it share one."""
+
+
+@contextlib.contextmanager
+def input_mutation_check_off() -> Iterator[None]:
+    """Skip ``invoke_subgraph``'s per-call re-trace looking for input mutation, meanwhile.
+
+    Before it differentiates a higher-order op, PyTorch re-traces its body on every call
+    to find whether it writes its inputs. The caller guarantees that no body does.
+
+    Raises:
+        InternalsChanged: this PyTorch has no such switch (the caller lowers op by op).
+    """
+    hop = invoke_subgraph()
+    flag = "_supports_training_input_mutation"
+    if hop is None or not hasattr(hop, flag):
+        raise InternalsChanged(f"invoke_subgraph has no {flag} switch in this PyTorch")
+    before = getattr(hop, flag)
+    setattr(hop, flag, True)
+    try:
+        yield
+    finally:
+        setattr(hop, flag, before)
+
+
+class InternalsChanged(RuntimeError):
+    """The installed PyTorch does not keep an internal as kareus reads it."""
+
+
+@functools.cache
+def outlining_problem() -> str | None:
+    """Say why this PyTorch cannot lower outlined blocks soundly (None: it can).
+
+    Lowering a block once and reusing it (``invoke_subgraph``) needs the forward and the
+    backward call of each body paired by :func:`call_id`, and the switch of
+    :func:`input_mutation_check_off`. Both are checked by differentiating two calls of
+    one tiny body, outside any caller's tracing context, once per process: ``sin(x * w)``
+    twice, whose gradients must equal eager's exactly.
+    """
+    hop = invoke_subgraph()
+    if hop is None:
+        return "this PyTorch has no invoke_subgraph"
+    try:
+        with input_mutation_check_off():
+            pass
+        graphs, grads, expected = _differentiate_two_calls(hop)
+    except Exception as err:  # any failure: lower op by op
+        return f"differentiating invoke_subgraph calls failed ({type(err).__name__}: {err})"
+    forward, backward = (
+        sorted(
+            (
+                call_id(n)
+                for n in graphs.get(kind, fx.GraphModule({}, fx.Graph())).graph.nodes
+                if n.op == "call_function" and n.target is hop
+            ),
+            key=repr,
+        )
+        for kind in ("forward", "backward")
+    )
+    if len(forward) != 2 or None in forward or forward != backward:
+        return (
+            "invoke_subgraph's forward and backward calls are not paired by call number "
+            f"(forward {forward}, backward {backward})"
+        )
+    if not all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True)):
+        return "gradients through invoke_subgraph differ from eager's"
+    return None
+
+
+def _differentiate_two_calls(hop: Any) -> tuple[dict[str, fx.GraphModule], list[Any], list[Any]]:
+    """Differentiate ``sin(sin(x * w1) * w2).sum()`` with each ``sin(a * b)`` a body call."""
+
+    class _Body(torch.nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor]:
+            return (torch.sin(a * b),)
+
+    body = fx.symbolic_trace(_Body())
+
+    def twice(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        inner = hop(body, "kareus_self_test", x, w1)[0]
+        return hop(body, "kareus_self_test", inner, w2)[0].sum()
+
+    def eager(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        return torch.sin(torch.sin(x * w1) * w2).sum()
+
+    return _through_aot(twice, eager, 3)
+
+
+@functools.cache
+def seq_nr_pairs() -> bool:
+    """Whether AOTAutograd gives a backward op its forward op's :data:`SEQ_NR`.
+
+    Checked once per process on ``sin(x * w)``: the backward's ``cos`` must carry the
+    forward ``sin``'s number. Where it does not, blocks are told by data flow alone.
+    """
+
+    def once(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x * w).sum()
+
+    try:
+        graphs, _grads, _expected = _through_aot(once, once, 2)
+    except Exception:  # any failure: do not rely on the numbers
+        return False
+    numbers = {
+        kind: {str(n.target): n.meta.get(SEQ_NR) for n in gm.graph.nodes if n.op == "call_function"}
+        for kind, gm in graphs.items()
+    }
+    sin = numbers.get("forward", {}).get("aten.sin.default")
+    cos = numbers.get("backward", {}).get("aten.cos.default")
+    return isinstance(sin, int) and sin == cos
+
+
+def _through_aot(
+    fn: Any, eager: Any, leaves: int
+) -> tuple[dict[str, fx.GraphModule], list[Any], list[Any]]:
+    """Differentiate ``fn`` through AOTAutograd and ``eager`` eagerly, on the same leaves.
+
+    Runs outside any caller's fake tensor mode, in a tracing context of its own. Returns
+    AOTAutograd's forward and backward graphs, ``fn``'s gradients and ``eager``'s.
+    """
+    from functorch.compile import aot_function, make_boxed_func
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+    graphs: dict[str, fx.GraphModule] = {}
+
+    def keep(kind: str) -> Any:
+        def compiler(gm: fx.GraphModule, _inputs: object) -> Any:
+            graphs[kind] = gm
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    with unset_fake_temporarily(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        generator = torch.Generator().manual_seed(0)
+        values = [torch.randn(3, generator=generator) for _ in range(leaves)]
+        inputs = [v.clone().requires_grad_() for v in values]
+        compiled = aot_function(fn, fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+        with tracing(TracingContext(FakeTensorMode())):
+            compiled(*inputs).backward()
+        plain = [v.clone().requires_grad_() for v in values]
+        expected = torch.autograd.grad(eager(*plain), plain)
+    return graphs, [i.grad for i in inputs], list(expected)
+
+
 def self_test() -> dict[str, bool]:
-    """Compile two tiny modules and say which internals this PyTorch still provides."""
+    """Compile tiny modules and say which internals this PyTorch still provides."""
     import torch._dynamo
 
     seen: list[TracedFrame] = []
@@ -113,6 +300,8 @@ def self_test() -> dict[str, bool]:
         and whole.qualname.endswith("_Whole.forward"),
         "graph break told": whole.graph_break is False and broken.graph_break is True,
         "DDP's graph pieces told": _submod_compiler_code() is not None,
+        "invoke_subgraph calls paired and differentiated": outlining_problem() is None,
+        "backward ops numbered as their forward op": seq_nr_pairs(),
     }
 
 

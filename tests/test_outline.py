@@ -16,10 +16,18 @@ from torch import nn
 
 import kareus
 import kareus.passes.pipeline
+from kareus._torch_internals import outlining_problem
 from kareus.models import PRESETS, Llama
 from kareus.passes.base import GraphPass, PassResult, same_structure, structure
 from kareus.passes.outline import outline_blocks
 from kareus.testing import compare_training, token_batches
+
+needs_outlining = pytest.mark.skipif(
+    outlining_problem() is not None,
+    reason=f"this PyTorch cannot lower outlined blocks: {outlining_problem()}",
+)
+"""Tests of the outlined lowering itself; on a PyTorch without it, kareus lowers op by op
+(tested by test_a_pytorch_without_call_numbers_lowers_op_by_op_and_warns)."""
 
 # Odd batches split 2/3 (operands of the two nanobatches differ): calls share a trace only
 # where it is valid for both.
@@ -83,6 +91,7 @@ def _assert_bitwise(a, b):
             assert torch.equal(ga[name], gb[name]), name
 
 
+@needs_outlining
 def test_blocks_traced_once_train_bitwise_as_traced_op_by_op(grab):
     flat, flat_region, flat_ops = _train(False, grab, nanobatches=2)
     once, region, ops = _train(True, grab, nanobatches=2)
@@ -110,6 +119,7 @@ def _sizes(spans):
     return {block: {nb: len(names) for nb, names in s.items()} for block, s in spans.items()}
 
 
+@needs_outlining
 def test_whole_blocks_are_traced_once_too_and_inference_is_inlined(grab):
     flat, _r, _o = _train(False, grab, nanobatches=1)
     once, region, _ops = _train(True, grab, nanobatches=1)
@@ -172,6 +182,7 @@ def _stack_losses(block, once):
     return losses, grads, kareus.explain(compiled).regions[0].notes, model
 
 
+@needs_outlining
 def test_a_block_that_draws_random_numbers_is_traced_op_by_op():
     flat_losses, flat_grads, _notes, _m = _stack_losses(DropoutBlock, False)
     losses, grads, notes, _m = _stack_losses(DropoutBlock, True)
@@ -182,6 +193,7 @@ def test_a_block_that_draws_random_numbers_is_traced_op_by_op():
         assert torch.equal(flat_grads[name], grads[name]), name
 
 
+@needs_outlining
 def test_a_block_that_writes_in_place_is_not_outlined():
     flat_losses, _g, _n, flat_model = _stack_losses(CountingBlock, False)
     losses, _g, notes, model = _stack_losses(CountingBlock, True)
@@ -250,6 +262,7 @@ def _symbolic_losses(once):
     return losses, grads, [n for r in report.regions for n in r.notes], report
 
 
+@needs_outlining
 def test_a_region_lowered_symbolically_traces_blocks_once_for_every_shape():
     flat_losses, flat_grads, _notes, _r = _symbolic_losses(False)
     losses, grads, notes, report = _symbolic_losses(True)
@@ -260,3 +273,60 @@ def test_a_region_lowered_symbolically_traces_blocks_once_for_every_shape():
         assert torch.equal(a, b)
     for ga, gb in zip(flat_grads, grads, strict=True):
         assert all(torch.equal(ga[n], gb[n]) for n in ga)
+
+
+@pytest.fixture
+def changed_internals(monkeypatch):
+    """A PyTorch whose internals differ from what kareus reads (as torch 2.11's do)."""
+    import kareus._torch_internals as internals
+    import kareus.compiler.lowering as lowering
+
+    checks = (internals.outlining_problem, internals.seq_nr_pairs, lowering._warn_internals)
+
+    def change(**fakes):
+        for name, value in fakes.items():
+            monkeypatch.setattr(internals, name, value)
+        for cached in checks:
+            cached.cache_clear()
+
+    yield change
+    monkeypatch.undo()
+    for cached in checks:  # checked again on this PyTorch as it is
+        cached.cache_clear()
+
+
+def test_a_pytorch_without_call_numbers_lowers_op_by_op_and_warns(grab, changed_internals):
+    """torch 2.11 gives invoke_subgraph calls no call number: outlining would tag a
+    backward call by its own (unreliable) metadata, so kareus lowers op by op instead."""
+    import kareus._torch_internals as internals
+
+    flat, flat_region, _ = _train(False, grab, nanobatches=2)
+    if outlining_problem() is None:  # this PyTorch pairs them: fake one that does not
+        changed_internals(call_id=lambda node: None)
+        assert "not paired by call number" in internals.outlining_problem()
+    assert internals.self_test()["invoke_subgraph calls paired and differentiated"] is False
+    problem = internals.outlining_problem()
+    with pytest.warns(RuntimeWarning, match="blocks are traced one by one: .*invoke_subgraph"):
+        once, region, _ = _train(True, grab, nanobatches=2)
+    _assert_bitwise(flat, once)
+    assert f"blocks traced one by one: {problem}" in region.notes, region.notes
+    assert not any("block calls traced" in n for n in region.notes)
+    # kareus still did its job: every layer split, as without outlining.
+    assert region.findings["find_blocks"].split == [f"layers.{i}" for i in range(4)]
+    assert flat_region.findings["find_blocks"].split == region.findings["find_blocks"].split
+
+
+def test_a_pytorch_that_numbers_backward_ops_otherwise_finds_blocks_by_data_flow(
+    grab, changed_internals
+):
+    import kareus._torch_internals as internals
+
+    flat, flat_region, _ = _train(False, grab, nanobatches=2)
+    changed_internals(SEQ_NR="kareus_no_such_key")
+    assert internals.seq_nr_pairs() is False
+    got, region, _ = _train(False, grab, nanobatches=2)
+    _assert_bitwise(flat, got)
+    blocks, flat_blocks = region.findings["find_blocks"], flat_region.findings["find_blocks"]
+    assert blocks.split == flat_blocks.split == [f"layers.{i}" for i in range(4)]
+    for kind in ("forward", "backward"):
+        assert _sizes(blocks.spans[kind]) == _sizes(flat_blocks.spans[kind]), kind

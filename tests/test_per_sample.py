@@ -332,3 +332,50 @@ def test_meta_llama_complex_rotary_blocks_are_split_and_train_the_same():
     assert_same_history(ref, got, bitwise_loss=False)
     blocks = kareus.explain(holder["m"]).regions[0].findings["find_blocks"]
     assert blocks.split == ["layers.0", "layers.1"], blocks.skipped
+
+
+def _captured_with_symbolic_batch(fn, x):
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    x = x.clone()
+    torch._dynamo.maybe_mark_dynamic(x, 0)
+    torch.compile(fn, backend=capture, fullgraph=True)(x)
+    gm = graphs[0]
+    value = next(
+        v
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and isinstance(v := n.meta["example_value"], torch.Tensor)
+    )
+    return gm, value.shape[0].node.expr
+
+
+def test_dtensor_calls_with_bound_placements_are_judged_by_their_values():
+    """torch 2.11's Dynamo calls DTensor.from_local through a wrapper named "prim from_local"
+    that binds the placements: kareus reads them from the DTensors in and out instead."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    from kareus.passes.per_sample import why_not_per_sample
+
+    gm, sym = _captured_with_symbolic_batch(lambda x: torch.relu(x), torch.randn(4, 6, 8))
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+
+    def wrapper(x, shape=None, stride=None):  # as torch 2.11's Dynamo names it
+        return x
+
+    node.target, node.args = wrapper, node.args[:1]
+    for name, placements, reason in (
+        ("prim from_local", (Shard(1),), ""),
+        ("prim_redistribute", (Replicate(),), ""),
+        ("prim from_local", (Shard(0),), "(from_local) shards the batch dimension across ranks"),
+        ("prim_to_local", (Shard(0),), "(to_local) shards the batch dimension across ranks"),
+        ("prim_relu", (), "(prim_relu) is not known to act per sample"),
+    ):
+        wrapper.__name__ = name
+        node.meta["example_value"].placements = placements
+        got = why_not_per_sample(node, sym)
+        assert (reason in got) if reason else got == "", (name, placements, got)

@@ -71,11 +71,20 @@ def batches(count: int = 2, seed: int = 0) -> list[tuple[torch.Tensor]]:
     ]
 
 
+# What each supported PyTorch provides (scripts/check_torch.sh runs this on each): torch 2.11
+# does not pair invoke_subgraph's forward and backward calls, so blocks are traced op by op.
+PROVIDED = {
+    (2, 11): {"invoke_subgraph calls paired and differentiated": False},
+}
+
+
 def test_the_pytorch_internals_kareus_reads_are_there():
     from kareus._torch_internals import self_test
 
     found = self_test()
-    assert found and all(found.values()), found
+    version = tuple(int(p) for p in torch.__version__.split(".")[:2])
+    expected = {name: True for name in found} | PROVIDED.get(version, {})
+    assert found == expected
 
 
 def test_each_block_compiled_on_its_own_is_split_and_trains_the_same():

@@ -5,6 +5,7 @@ import torch.distributed as dist
 import kareus
 import kareus.passes.pipeline
 from kareus import Decision
+from kareus._torch_internals import outlining_problem
 from kareus.models import Llama, LlamaConfig
 from kareus.passes.base import GraphPass, PassResult
 from kareus.testing import assert_same_history, compare_training, run_ranks, token_batches
@@ -166,6 +167,9 @@ def _partition_shapes(pset_json):
     )
 
 
+@pytest.mark.skipif(
+    outlining_problem() is not None, reason=f"no outlined lowering here: {outlining_problem()}"
+)
 def test_tp_blocks_traced_once_keep_every_collective_and_result():
     for histories, psets, notes in run_ranks(_tp_traced_once):
         for ref, got in histories:

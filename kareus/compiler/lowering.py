@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from kareus._torch_internals import outlining_problem, seq_nr_pairs
 from kareus.compiler.config import Config
 from kareus.compiler.region import Region
 from kareus.errors import PassError
@@ -74,6 +75,7 @@ def lower_with_aot(
     from torch._dynamo.backends.common import aot_autograd
 
     expected = census(gm)
+    seq_nr_pairs()  # checked here, before AOTAutograd traces: block finding reads it
     compiled: Compiled = {}
     # Forward runs before the backward was compiled (at the first backward): a plan made then
     early = {"forward": 0, "open": 1}  # counts them, as their clock switch did not run
@@ -109,6 +111,10 @@ def lower_with_aot(
         if once is False
         else outline_blocks(gm, min_calls=2 if once else AUTO_OUTLINE_CALLS)
     )
+    if calls and (problem := outlining_problem()) is not None:
+        _warn_internals(f"blocks are traced one by one: {problem}")
+        region.notes.append(f"blocks traced one by one: {problem}")
+        calls = 0
     if not calls:
         return lower(gm)
     history = len(region.history)
@@ -134,6 +140,17 @@ def lower_with_aot(
     return fn
 
 
+@functools.cache
+def _warn_internals(message: str) -> None:
+    """Warn once per process that this PyTorch costs kareus an optimisation."""
+    warnings.warn(
+        f"kareus: {message} (torch {torch.__version__}); results are unchanged, the "
+        "first call's tracing is slower",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
 def lower_with_inductor(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -148,6 +165,7 @@ def lower_with_inductor(
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     expected = census(gm)
+    seq_nr_pairs()  # checked here, before AOTAutograd traces: block finding reads it
 
     def inner(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
         if kwargs.get("is_backward"):

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 import torch.fx as fx
 
 from kareus._table import render_table
+from kareus._torch_internals import SEQ_NR, seq_nr_pairs
 from kareus.passes.base import GraphPass, PassContext, PassResult
 from kareus.passes.subgraphs import bodies
 from kareus.passes.tags import NodeTag, get_tag, set_tag
@@ -322,7 +323,7 @@ def map_blocks(
         if node.op not in _COMPUTE:
             continue
         tag = get_tag(node) or _tag_from_stack(node, stack_key, by_path)
-        seq_nr = node.meta.get("seq_nr")
+        seq_nr = node.meta.get(SEQ_NR) if seq_nr_pairs() else None
         by_seq_nr = None
         if tag is None and kind == "backward" and seq_nr is not None:
             by_seq_nr = blockset._by_seq_nr.get(seq_nr)
@@ -382,7 +383,7 @@ def _untraceable(node: fx.Node) -> bool:
     meta = node.meta
     if meta.get("is_gradient_acc"):
         return True
-    return not (meta.get("nn_module_stack") or meta.get("fwd_nn_module_stack") or "seq_nr" in meta)
+    return not (meta.get("nn_module_stack") or meta.get("fwd_nn_module_stack") or SEQ_NR in meta)
 
 
 def _tag_from_inputs(

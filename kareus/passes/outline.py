@@ -26,12 +26,12 @@ import contextlib
 import hashlib
 import itertools
 import operator
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from kareus._torch_internals import SEQ_NR, call_id, input_mutation_check_off, invoke_subgraph
 from kareus.passes.per_sample import draws_random, writes_in_place
 from kareus.passes.subgraphs import bodies, copy_graph
 from kareus.passes.tags import NodeTag, get_tag, set_tag
@@ -42,10 +42,6 @@ _PREFIX = "kareus_block_"
 
 class OutlineError(RuntimeError):
     """A graph cannot be outlined or inlined; lower it flat instead."""
-
-
-def _invoke_subgraph() -> Any:
-    return torch.ops.higher_order.invoke_subgraph
 
 
 def outline_blocks(gm: fx.GraphModule, min_calls: int = 2) -> tuple[fx.GraphModule, int, int]:
@@ -174,7 +170,7 @@ def call_body(body: fx.GraphModule, name: str, *operands: Any) -> Any:
     """
     signature = repr([_signature(o) for o in operands]).encode()
     identifier = f"{name}_{hashlib.blake2s(signature, digest_size=8).hexdigest()}"
-    return _invoke_subgraph()(body, identifier, *operands)
+    return invoke_subgraph()(body, identifier, *operands)
 
 
 def _signature(value: Any) -> Any:
@@ -199,8 +195,7 @@ def _mutates(node: fx.Node) -> bool:
     )
 
 
-@contextlib.contextmanager
-def tracing_bodies() -> Iterator[None]:
+def tracing_bodies() -> contextlib.AbstractContextManager[None]:
     """Let AOTAutograd trace the outlined calls without re-deriving each one's schema.
 
     Before it differentiates a higher-order op, PyTorch re-traces its body on every call
@@ -209,13 +204,7 @@ def tracing_bodies() -> Iterator[None]:
     place, so the check is switched off for ``invoke_subgraph`` while kareus lowers, and
     on again after.
     """
-    hop = _invoke_subgraph()
-    before = hop._supports_training_input_mutation
-    hop._supports_training_input_mutation = True
-    try:
-        yield
-    finally:
-        hop._supports_training_input_mutation = before
+    return input_mutation_check_off()
 
 
 def _structure(body: fx.GraphModule) -> str:
@@ -258,7 +247,7 @@ def is_outlined(gm: fx.GraphModule) -> bool:
 
 
 def _is_call(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is _invoke_subgraph()
+    return node.op == "call_function" and node.target is invoke_subgraph()
 
 
 def inline_bodies(*graphs: fx.GraphModule, recompile: bool = True) -> int:
@@ -278,17 +267,17 @@ def inline_bodies(*graphs: fx.GraphModule, recompile: bool = True) -> int:
     # A backward call is tagged as the forward call it differentiates: AOTAutograd pairs
     # them by a call number (its own metadata on the backward node is not reliable).
     by_call = {
-        _call_id(n): tag
+        call_id(n): tag
         for gm in graphs
         for n in gm.graph.nodes
-        if _is_call(n) and _call_id(n) is not None and (tag := get_tag(n)) is not None
+        if _is_call(n) and call_id(n) is not None and (tag := get_tag(n)) is not None
     }
     count = 0
     for gm in graphs:
         inlined = 0
         while calls := [n for n in gm.graph.nodes if _is_call(n)]:  # bodies may call bodies
             for call in calls:
-                _inline(gm, call, renumber, by_call.get(_call_id(call), get_tag(call)))
+                _inline(gm, call, renumber, by_call.get(call_id(call), get_tag(call)))
                 inlined += 1
         if inlined:
             for name, _child in list(gm.named_children()):
@@ -335,11 +324,6 @@ class _Renumber:
         return self._given[key]
 
 
-def _call_id(node: fx.Node) -> Any:
-    custom = node.meta.get("custom")
-    return custom.get("call_id") if isinstance(custom, dict) else None
-
-
 def _inline(gm: fx.GraphModule, call: fx.Node, renumber: _Renumber, tag: NodeTag | None) -> None:
     getter, _identifier, *operands = call.args
     if not isinstance(getter, fx.Node) or getter.op != "get_attr":
@@ -364,8 +348,8 @@ def _inline(gm: fx.GraphModule, call: fx.Node, renumber: _Renumber, tag: NodeTag
                 copy = gm.graph.node_copy(node, lambda a: env[a])
                 if tag is not None:
                     set_tag(copy, tag)
-                if isinstance(copy.meta.get("seq_nr"), int):
-                    copy.meta["seq_nr"] = renumber(tag, copy.meta["seq_nr"])
+                if isinstance(copy.meta.get(SEQ_NR), int):
+                    copy.meta[SEQ_NR] = renumber(tag, copy.meta[SEQ_NR])
                 env[node] = copy
     values = result if isinstance(result, (tuple, list)) else (result,)
     for user in list(call.users):

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from kareus._torch_internals import dynamo_function_name
 from kareus.passes.census import qualified_name
 from kareus.passes.subgraphs import bodies
 
@@ -262,7 +263,7 @@ def op_name(node: fx.Node) -> str:
     if schema is not None:
         return str(schema.name).split("::")[-1]
     name = getattr(target, "__name__", None) or getattr(target, "_name", None)
-    return str(name or target)
+    return dynamo_function_name(str(name or target))
 
 
 _IN_PLACE_OPERATORS = frozenset(
@@ -467,7 +468,11 @@ def _dtensor_reason(
     node: fx.Node, carrying: list[tuple[fx.Node, Any]], out_dim: Any, label: str
 ) -> str:
     """Say why a DTensor redistribution mixes samples ("" if it shards no batch dimension)."""
-    sharded = {getattr(p, "dim", None) for p in _flat(node.args, node.kwargs)}
+    # Placements passed as arguments, and those of the DTensors in and out: a Dynamo that
+    # binds the arguments into the function it calls (torch 2.11) shows only the latter.
+    values = [node.meta.get("example_value")] + [n.meta.get("example_value") for n, _d in carrying]
+    placements = [p for v in values for p in getattr(v, "placements", ())]
+    sharded = {getattr(p, "dim", None) for p in [*_flat(node.args, node.kwargs), *placements]}
     batch_dims = {d for _i, d in carrying} | {out_dim}
     if any(isinstance(d, int) and d in batch_dims for d in sharded):
         return f"{label} shards the batch dimension across ranks"
