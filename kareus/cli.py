@@ -117,11 +117,47 @@ def _workload_options(p: argparse.ArgumentParser) -> None:
         help="decoder layers of each pipeline stage, comma-separated (say 15,13; the first "
         "stage also holds the embedding, the last the head and loss); default: even",
     )
+    _data_parallel_options(p)
     p.add_argument(
         "--layers-traced",
         type=_layers_traced,
         default=4,
         help="layers traced per pipeline stage (at least 4); the others are counted",
+    )
+
+
+def _data_parallel_options(p: argparse.ArgumentParser) -> None:
+    """Options of the data-parallel layout (plan and evaluate price its traffic)."""
+    p.add_argument(
+        "--dp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="data-parallel replicas: adds their gradient (and, with FSDP, parameter) "
+        "communication and the optimizer step to the iteration (1: the step alone); "
+        "default: one replica, no step",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="GPUs of the whole job: the data-parallel degree is N / (TP x CP x PP)",
+    )
+    p.add_argument(
+        "--dp-mode",
+        choices=("ddp", "fsdp", "hsdp"),
+        default="ddp",
+        help="how the replicas communicate: DDP all-reduce, FSDP2 all-gather and "
+        "reduce-scatter per layer, or HSDP (FSDP2 within a node, replicated across nodes)",
+    )
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        metavar="N",
+        help="GPUs an NVLink domain joins: data-parallel groups wider than a node use the "
+        "GPU's network (default 8)",
     )
 
 
@@ -648,6 +684,9 @@ def _workload(args: argparse.Namespace) -> Any:
         schedule=args.schedule,
         recompute=args.recompute,
         layers_per_stage=args.layers_per_stage,
+        dp=_dp_degree(args),
+        dp_mode=args.dp_mode,
+        gpus_per_node=args.gpus_per_node,
         virtual_stages=(
             args.virtual_stages
             if args.virtual_stages is not None
@@ -656,6 +695,29 @@ def _workload(args: argparse.Namespace) -> Any:
             else 1
         ),
     )
+
+
+def _dp_degree(args: argparse.Namespace) -> int | None:
+    """Return the data-parallel degree from --dp and --world-size (which must agree).
+
+    Raises:
+        ValueError: the world size is no multiple of a replica's GPUs, or --dp disagrees.
+    """
+    world = getattr(args, "world_size", None)
+    if world is None:
+        return args.dp  # type: ignore[no-any-return]
+    replica = args.tp * args.cp * args.pp
+    if world < 1 or world % replica:
+        raise ValueError(
+            f"--world-size {world} is not a multiple of the GPUs of one replica, TP {args.tp} "
+            f"x CP {args.cp} x PP {args.pp} = {replica}"
+        )
+    if args.dp is not None and args.dp * replica != world:
+        raise ValueError(
+            f"--dp {args.dp} with --world-size {world}: {world} GPUs over {replica} per "
+            f"replica (TP x CP x PP) make {world // replica} replicas, not {args.dp}"
+        )
+    return world // replica
 
 
 def _settings(args: argparse.Namespace) -> Any:

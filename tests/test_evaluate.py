@@ -218,3 +218,20 @@ def test_bad_frequency_files_say_what_is_wrong(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ClockPlanError, match=message.replace("(", r"\(").replace(")", r"\)")):
         read_clock_plans(path, WORK, A100)
+
+
+def test_with_data_parallelism_evaluate_prices_as_the_planner(tmp_path):
+    """`kareus evaluate --dp` prices the iteration `kareus plan --dp` composes: the planner's
+    Megatron-LM point and evaluate's all-highest-clock plan agree, and both are slower than
+    without data-parallel traffic."""
+    import dataclasses
+
+    work = dataclasses.replace(WORK, dp=4, dp_mode="fsdp", gpus_per_node=2)  # across nodes
+    settings = PlannerSettings(clocks_mhz=(1410, 1005), sweep_points=2)
+    planned = plan_workload(work, "a100-40gb", settings=settings, policy="min_energy")
+    (megatron,) = planned.plan.baselines["megatron"]
+    (cost,) = evaluate_clock_plans(work, "a100-40gb", [uniform("max", 1410, work)]).plans
+    assert cost.time_s == pytest.approx(megatron.time_s, rel=1e-9)
+    assert cost.energy_j == pytest.approx(megatron.energy_j, rel=1e-9)
+    (alone,) = evaluate_clock_plans(WORK, "a100-40gb", [uniform("max", 1410)]).plans
+    assert cost.time_s > alone.time_s and cost.energy_j > alone.energy_j

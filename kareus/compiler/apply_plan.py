@@ -40,6 +40,34 @@ def check_schedule(plan: Plan, schedule: str | None) -> None:
         )
 
 
+def check_data_parallel(plan: Plan, world_size: int | None = None) -> None:
+    """Raise when the job's data-parallel degree is not the one the plan priced.
+
+    The job's degree is its world size (``torch.distributed``'s, unless given) over the
+    plan's tensor x context x pipeline-parallel GPUs. A plan made without ``--dp`` priced
+    no data-parallel traffic and fits any degree (its report says so).
+    """
+    planned = plan.data_parallel.get("degree")
+    if planned is None:
+        return
+    if world_size is None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        world_size = dist.get_world_size()
+    replica = 1
+    for key in ("tp", "cp", "pp"):
+        replica *= int(plan.parallel.get(key, 1))
+    if world_size % replica or world_size // replica != planned:
+        raise PlanMismatchError(
+            f"the plan was made for data-parallel degree {planned} "
+            f"({plan.data_parallel.get('describe', '')}), but this job's {world_size} GPUs over "
+            f"{replica} per replica (TP x CP x PP of the plan) give "
+            f"{world_size / replica:g}: re-plan with `kareus plan --world-size {world_size}`"
+        )
+
+
 class Decisions(dict):  # type: ignore[type-arg]
     """The overlap decisions a region was compiled with, shown by ``kareus.explain``."""
 
@@ -68,6 +96,7 @@ def check_plan(plan: Plan, config: Config, stage: int, schedule: str | None) -> 
             )
         config = config.replace(nanobatches=1)
     check_schedule(plan, schedule)
+    check_data_parallel(plan)
     if stage not in plan.stages():
         raise PlanMismatchError(
             f"stage={stage} is not in the plan: it schedules stages "

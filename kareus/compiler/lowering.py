@@ -105,16 +105,7 @@ def lower_with_aot(
             partition_fn=functools.partial(checked_partition, expected, outlined=outlined),
         )(graph, example_inputs)
 
-    once = config.trace_blocks_once
-    outlined, calls, shared = (
-        (gm, 0, 0)
-        if once is False
-        else outline_blocks(gm, min_calls=2 if once else AUTO_OUTLINE_CALLS)
-    )
-    if calls and (problem := outlining_problem()) is not None:
-        _warn_internals(f"blocks are traced one by one: {problem}")
-        region.notes.append(f"blocks traced one by one: {problem}")
-        calls = 0
+    outlined, calls, shared = _outlined(gm, config, region)
     if not calls:
         return lower(gm)
     history = len(region.history)
@@ -138,6 +129,25 @@ def lower_with_aot(
         f"bod{'y' if shared == 1 else 'ies'} (Config.trace_blocks_once)"
     )
     return fn
+
+
+def _outlined(
+    gm: fx.GraphModule, config: Config, region: Region
+) -> tuple[fx.GraphModule, int, int]:
+    """Return ``gm`` with its blocks outlined, the calls and the bodies (no calls: ``gm``).
+
+    Not outlined where ``Config.trace_blocks_once`` is False, where too few blocks repeat,
+    or where this PyTorch cannot lower outlined blocks soundly (warned once, noted).
+    """
+    once = config.trace_blocks_once
+    if once is False:
+        return gm, 0, 0
+    outlined, calls, shared = outline_blocks(gm, min_calls=2 if once else AUTO_OUTLINE_CALLS)
+    if calls and (problem := outlining_problem()) is not None:
+        _warn_internals(f"blocks are traced one by one: {problem}")
+        region.notes.append(f"blocks traced one by one: {problem}")
+        return gm, 0, 0
+    return outlined, calls, shared
 
 
 @functools.cache

@@ -126,6 +126,23 @@ NVLINK4 = InterconnectSpec(
     f"{_DATASHEET_H100}: 18 links x 25 GB/s per direction = 900 GB/s total; latency: "
     "assumed a little below NVLink 3's",
 )
+IB_HDR = InterconnectSpec(
+    "InfiniBand HDR, one 200 Gb/s port per GPU (DGX A100)",
+    25.0,
+    20.0,
+    "NVIDIA DGX A100 datasheet (2020): 8 single-port ConnectX-6 VPI HDR 200 Gb/s "
+    "InfiniBand adapters for the compute fabric, one per GPU: 25 GB/s per direction; "
+    "latency: NCCL's inter-node small-message all-reduce is some tens of microseconds "
+    "(nccl-tests on HDR clusters), taken as 20 us; uncalibrated",
+)
+IB_NDR = InterconnectSpec(
+    "InfiniBand NDR, one 400 Gb/s port per GPU (DGX H100/H200)",
+    50.0,
+    20.0,
+    "NVIDIA DGX H100 and DGX H200 datasheets (2023, 2024): 8 single-port ConnectX-7 NDR "
+    "400 Gb/s adapters for the compute fabric, one per GPU: 50 GB/s per direction; latency "
+    "as HDR's; uncalibrated",
+)
 PCIE4 = InterconnectSpec(
     "PCIe 4.0 x16",
     32.0,
@@ -229,6 +246,7 @@ class GPUSpec:
     calibration: Calibration = dataclasses.field(default_factory=Calibration)
     calibration_source: str = "uncalibrated priors"
     clock_switch_s: float = 0.001  # GPU time a clock change costs (see CLOCK_SWITCH_SOURCE)
+    network: InterconnectSpec | None = None  # between nodes; None: the interconnect's
     clock_switch_source: str = ""
 
     def __post_init__(self) -> None:
@@ -265,6 +283,14 @@ class GPUSpec:
         """Return f·V(f)² relative to its value at the maximum clock."""
         return freq_mhz / self.clock_max_mhz * self.voltage(freq_mhz) ** 2
 
+    def across_nodes(self) -> GPUSpec:
+        """Return this spec with its collectives carried by the network between nodes.
+
+        Data-parallel collectives whose group spans nodes run at the slower of NVLink and
+        the network: each GPU's share of a ring crosses its node's network port.
+        """
+        return dataclasses.replace(self, interconnect=self.network or self.interconnect)
+
     def with_calibration(self, calibration: Calibration, source: str) -> GPUSpec:
         """Return a copy that uses ``calibration``."""
         return dataclasses.replace(self, calibration=calibration, calibration_source=source)
@@ -283,6 +309,7 @@ def _a100(name: str, memory_gb: float, bandwidth_gbs: float, bw_source: str) -> 
         memory_gb=memory_gb,
         tdp_w=400.0,
         interconnect=NVLINK3,
+        network=IB_HDR,
         vf_knee=0.75,
         v_floor=0.80,
         leakage_fraction=0.25,
@@ -325,6 +352,7 @@ def _hopper(name: str, memory_gb: float, bandwidth_gbs: float, sources: dict[str
         memory_gb=memory_gb,
         tdp_w=700.0,
         interconnect=NVLINK4,
+        network=IB_NDR,
         vf_knee=0.55,
         v_floor=0.70,
         leakage_fraction=0.25,

@@ -83,6 +83,8 @@ class Plan:
     fingerprint: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     pipeline_schedule: str = "1F1B"  # "1F1B", "GPipe" or "Interleaved1F1B"
     clock_switch: dict[str, Any] = dataclasses.field(default_factory=dict)  # time_s, source
+    # degree, mode, per-stage traffic (planner/data_parallel.py); empty: none modelled
+    data_parallel: dict[str, Any] = dataclasses.field(default_factory=dict)
     version: int = PLAN_VERSION
 
     @property

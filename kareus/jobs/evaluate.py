@@ -25,12 +25,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kareus.errors import KareusError
-from kareus.hardware import Emulator, gpu
+from kareus.hardware import Emulator, GPUSpec, gpu
 from kareus.ir.costs import Evaluator
 from kareus.ir.partitions import PartitionSet
 from kareus.jobs.trace import Workload
 from kareus.planner.compose import Composer
 from kareus.planner.dag import Instruction, Iteration, Option, schedule_iteration
+from kareus.planner.data_parallel import STEP, add_data_parallel, data_parallel_planning
 from kareus.planner.iteration import (
     Parallelism,
     PlannerSettings,
@@ -368,6 +369,38 @@ def _stages(
     )[0]
 
 
+def _priced(
+    work: Workload,
+    spec: GPUSpec,
+    stages: list[PartitionSet],
+    method: str,
+    evaluator: Evaluator,
+    freqs: Sequence[float],
+) -> tuple[Iteration, dict[tuple[int, str], list[Option]]]:
+    """Return the iteration and every instruction's option at each of ``freqs``.
+
+    With the workload's data parallelism, the same traffic and step as `kareus plan --dp`.
+    """
+    settings = PlannerSettings()
+    profile = PROFILES[method]
+    profiles = {
+        group: {profile: by_name[profile]}
+        for group, by_name in default_profiles(stages, settings).items()
+    }
+    ev = CountingEvaluator(evaluator)
+    static_w = spec.calibration.static_power_w
+    options = instruction_options(stages, ev, freqs, static_w, settings, profiles)
+    iteration = _iteration(work)
+    layout = work.data_parallel()
+    if layout is not None:
+        share = settings.no_overlap_sm_share
+        dpp = data_parallel_planning(spec, evaluator, layout, work.stage_weights(), share)
+        iteration, _record = add_data_parallel(
+            iteration, options, stages, dpp, freqs, spec.clock_max_mhz
+        )
+    return iteration, options
+
+
 def evaluate_clock_plans(
     work: Workload,
     gpu_name: str,
@@ -413,19 +446,11 @@ def evaluate_clock_plans(
     _check_plans(plans, orders, (min(clocks), max(clocks)))
     stages = _stages(work, method, partitions, layers=layers, cache=cache, progress=progress)
     stages = with_recompute(stages, work.recompute)
-    settings = PlannerSettings()
-    profile = PROFILES[method]
-    profiles = {
-        group: {profile: by_name[profile]}
-        for group, by_name in default_profiles(stages, settings).items()
-    }
     freqs = sorted({f for plan in plans for column in plan.freqs_mhz for f in column})
-    static_w = spec.calibration.static_power_w
     inner = evaluator if evaluator is not None else Emulator(spec)
-    ev = CountingEvaluator(inner)
-    options = instruction_options(stages, ev, freqs, static_w, settings, profiles)
+    iteration, options = _priced(work, spec, stages, method, inner, freqs)
+    static_w = spec.calibration.static_power_w
     by_clock = {group: {o.freq_mhz: o for o in opts} for group, opts in options.items()}
-    iteration = _iteration(work)
     parallel = Parallelism(tp=work.tp, cp=work.cp, pp=work.pp)
     composer = Composer(
         iteration,
@@ -441,6 +466,9 @@ def evaluate_clock_plans(
     for plan in plans:
         choices: list[Option] = []
         for instr in iteration.instructions:
+            if instr.kind == STEP:  # its one option, at the clock the last backward leaves
+                choices.append(options[instr.group][0])
+                continue
             rank, p = position[instr]
             choices.append(by_clock[instr.group][plan.freqs_mhz[rank][p]])
         time_s, energy_j = composer.evaluate(choices)

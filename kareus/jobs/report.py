@@ -197,6 +197,7 @@ def report_markdown(planned: WorkloadPlan, plot_name: str = "frontier.png") -> s
         *_workload_section(planned),
         *_chosen_section(plan),
         *_comparison_section(plan, plot_name),
+        *data_parallel_lines(plan),
         *_frontiers_section(plan),
         "## Where the saving comes from",
         "",
@@ -225,7 +226,63 @@ def _header(planned: WorkloadPlan) -> list[str]:
             else "(measured on the GPU)."
         )
         + " Energy is per training iteration, summed over all "
-        f"{work.tp * work.cp * work.pp} GPUs of one pipeline, static power included.",
+        f"{work.tp * work.cp * work.pp} GPUs of one pipeline, static power included"
+        + (
+            f" (each of the {work.dp} data-parallel replicas uses as much)."
+            if (work.dp or 1) > 1
+            else "."
+        ),
+        "",
+    ]
+
+
+def data_parallel_lines(plan: Plan) -> list[str]:
+    """Return the report's data-parallel section (none where the plan priced none)."""
+    dp = plan.data_parallel
+    if not dp:
+        return [
+            "## Data parallelism",
+            "",
+            "Not priced: the plan is for one replica without data-parallel communication "
+            "or optimizer step (plan with `--dp N` to add them).",
+            "",
+        ]
+    rows = []
+    for i, st in enumerate(dp["stages"]):
+        alone, added = st["alone_s"], st["added_s"]
+        hidden = f"{1 - added / alone:.0%}" if alone > 0 else "n/a"
+        rows.append(
+            (
+                i,
+                f"{st['parameters'] / 1e6:.1f} M",
+                f"{st['bytes'] / 2**30:.2f} GiB",
+                f"{alone * 1e3:.1f}",
+                f"{added * 1e3:.1f}",
+                hidden,
+                f"{st['optimizer_s'] * 1e3:.1f}",
+            )
+        )
+    header = (
+        "stage",
+        "parameters / GPU",
+        "moved / iteration",
+        "alone ms",
+        "added ms",
+        "hidden",
+        "optimizer ms",
+    )
+    return [
+        "## Data parallelism",
+        "",
+        f"{dp['describe']}, {dp['gpus_per_node']} GPUs per node; **modelled** at the maximum "
+        "clock. *alone*: the iteration's data-parallel collectives run by themselves; "
+        "*added*: what they add to the stage's instructions, beside compute as PyTorch's hooks "
+        "issue them (kareus prices them, it does not move them); the rest is hidden. The "
+        "once-per-iteration part (DDP's all-reduce, the optimizer step) runs at the clock the "
+        "last backward leaves; what is added to each micro-batch (FSDP) is priced at every "
+        "clock, so the clocks chosen account for it.",
+        "",
+        _md_table(header, rows),
         "",
     ]
 

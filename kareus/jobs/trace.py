@@ -18,7 +18,7 @@ import copy
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,9 @@ from kareus.errors import KareusError
 from kareus.ir.partitions import Partition, PartitionSet
 from kareus.models.llama import Llama, LlamaConfig, preset
 from kareus.passes.extract_partitions import PartitionProgram
+
+if TYPE_CHECKING:
+    from kareus.planner.data_parallel import DataParallel, StageWeights
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """Training dtypes by name."""
@@ -72,6 +75,9 @@ class Workload:
     recompute: str = "none"
     layers_per_stage: tuple[int, ...] | None = None
     virtual_stages: int = 1
+    dp: int | None = None
+    dp_mode: str = "ddp"
+    gpus_per_node: int = 8
 
     def __post_init__(self) -> None:
         from kareus.planner.dag import SCHEDULES
@@ -107,6 +113,8 @@ class Workload:
             # the layer count is checked against the stages above, not divided by them
             cfg = dataclasses.replace(cfg, num_layers=self.stages)
         cfg.check_parallel(tp=self.tp, cp=self.cp, pp=self.stages, seq_len=self.seq_len)
+        if self.dp is not None:
+            self.data_parallel()  # raises on a layout kareus cannot plan
 
     @property
     def stages(self) -> int:
@@ -118,6 +126,56 @@ class Workload:
         if self.layers_per_stage is not None:
             return tuple(self.layers_per_stage)
         return (self.config.num_layers // self.stages,) * self.stages
+
+    def data_parallel(self) -> DataParallel | None:
+        """Return the data-parallel layout (None: ``dp`` not given, none modelled).
+
+        Raises:
+            ValueError: a mode kareus does not plan, or one the layout cannot use.
+        """
+        from kareus.planner.data_parallel import DataParallel
+
+        if self.dp is None:
+            return None
+        if self.dp < 1:
+            raise ValueError(f"dp={self.dp}: the data-parallel degree must be at least 1")
+        if self.tp * self.cp > self.gpus_per_node:
+            raise ValueError(
+                f"TP {self.tp} x CP {self.cp} = {self.tp * self.cp} GPUs per stage do not fit "
+                f"in a node of {self.gpus_per_node} GPUs (gpus_per_node): kareus prices tensor "
+                "and context-parallel collectives on NVLink"
+            )
+        try:
+            return DataParallel(self.dp, self.dp_mode, self.gpus_per_node, self.tp * self.cp)
+        except KareusError as err:
+            raise ValueError(str(err)) from None
+
+    def stage_weights(self) -> list[StageWeights]:
+        """Return each pipeline stage's parameters on one GPU (its tensor-parallel shard).
+
+        Layers: attention (query, key, value, output projections) and MLP split over the
+        tensor-parallel ranks, norms replicated. The embedding on the first stage and the
+        head on the last are split over the vocabulary (a tied head is a second copy on the
+        last stage when they differ).
+        """
+        from kareus.planner.data_parallel import StageWeights
+
+        c, tp = self.config, self.tp
+        head_dim = c.head_dim or c.hidden_size // c.num_heads
+        attention = c.hidden_size * head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+        mlp = (3 if c.mlp == "swiglu" else 2) * c.hidden_size * c.intermediate_size
+        norms = 2 * c.hidden_size + (2 * head_dim if c.qk_norm else 0)
+        per_layer = (attention + mlp) / tp + norms
+        table = c.vocab_size * c.hidden_size / tp
+        layers = self.stage_layers()
+        last = len(layers) - 1
+        out = []
+        for i, n in enumerate(layers):
+            other = (table if i == 0 else 0.0) + (table + c.hidden_size if i == last else 0.0)
+            if i == last == 0 and c.tie_embeddings:
+                other -= table
+            out.append(StageWeights(n, per_layer, other))
+        return out
 
     @property
     def config(self) -> LlamaConfig:

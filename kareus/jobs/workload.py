@@ -141,6 +141,7 @@ def plan_workload(
         progress=progress,
         workload=workload_record(work),
         original=originals,
+        **_data_parallel(work),
     )
     done = time.perf_counter()
     _log.info(
@@ -155,6 +156,12 @@ def plan_workload(
     return WorkloadPlan(
         work, spec, result, stages, traced - start, done - traced, peak_rss_mib, cached, originals
     )
+
+
+def _data_parallel(work: Workload) -> dict[str, object]:
+    """Return the planner's data-parallel arguments for ``work`` (none without ``dp``)."""
+    layout = work.data_parallel()
+    return {} if layout is None else {"data_parallel": layout, "weights": work.stage_weights()}
 
 
 def _count(stages: Sequence[PartitionSet]) -> int:

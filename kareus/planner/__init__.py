@@ -6,6 +6,7 @@ passes produce and writes a :class:`~kareus.ir.plan_file.Plan`.
 
 from kareus.planner.compose import Composer
 from kareus.planner.dag import chain, one_f_one_b
+from kareus.planner.data_parallel import DataParallel, StageWeights
 from kareus.planner.iteration import (
     METHODS,
     Parallelism,
@@ -21,6 +22,7 @@ __all__ = [
     "METHODS",
     "POLICIES",
     "Composer",
+    "DataParallel",
     "InfeasiblePlanError",
     "KnobSpace",
     "Parallelism",
@@ -28,6 +30,7 @@ __all__ = [
     "RecordingEvaluator",
     "ReplayEvaluator",
     "Setting",
+    "StageWeights",
     "chain",
     "exhaustive",
     "one_f_one_b",

@@ -214,6 +214,23 @@ def schedule_iteration(schedule: str, ranks: int, microbatches: int, virtual: in
     return SCHEDULES[schedule](ranks, microbatches, *extra)
 
 
+def with_steps(iteration: Iteration) -> tuple[Iteration, dict[int, list[int]]]:
+    """Return ``iteration`` with a step instruction after each rank's last one, and its stages.
+
+    The step (kind ``step``, the rank's index as its stage) holds what runs once per
+    iteration after the backward: data-parallel gradient communication and the optimizer
+    step. It is in no rank's order: the clock does not change before it.
+    """
+    instrs = list(iteration.instructions)
+    edges = list(iteration.edges)
+    ranks: dict[int, list[int]] = {}
+    for rank, order in enumerate(iteration.orders):
+        ranks[rank] = sorted({instrs[i].stage for i in order})
+        edges.append((order[-1], len(instrs)))
+        instrs.append(Instruction(rank, "step", 0))
+    return Iteration(tuple(instrs), tuple(edges), iteration.orders), ranks
+
+
 def _check_sizes(name: str, stages: int, microbatches: int) -> None:
     if stages < 1 or microbatches < 1:
         raise KareusError(

@@ -33,6 +33,13 @@ from kareus.planner.dag import (
     schedule_iteration,
     switches,
 )
+from kareus.planner.data_parallel import (
+    STEP,
+    STEP_ORIGINAL,
+    DataParallelPlanning,
+    add_data_parallel,
+    data_parallel_planning,
+)
 from kareus.planner.knobs import CountingEvaluator, KnobSpace, Setting, default_clocks, knobs_of
 from kareus.planner.pareto import TIME_RESOLUTION_S, pareto_front
 from kareus.planner.search import SearchResult, exhaustive, search
@@ -155,6 +162,7 @@ def plan_iteration(
     progress: Any = None,
     workload: dict[str, Any] | None = None,
     original: PartitionSet | Sequence[PartitionSet] | None = None,
+    data_parallel: DataParallelPlanning | None = None,
 ) -> PlanningResult:
     """Plan one training iteration.
 
@@ -177,6 +185,8 @@ def plan_iteration(
         progress: optional callable ``progress(step: str)`` for long steps (one call per
             type searched, one for the options, two for composing).
         workload: what was planned (model, batch shape...), recorded in the plan.
+        data_parallel: the data-parallel layout, stage parameters and pricing; None: no
+            data-parallel traffic or optimizer step (as before data parallelism was modelled).
 
     Raises:
         InfeasiblePlanError: the policy's budget or deadline cannot be met.
@@ -189,8 +199,8 @@ def plan_iteration(
     freqs = tuple(settings.clocks_mhz or default_clocks(clocks_mhz))
     note = progress or (lambda _step: None)
     evaluated = evaluate_options(stages, ev, freqs, static_power_w, settings, note, originals)
-    iteration = schedule_iteration(
-        parallel.schedule, parallel.pp, parallel.microbatches, parallel.virtual_stages
+    iteration, dp_record = _iteration_for(
+        parallel, evaluated.options, (stages, originals), data_parallel, freqs, note
     )
     comps = _composers(
         iteration, evaluated.options, max(freqs), static_power_w, parallel, settings, originals
@@ -205,17 +215,39 @@ def plan_iteration(
         "static_power_w": static_power_w,
         "workload": dict(workload or {}),
         "clock_switch": dataclasses.asdict(settings.switch or SwitchCost()),
+        "data_parallel": dp_record,
     }
-    counts = {
-        "search": evaluated.searched,
-        "total": ev.evaluations,
-        "grid": evaluated.grid,
-        **_solve_counts(comps.values(), settings.solver_gap_limit),
-    }
+    counts = {"search": evaluated.searched, "total": ev.evaluations, "grid": evaluated.grid}
+    counts |= _solve_counts(comps.values(), settings.solver_gap_limit)
     graphs = (stages, originals)
     plan = _plan_file(chosen, frontiers, evaluated, iteration, graphs, parallel, counts, meta)
     return PlanningResult(
         plan, evaluated.searches, frontiers, ev.evaluations, evaluated.grid, settings
+    )
+
+
+def _iteration_for(
+    parallel: Parallelism,
+    options: dict[tuple[int, str], list[Option]],
+    graphs: tuple[Sequence[PartitionSet], Sequence[PartitionSet] | None],
+    data_parallel: DataParallelPlanning | None,
+    freqs: Sequence[float],
+    note: Callable[[str], Any],
+) -> tuple[Iteration, dict[str, Any]]:
+    """Return the schedule's iteration, with data parallelism's traffic and steps if given.
+
+    ``graphs``: the split and the original graphs' sets (the options of profile
+    :data:`ORIGINAL` run the latter).
+    """
+    iteration = schedule_iteration(
+        parallel.schedule, parallel.pp, parallel.microbatches, parallel.virtual_stages
+    )
+    if data_parallel is None:
+        return iteration, {}
+    note("pricing the data-parallel communication")
+    stages, originals = graphs
+    return add_data_parallel(
+        iteration, options, stages, data_parallel, freqs, originals=(originals, ORIGINAL)
     )
 
 
@@ -305,11 +337,13 @@ def _composers(
     Megatron-LM's and Perseus's run the original graphs' options where they were given.
     """
     alone = ORIGINAL if originals is not None else "no-overlap"
+    # A data-parallel step (:mod:`kareus.planner.data_parallel`) has one option per graphs.
+    step = STEP_ORIGINAL if originals is not None else STEP
     restrict: dict[str, Callable[[Option], bool]] = {
-        "megatron": lambda o: o.freq_mhz == fmax and o.profile == alone,
-        "perseus": lambda o: o.profile == alone,
-        "nanobatch+perseus": lambda o: o.profile == "nanobatch",
-        "kareus": lambda o: o.profile != ORIGINAL,
+        "megatron": lambda o: (o.freq_mhz == fmax and o.profile == alone) or o.profile == step,
+        "perseus": lambda o: o.profile in (alone, step),
+        "nanobatch+perseus": lambda o: o.profile in ("nanobatch", STEP),
+        "kareus": lambda o: o.profile not in (ORIGINAL, STEP_ORIGINAL),
     }
     return {
         method: Composer(
@@ -389,6 +423,7 @@ def _clock_schedule(iteration: Iteration, chosen: Solution) -> tuple[ScheduledIn
             opt.dynamic_energy_j,
         )
         for instr, opt in zip(iteration.instructions, chosen.choices, strict=True)
+        if instr.kind != STEP  # at the clock the last backward leaves (see data_parallel)
     )
 
 
@@ -401,6 +436,8 @@ def _decisions(
     """Return the overlap decisions per "stage/kind" (none where the graphs stay whole)."""
     decisions: dict[str, dict[str, Decision]] = {}
     for instr, opt in zip(iteration.instructions, chosen.choices, strict=True):
+        if instr.kind == STEP:
+            continue
         pairs = {} if unsplit else profiles_by_group[instr.group][opt.profile]
         decisions[f"{instr.stage}/{instr.kind}"] = {
             key: Decision(slot, share) for key, (slot, share) in pairs.items()
@@ -703,16 +740,24 @@ def plan_for_gpu(
 ) -> PlanningResult:
     """Plan for a GPU spec: its name, clocks, static power and clock-change cost.
 
-    The emulator prices the options by default. Other keyword arguments are
+    The emulator prices the options by default. ``data_parallel`` (a
+    :class:`~kareus.planner.data_parallel.DataParallel`) with ``weights`` (each stage's
+    :class:`~kareus.planner.data_parallel.StageWeights`) adds data-parallel traffic, priced
+    by the emulator on the GPU's NVLink or its network. Other keyword arguments are
     :func:`plan_iteration`'s.
     """
     settings = kwargs.pop("settings", None) or PlannerSettings()
     if settings.switch is None:
         switch = SwitchCost(spec.clock_switch_s, spec.clock_switch_source)
         settings = dataclasses.replace(settings, switch=switch)
+    local = evaluator if evaluator is not None else Emulator(spec)
+    layout, weights = kwargs.pop("data_parallel", None), kwargs.pop("weights", None)
+    if layout is not None:
+        share = settings.no_overlap_sm_share
+        kwargs["data_parallel"] = data_parallel_planning(spec, local, layout, weights, share)
     return plan_iteration(
         psets,
-        evaluator if evaluator is not None else Emulator(spec),
+        local,
         gpu=spec.name,
         clocks_mhz=spec.clocks_mhz(),
         static_power_w=spec.calibration.static_power_w,
