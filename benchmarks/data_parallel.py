@@ -55,7 +55,7 @@ def run(mode: str, degree: int, microbatches: int) -> dict[str, float | int | st
         "job_j": megatron.energy_j * degree,
         "dp_alone_s": alone,
         "dp_added_s": added,
-        "hidden": 1 - added / alone if alone > 0 else float("nan"),
+        "hidden": 1 - added / alone if alone > 0 else None,
         "saving_vs_megatron": _iso_time(plan, "megatron"),
         "saving_vs_perseus": _iso_time(plan, "perseus"),
         "plan_wall_s": wall,

@@ -32,6 +32,7 @@ from kareus.planner.dag import (
     change_energy,
     makespan,
     plan_cost,
+    slack,
     switches,
 )
 from kareus.planner.pareto import TIME_RESOLUTION_S, pareto_front
@@ -306,10 +307,21 @@ class Composer:
             return found
         choices = list(found.choices)
         best = (found.energy_j, found.time_s)
+        pairs = self.it.switch_pairs()
+        around: dict[int, list[tuple[int, int]]] = {}  # the changes an instruction touches
+        for a, b in pairs:
+            around.setdefault(a, []).append((a, b))
+            around.setdefault(b, []).append((a, b))
+        within = found.within_s
+        # Each instruction's slack within the current iteration time: a move changes one
+        # instruction, so the new time is known without walking the DAG (a slower option
+        # lengthens only the paths through it; a faster one off every longest path changes
+        # nothing). Only near-ties, and moves that shorten a longest path, are priced in full.
+        rooms = slack(self.it, [c.time_s for c in choices], best[1])
         changed = True
         while changed:
             changed = False
-            for a, b in self.it.switch_pairs():
+            for a, b in pairs:
                 if choices[a].freq_mhz == choices[b].freq_mhz:
                     continue
                 for i, j in ((b, a), (a, b)):
@@ -317,15 +329,53 @@ class Composer:
                     alt = self._by_clock[group].get((choices[i].profile, choices[j].freq_mhz))
                     if alt is None:
                         continue
+                    guess = self._moved(choices, i, alt, around[i], best, rooms[i])
+                    if guess is not None:
+                        t, e = guess
+                        fits = within is None or t <= within + 1e-9
+                        margin = 1e-9 * abs(best[0])
+                        if not fits or e > best[0] + margin:
+                            continue  # surely refused
+                        if e >= best[0] - margin:
+                            guess = None  # a near-tie: priced in full
                     trial = list(choices)
                     trial[i] = alt
                     t, e = self.evaluate(trial)
-                    if (e, t) < best and (found.within_s is None or t <= found.within_s + 1e-9):
+                    if (e, t) < best and (within is None or t <= within + 1e-9):
                         choices, best, changed = trial, (e, t), True
+                        rooms = slack(self.it, [c.time_s for c in choices], t)
                         break
         if best == (found.energy_j, found.time_s):
             return found
         return dataclasses.replace(found, choices=tuple(choices), energy_j=best[0], time_s=best[1])
+
+    def _moved(
+        self,
+        choices: Sequence[Option],
+        i: int,
+        alt: Option,
+        pairs: Sequence[tuple[int, int]],
+        now: tuple[float, float],
+        room: float,
+    ) -> tuple[float, float] | None:
+        """Return (time, energy) of the plan with ``alt`` at ``i``, from the plan's ``now``.
+
+        ``room``: ``i``'s slack within the plan's time. None where the move shortens a longest
+        path (the new time needs the whole DAG). Exact up to the order of float sums.
+        """
+        old = choices[i]
+        longer = alt.time_s - old.time_s
+        if longer < 0 and room <= 1e-12:
+            return None
+        t = now[1] + max(0.0, longer - room) if longer > 0 else now[1]
+        e = now[0] + (alt.dynamic_energy_j - old.dynamic_energy_j) * self.per_stage
+        e += self.static_w * self.gpus * (t - now[1])
+        for a, b in pairs:
+            before = choices[a].freq_mhz != choices[b].freq_mhz
+            fa = alt.freq_mhz if a == i else choices[a].freq_mhz
+            fb = alt.freq_mhz if b == i else choices[b].freq_mhz
+            e += self._change_j[b] * ((fa != fb) - before)
+        return t, e
 
     def _solution(self, choices: Sequence[Option], status: str) -> Solution:
         time_s, energy_j = self.evaluate(choices)
