@@ -164,11 +164,20 @@ def _plain(name: str) -> str:
     return name.replace("_orig_mod.", "")  # torch.compile's wrapper, at any depth
 
 
+_GPT2: dict[str, Any] = dict(
+    n_positions=64, attn_implementation="sdpa", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+)
+
+HF_KINDS = ("llama", "qwen3", "mistral", "gemma", "gpt2", "gpt_neox", "mixtral")
+"""The tiny Hugging Face causal LMs :func:`hf_tiny` builds (transformers' own model code)."""
+
+
 def hf_tiny(kind: str) -> nn.Module:
-    """Build a tiny random HF transformers causal LM offline: ``"llama"`` or ``"qwen3"``.
+    """Build a tiny random Hugging Face causal LM offline, one of :data:`HF_KINDS`.
 
     Raises:
         ImportError: transformers is not installed (``pip install kareus[hf]``).
+        ValueError: an unknown kind.
     """
     import transformers
 
@@ -182,11 +191,33 @@ def hf_tiny(kind: str) -> nn.Module:
         max_position_embeddings=64,
         attn_implementation="sdpa",
     )
-    if kind == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    if kind == "qwen3":
-        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **common))
-    raise ValueError(f"unknown HF model kind {kind!r}: use 'llama' or 'qwen3'")
+    gqa = {k: v for k, v in common.items() if k != "num_key_value_heads"}
+    builders: dict[str, Callable[[], nn.Module]] = {
+        "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)),
+        "qwen3": lambda: transformers.Qwen3ForCausalLM(
+            transformers.Qwen3Config(head_dim=8, **common)
+        ),
+        "mistral": lambda: transformers.MistralForCausalLM(
+            transformers.MistralConfig(sliding_window=16, **common)
+        ),
+        "gemma": lambda: transformers.GemmaForCausalLM(
+            transformers.GemmaConfig(head_dim=8, **common)
+        ),
+        "gpt2": lambda: transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, **_GPT2)
+        ),
+        "gpt_neox": lambda: transformers.GPTNeoXForCausalLM(
+            transformers.GPTNeoXConfig(
+                num_hidden_layers=2, **{k: v for k, v in gqa.items() if k != "num_hidden_layers"}
+            )
+        ),
+        "mixtral": lambda: transformers.MixtralForCausalLM(
+            transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
+        ),
+    }
+    if kind not in builders:
+        raise ValueError(f"unknown HF model kind {kind!r}: use one of {', '.join(HF_KINDS)}")
+    return builders[kind]()
 
 
 def free_port() -> int:

@@ -426,7 +426,7 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
         return ""
     if name in _RESHAPE:
         source = carrying[0][0].meta["example_value"]
-        if _keeps_samples(source, carrying[0][1], value, out_dim):  # type: ignore[arg-type]
+        if _keeps_samples(source, carrying[0][1], value, out_dim, sym):  # type: ignore[arg-type]
             return ""
         return f"{label} moves elements of different samples into one row"
     if name in _ALONG:
@@ -584,20 +584,32 @@ def _hint(size: Any) -> int:
     return int(size)
 
 
-def _keeps_samples(source: torch.Tensor, dim: int, value: Any, out_dim: Any) -> bool:
+def _keeps_samples(source: torch.Tensor, dim: int, value: Any, out_dim: Any, sym: Any) -> bool:
     """Whether a view from ``source`` (batch at ``dim``) to ``value`` keeps samples apart.
 
-    With P and Q the products of the sizes before and after the batch dimension, every
-    output dimension without the batch holds one sample's data when P_out divides P_in and
-    Q_out divides Q_in (the batch dimension absorbs the rest).
+    With P the product of the sizes before the batch dimension, and K a sample's share of
+    the batch dimension and of those after it (a batch dimension of B x S rows holds S rows
+    per sample: GPT-2's ``x.view(-1, C)`` and back), every output dimension without the
+    batch holds one sample's data when P_out divides P_in and K_out divides K_in (the batch
+    dimension absorbs the rest).
     """
     if not isinstance(value, torch.Tensor) or not isinstance(out_dim, int):
         return False
+    rows_in, rows_out = _rows(source.shape[dim], sym), _rows(value.shape[out_dim], sym)
+    if rows_in is None or rows_out is None:
+        return False
     p_in = math.prod(_hint(s) for s in source.shape[:dim])
-    q_in = math.prod(_hint(s) for s in source.shape[dim + 1 :])
+    k_in = rows_in * math.prod(_hint(s) for s in source.shape[dim + 1 :])
     p_out = math.prod(_hint(s) for s in value.shape[:out_dim])
-    q_out = math.prod(_hint(s) for s in value.shape[out_dim + 1 :])
-    return p_out > 0 and q_out > 0 and p_in % p_out == 0 and q_in % q_out == 0
+    k_out = rows_out * math.prod(_hint(s) for s in value.shape[out_dim + 1 :])
+    return p_out > 0 and k_out > 0 and p_in % p_out == 0 and k_in % k_out == 0
+
+
+def _rows(size: Any, sym: Any) -> int | None:
+    """Return a batch dimension's size over the batch (rows per sample), if a whole number."""
+    expr = size.node.expr if isinstance(size, torch.SymInt) else size
+    ratio = expr / sym
+    return int(ratio) if getattr(ratio, "is_Integer", False) and int(ratio) > 0 else None
 
 
 def _body_reason(node: fx.Node, name: str, sym: Any) -> str:

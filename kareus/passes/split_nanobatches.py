@@ -70,7 +70,7 @@ class SplitPlan:
 
     batch_inputs: tuple[tuple[str, int], ...]  # (node name, batch dim)
     batch_sizes: tuple[str, ...]  # SymInt nodes equal to the batch size
-    outputs: tuple[tuple[str, int], ...]  # (node name, batch dim)
+    outputs: tuple[tuple[str, int | None], ...]  # (node name, batch dim; None: batch-free)
 
 
 class SplitNanobatches(GraphPass):
@@ -231,7 +231,7 @@ def find_split(
             continue
         value = node.meta.get("example_value")
         dim = _batch_dim(value, sym) if isinstance(value, torch.Tensor) else None
-        if dim is None:
+        if dim is None and not _batch_free(node, inside, set(batch_inputs) | set(batch_sizes)):
             return f"output {node.name} of the block has no batch dimension to join halves on"
         if any(order[u] < last for u in outside_users):
             return f"block code is interleaved with other code (output {node.name} used early)"
@@ -339,12 +339,19 @@ def rewrite_split(
             cursor = env[node] = _named(graph, new, f"{node.name}_nb{nb}")
         copies.append(env)
     inside = set(nodes)
-    for name, dim in plan.outputs:
+    for name, out_dim in plan.outputs:
         out = by_name[name]
+        if out_dim is None:  # the same in both nanobatches: the first one's
+            for user in [u for u in out.users if u not in inside]:
+                user.replace_input_with(out, copies[0][out])
+            joined[name] = copies[0][out]
+            continue
         with graph.inserting_after(cursor):
             cursor = _named(
                 graph,
-                graph.call_function(torch.cat, ([copies[0][out], copies[1][out]],), {"dim": dim}),
+                graph.call_function(
+                    torch.cat, ([copies[0][out], copies[1][out]],), {"dim": out_dim}
+                ),
                 f"{name}_joined",
             )
         cursor.meta["example_value"] = out.meta.get("example_value")  # same shape as before
@@ -355,6 +362,26 @@ def rewrite_split(
     for node in reversed(nodes):
         graph.erase_node(node)
     return made
+
+
+def _batch_free(node: fx.Node, inside: set[fx.Node], batch: set[fx.Node]) -> bool:
+    """Whether ``node`` is computed, inside the block, from nothing that carries the batch.
+
+    Such an output (a constant a cache keeps, a value of the weights alone) is the same in
+    both nanobatches, so the first one's stands for the whole; a random draw on the way is
+    not (the two copies would draw twice).
+    """
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in batch or (n in inside and draws_random(n)):
+            return False
+        todo.extend(i for i in n.all_input_nodes if i in inside or i in batch)
+    return True
 
 
 def _erase_unused(graph: fx.Graph, made: Sequence[fx.Node]) -> None:
