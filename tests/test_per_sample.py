@@ -379,3 +379,28 @@ def test_dtensor_calls_with_bound_placements_are_judged_by_their_values():
         node.meta["example_value"].placements = placements
         got = why_not_per_sample(node, sym)
         assert (reason in got) if reason else got == "", (name, placements, got)
+
+
+def test_batch_and_sequence_flattened_into_rows_and_back_is_per_sample():
+    """GPT-2's Conv1D: ``x.view(-1, C)``, a row-wise matmul, and a view back to (B, S, C).
+    Each sample's rows stay together; a regrouping that interleaves samples does not."""
+    from kareus.testing import per_sample_verdict
+
+    w = torch.randn(8, 6)
+    x = torch.randn(6, 4, 8)
+
+    def conv1d(x):
+        rows = torch.addmm(torch.zeros(6), x.view(-1, x.size(-1)), w)
+        return rows.view(x.size(0), x.size(1), 6)
+
+    def pairs(x):  # two consecutive rows of one sample side by side
+        return x.reshape(-1, 8).reshape(x.size(0) * 2, 16).sin()
+
+    def interleaved(x):  # rows regrouped by position: samples mixed
+        return x.reshape(-1, 8).reshape(4, x.size(0), 8).sum(0)
+
+    for fn in (conv1d, pairs):
+        verdict = per_sample_verdict(fn, x)
+        assert verdict.claimed and verdict.holds, (fn.__name__, verdict)
+    verdict = per_sample_verdict(interleaved, x)
+    assert not verdict.claimed, verdict
