@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kareus.errors import KareusError
-from kareus.planner.dag import Iteration, Option, makespan, plan_cost
+from kareus.planner.dag import Iteration, Option, makespan, plan_cost, topology
 
 _log = logging.getLogger(__name__)
 
@@ -411,12 +411,10 @@ def _recover_slack(
     mixed ones only brings 10 of 11 sweep points within 0.5 % of the bound instead of 8.)
     """
     n = len(choices)
-    preds: list[list[int]] = [[] for _ in range(n)]
+    topological, preds = topology(iteration)
     succs: list[list[int]] = [[] for _ in range(n)]
     for a, b in iteration.edges:
-        preds[b].append(a)
         succs[a].append(b)
-    topological = _topological(preds, succs)
 
     def slack() -> list[float]:
         # plain loops: this runs after every step, thousands of times at 2,048 instructions
@@ -454,17 +452,3 @@ def _recover_slack(
                 choices[i] = step
                 room = slack()
                 moved = True
-
-
-def _topological(preds: Sequence[Sequence[int]], succs: Sequence[Sequence[int]]) -> list[int]:
-    waiting = [len(p) for p in preds]
-    ready = [i for i, w in enumerate(waiting) if w == 0]
-    order = []
-    while ready:
-        i = ready.pop()
-        order.append(i)
-        for j in succs[i]:
-            waiting[j] -= 1
-            if not waiting[j]:
-                ready.append(j)
-    return order
