@@ -404,3 +404,75 @@ def test_batch_and_sequence_flattened_into_rows_and_back_is_per_sample():
         assert verdict.claimed and verdict.holds, (fn.__name__, verdict)
     verdict = per_sample_verdict(interleaved, x)
     assert not verdict.claimed, verdict
+
+
+@torch.library.custom_op("kareus_test_ps::noise", mutates_args=())
+def noise(x: torch.Tensor) -> torch.Tensor:
+    return x + 0.01 * torch.rand_like(x)
+
+
+@noise.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+noise.register_autograd(lambda ctx, g: g)
+
+
+def _scaled_copy(h):
+    out = h.clone()
+    torch.ops.kareus_test_ps.scale(out)
+    return out
+
+
+# (name, function, the namespaced op a skip reason names): custom ops of every category
+CUSTOM = [
+    ("elementwise, undeclared", lambda h: twice(h), "kareus_test_ps::twice"),
+    (
+        "batch-mixing, aten's name",
+        lambda h: torch.ops.kareus_test_ps.relu(h),
+        "kareus_test_ps::relu",
+    ),
+    ("mutating", _scaled_copy, "kareus_test_ps::scale"),
+    ("random", lambda h: noise(h), "kareus_test_ps::noise"),
+]
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(
+    aten=st.lists(st.integers(0, len(OPS) - 1), max_size=2),
+    custom=st.lists(st.integers(0, len(CUSTOM) - 1), max_size=2),
+    batch=st.integers(2, 9),
+)
+def test_random_blocks_of_aten_and_custom_ops_train_as_eager_or_stay_whole_saying_why(
+    aten, custom, batch
+):
+    """Every result equals eager's; a block is split only when every op acts per sample and
+    each nanobatch has 2 or more samples, else each block says why (naming the op)."""
+    chosen = [OPS[i] for i in aten] + [CUSTOM[i] for i in custom]
+    OPS.extend(chosen)
+    try:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Stack(list(range(len(OPS) - len(chosen), len(OPS))))
+        ref = copy.deepcopy(model)
+        compiled = kareus.compile(model, nanobatches=2)
+        x = torch.randn(batch, 8)
+        torch.manual_seed(1)
+        got = compiled(x)
+        torch.manual_seed(1)
+        want = ref(x)
+        blocks = kareus.explain(compiled).regions[0].findings["find_blocks"]
+    finally:
+        del OPS[len(OPS) - len(chosen) :]
+    torch.testing.assert_close(got, want)
+    named = {name for _n, _f, name in chosen if name is not None}
+    if batch < 4:
+        assert blocks.split == []
+        assert all("too small" in r or any(n in r for n in named) for r in blocks.skipped.values())
+    elif not named:
+        assert blocks.split == ["blocks.0", "blocks.1", "blocks.2"], blocks.skipped
+    else:
+        assert blocks.split == [], [n for n, _f, _x in chosen]
+        for reason in blocks.skipped.values():
+            assert any(f"({n})" in reason or n in reason for n in named), (reason, named)
