@@ -241,9 +241,43 @@ def _through_aot(
 ) -> tuple[dict[str, fx.GraphModule], list[Any], list[Any]]:
     """Differentiate ``fn`` through AOTAutograd and ``eager`` eagerly, on the same leaves.
 
-    Runs outside any caller's fake tensor mode, in a tracing context of its own. Returns
-    AOTAutograd's forward and backward graphs, ``fn``'s gradients and ``eager``'s.
+    Runs in a thread of its own (:func:`_in_own_thread`), outside any caller's fake tensor
+    mode, in a tracing context of its own. Returns AOTAutograd's forward and backward
+    graphs, ``fn``'s gradients and ``eager``'s.
     """
+    return _in_own_thread(lambda: _through_aot_here(fn, eager, leaves))
+
+
+def _in_own_thread(work: Any) -> Any:
+    """Run ``work()`` in a thread of its own and return what it returns (or raise its error).
+
+    The checks compile and differentiate while a caller may be inside a compilation (a
+    region lowered within Dynamo's call to the backend): Dynamo's compile metrics, the
+    tracing context and the dispatch modes are per thread, so a thread of its own leaves
+    the caller's untouched (run in place, the check's backward compile set a compile metric
+    the caller's compile had set: "Metric(s) {'is_forward'} have already been set").
+    """
+    import threading
+
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = work()
+        except BaseException as err:  # handed to the caller
+            out["error"] = err
+
+    thread = threading.Thread(target=run, name="kareus-torch-internals-check")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def _through_aot_here(
+    fn: Any, eager: Any, leaves: int
+) -> tuple[dict[str, fx.GraphModule], list[Any], list[Any]]:
     from functorch.compile import aot_function, make_boxed_func
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily

@@ -338,7 +338,27 @@ def rewrite_split(
             set_tag(new, NodeTag(block, nb))
             cursor = env[node] = _named(graph, new, f"{node.name}_nb{nb}")
         copies.append(env)
-    inside = set(nodes)
+    made += _join_outputs(graph, plan, by_name, copies, set(nodes), (cursor, joined))
+    for node in reversed(nodes):
+        graph.erase_node(node)
+    return made
+
+
+def _join_outputs(
+    graph: fx.Graph,
+    plan: SplitPlan,
+    by_name: dict[str, fx.Node],
+    copies: list[dict[fx.Node, Any]],
+    inside: set[fx.Node],
+    at: tuple[fx.Node, dict[str, fx.Node]],
+) -> list[fx.Node]:
+    """Join each output's nanobatch copies after ``at[0]``; its users read the join.
+
+    A batch-free output (dim None) is the first nanobatch's copy. ``at[1]`` maps each
+    output's old name to what stands for it now. Returns the joins made.
+    """
+    cursor, joined = at
+    made: list[fx.Node] = []
     for name, out_dim in plan.outputs:
         out = by_name[name]
         if out_dim is None:  # the same in both nanobatches: the first one's
@@ -359,8 +379,6 @@ def rewrite_split(
             user.replace_input_with(out, cursor)
         joined[name] = cursor
         made.append(cursor)
-    for node in reversed(nodes):
-        graph.erase_node(node)
     return made
 
 
