@@ -295,19 +295,31 @@ def changed_internals(monkeypatch):
         cached.cache_clear()
 
 
+ONE_BATCH = BATCHES[:1]
+_FLAT: dict = {}
+
+
+def _flat(grab):
+    """The lowering that traces every op, on one batch: the reference of the tests below."""
+    if not _FLAT:
+        got, region, _ops = _train(False, grab, batches=ONE_BATCH, nanobatches=2)
+        _FLAT.update(got=got, region=region)
+    return _FLAT["got"], _FLAT["region"]
+
+
 def test_a_pytorch_without_call_numbers_lowers_op_by_op_and_warns(grab, changed_internals):
     """torch 2.11 gives invoke_subgraph calls no call number: outlining would tag a
     backward call by its own (unreliable) metadata, so kareus lowers op by op instead."""
     import kareus._torch_internals as internals
 
-    flat, flat_region, _ = _train(False, grab, nanobatches=2)
+    flat, flat_region = _flat(grab)
     if outlining_problem() is None:  # this PyTorch pairs them: fake one that does not
         changed_internals(call_id=lambda node: None)
         assert "not paired by call number" in internals.outlining_problem()
     assert internals.self_test()["invoke_subgraph calls paired and differentiated"] is False
     problem = internals.outlining_problem()
     with pytest.warns(RuntimeWarning, match="blocks are traced one by one: .*invoke_subgraph"):
-        once, region, _ = _train(True, grab, nanobatches=2)
+        once, region, _ = _train(True, grab, batches=ONE_BATCH, nanobatches=2)
     _assert_bitwise(flat, once)
     assert f"blocks traced one by one: {problem}" in region.notes, region.notes
     assert not any("block calls traced" in n for n in region.notes)
@@ -321,10 +333,10 @@ def test_a_pytorch_that_numbers_backward_ops_otherwise_finds_blocks_by_data_flow
 ):
     import kareus._torch_internals as internals
 
-    flat, flat_region, _ = _train(False, grab, nanobatches=2)
+    flat, flat_region = _flat(grab)
     changed_internals(SEQ_NR="kareus_no_such_key")
     assert internals.seq_nr_pairs() is False
-    got, region, _ = _train(False, grab, nanobatches=2)
+    got, region, _ = _train(False, grab, batches=ONE_BATCH, nanobatches=2)
     _assert_bitwise(flat, got)
     blocks, flat_blocks = region.findings["find_blocks"], flat_region.findings["find_blocks"]
     assert blocks.split == flat_blocks.split == [f"layers.{i}" for i in range(4)]

@@ -360,21 +360,24 @@ class Composer:
     ) -> tuple[float, float] | None:
         """Return (time, energy) of the plan with ``alt`` at ``i``, from the plan's ``now``.
 
-        ``room``: ``i``'s slack within the plan's time. None where the move shortens a longest
-        path (the new time needs the whole DAG). Exact up to the order of float sums.
+        ``room``: ``i``'s slack within the plan's time. Exact up to the order of float sums,
+        except where the move shortens a longest path (the new time needs the whole DAG):
+        there the energy of the shortest time the move could reach, which refuses a move
+        surely (returned) or leaves it to the full price (None).
         """
         old = choices[i]
         longer = alt.time_s - old.time_s
-        if longer < 0 and room <= 1e-12:
-            return None
+        shortens = longer < 0 and room <= 1e-12  # the new time lies in [T + longer, T]
         t = now[1] + max(0.0, longer - room) if longer > 0 else now[1]
         e = now[0] + (alt.dynamic_energy_j - old.dynamic_energy_j) * self.per_stage
-        e += self.static_w * self.gpus * (t - now[1])
+        e += self.static_w * self.gpus * ((t - now[1]) if not shortens else longer)
         for a, b in pairs:
             before = choices[a].freq_mhz != choices[b].freq_mhz
             fa = alt.freq_mhz if a == i else choices[a].freq_mhz
             fb = alt.freq_mhz if b == i else choices[b].freq_mhz
             e += self._change_j[b] * ((fa != fb) - before)
+        if shortens:  # e is a lower bound: enough to refuse, not to accept
+            return None if e <= now[0] + 1e-9 * abs(now[0]) else (t, e)
         return t, e
 
     def _solution(self, choices: Sequence[Option], status: str) -> Solution:
