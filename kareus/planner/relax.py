@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kareus.errors import KareusError
-from kareus.planner.dag import Iteration, Option, makespan, plan_cost, topology
+from kareus.planner.dag import Iteration, Option, finishes, makespan, plan_cost, topology
 
 _log = logging.getLogger(__name__)
 
@@ -411,7 +411,7 @@ def _recover_slack(
     mixed ones only brings 10 of 11 sweep points within 0.5 % of the bound instead of 8.)
     """
     n = len(choices)
-    topological, preds = topology(iteration)
+    topological, _preds = topology(iteration)
     succs: list[list[int]] = [[] for _ in range(n)]
     for a, b in iteration.edges:
         succs[a].append(b)
@@ -419,13 +419,7 @@ def _recover_slack(
     def slack() -> list[float]:
         # plain loops: this runs after every step, thousands of times at 2,048 instructions
         times = [c.time_s for c in choices]
-        finish = [0.0] * n
-        for j in topological:
-            f = 0.0
-            for p in preds[j]:
-                if finish[p] > f:
-                    f = finish[p]
-            finish[j] = f + times[j]
+        finish = finishes(iteration, times)
         start = [bound_s] * n  # latest start
         for j in reversed(topological):
             late = bound_s
