@@ -241,8 +241,8 @@ def _through_aot(
 ) -> tuple[dict[str, fx.GraphModule], list[Any], list[Any]]:
     """Differentiate ``fn`` through AOTAutograd and ``eager`` eagerly, on the same leaves.
 
-    Runs in a thread of its own (:func:`_in_own_thread`), outside any caller's fake tensor
-    mode, in a tracing context of its own. Returns AOTAutograd's forward and backward
+    Runs in a thread of its own (:func:`_in_own_thread`): outside any caller's fake tensor
+    mode and tracing context. Returns AOTAutograd's forward and backward
     graphs, ``fn``'s gradients and ``eager``'s.
     """
     return _in_own_thread(lambda: _through_aot_here(fn, eager, leaves))
@@ -280,7 +280,7 @@ def _through_aot_here(
 ) -> tuple[dict[str, fx.GraphModule], list[Any], list[Any]]:
     from functorch.compile import aot_function, make_boxed_func
     from torch._guards import TracingContext, tracing
-    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     graphs: dict[str, fx.GraphModule] = {}
 
@@ -291,7 +291,7 @@ def _through_aot_here(
 
         return compiler
 
-    with unset_fake_temporarily(), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         generator = torch.Generator().manual_seed(0)
         values = [torch.randn(3, generator=generator) for _ in range(leaves)]

@@ -206,11 +206,7 @@ def hf_tiny(kind: str) -> nn.Module:
         "gpt2": lambda: transformers.GPT2LMHeadModel(
             transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, **_GPT2)
         ),
-        "gpt_neox": lambda: transformers.GPTNeoXForCausalLM(
-            transformers.GPTNeoXConfig(
-                num_hidden_layers=2, **{k: v for k, v in gqa.items() if k != "num_hidden_layers"}
-            )
-        ),
+        "gpt_neox": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**gqa)),
         "mixtral": lambda: transformers.MixtralForCausalLM(
             transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
         ),

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from kareus._torch_internals import outlining_problem, seq_nr_pairs
+from kareus._torch_internals import input_mutation_check_off, outlining_problem
 from kareus.compiler.config import Config
 from kareus.compiler.region import Region
 from kareus.errors import PassError
@@ -29,7 +29,6 @@ from kareus.passes.outline import (
     inline_bodies,
     is_outlined,
     outline_blocks,
-    tracing_bodies,
 )
 from kareus.passes.subgraphs import copy_graph
 
@@ -75,7 +74,6 @@ def lower_with_aot(
     from torch._dynamo.backends.common import aot_autograd
 
     expected = census(gm)
-    seq_nr_pairs()  # checked here, before AOTAutograd traces: block finding reads it
     compiled: Compiled = {}
     # Forward runs before the backward was compiled (at the first backward): a plan made then
     early = {"forward": 0, "open": 1}  # counts them, as their clock switch did not run
@@ -111,7 +109,9 @@ def lower_with_aot(
     history = len(region.history)
     try:
         # The tracing context is where invoke_subgraph keeps the traced bodies.
-        with tracing_context(), tracing_bodies(), warnings.catch_warnings():
+        # No outlined body writes a tensor in place (outline_blocks), so invoke_subgraph's
+        # per-call re-trace looking for input mutation, most of the trace's time, is skipped.
+        with tracing_context(), input_mutation_check_off(), warnings.catch_warnings():
             # A body's backward traced again for other gradient layouts: expected.
             warnings.filterwarnings("ignore", "invoke_subgraph traced multiple backward")
             fn = lower(outlined, outlined=True)
@@ -175,7 +175,6 @@ def lower_with_inductor(
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     expected = census(gm)
-    seq_nr_pairs()  # checked here, before AOTAutograd traces: block finding reads it
 
     def inner(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
         if kwargs.get("is_backward"):

@@ -137,8 +137,6 @@ class Workload:
 
         if self.dp is None:
             return None
-        if self.dp < 1:
-            raise ValueError(f"dp={self.dp}: the data-parallel degree must be at least 1")
         if self.tp * self.cp > self.gpus_per_node:
             raise ValueError(
                 f"TP {self.tp} x CP {self.cp} = {self.tp * self.cp} GPUs per stage do not fit "

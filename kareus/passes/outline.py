@@ -22,7 +22,6 @@ random numbers (its partition could recompute a draw) or writes a tensor in plac
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import itertools
 import operator
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from kareus._torch_internals import SEQ_NR, call_id, input_mutation_check_off, invoke_subgraph
+from kareus._torch_internals import SEQ_NR, call_id, invoke_subgraph
 from kareus.passes.per_sample import draws_random, writes_in_place
 from kareus.passes.subgraphs import bodies, copy_graph
 from kareus.passes.tags import NodeTag, get_tag, set_tag
@@ -193,18 +192,6 @@ def _mutates(node: fx.Node) -> bool:
     return any(
         _mutates(n) for _arg, body in bodies(node) for n in body.graph.nodes if n.op in _COMPUTE
     )
-
-
-def tracing_bodies() -> contextlib.AbstractContextManager[None]:
-    """Let AOTAutograd trace the outlined calls without re-deriving each one's schema.
-
-    Before it differentiates a higher-order op, PyTorch re-traces its body on every call
-    to find whether it writes its inputs (which it cannot train through): most of the
-    trace's time. :func:`outline_blocks` outlines no occurrence that writes a tensor in
-    place, so the check is switched off for ``invoke_subgraph`` while kareus lowers, and
-    on again after.
-    """
-    return input_mutation_check_off()
 
 
 def _structure(body: fx.GraphModule) -> str:

@@ -217,6 +217,10 @@ def schedule_iteration(schedule: str, ranks: int, microbatches: int, virtual: in
     return SCHEDULES[schedule](ranks, microbatches, *extra)
 
 
+STEP = "step"
+"""The kind of an iteration's once-per-iteration instructions (:func:`with_steps`)."""
+
+
 def with_steps(iteration: Iteration) -> tuple[Iteration, dict[int, list[int]]]:
     """Return ``iteration`` with a step instruction after each rank's last one, and its stages.
 
@@ -230,7 +234,7 @@ def with_steps(iteration: Iteration) -> tuple[Iteration, dict[int, list[int]]]:
     for rank, order in enumerate(iteration.orders):
         ranks[rank] = sorted({instrs[i].stage for i in order})
         edges.append((order[-1], len(instrs)))
-        instrs.append(Instruction(rank, "step", 0))
+        instrs.append(Instruction(rank, STEP, 0))
     return Iteration(tuple(instrs), tuple(edges), iteration.orders), ranks
 
 
@@ -274,7 +278,7 @@ def makespan(iteration: Iteration, durations: Sequence[float]) -> float:
 
 def finishes(iteration: Iteration, durations: Sequence[float]) -> list[float]:
     """Return each instruction's earliest finish with the given durations."""
-    order, preds = topology(iteration)
+    order, preds, _succs = topology(iteration)
     finish = [0.0] * len(order)
     for j in order:
         start = 0.0
@@ -287,7 +291,7 @@ def finishes(iteration: Iteration, durations: Sequence[float]) -> list[float]:
 
 def slack(iteration: Iteration, durations: Sequence[float], bound_s: float) -> list[float]:
     """Return how much longer each instruction may run with the iteration within ``bound_s``."""
-    order, preds = topology(iteration)
+    order, preds, _succs = topology(iteration)
     finish = finishes(iteration, durations)
     latest = [bound_s] * len(order)  # latest finish
     for j in reversed(order):
@@ -298,8 +302,8 @@ def slack(iteration: Iteration, durations: Sequence[float], bound_s: float) -> l
     return [latest[j] - finish[j] for j in range(len(order))]
 
 
-def topology(iteration: Iteration) -> tuple[list[int], list[list[int]]]:
-    """Return a topological order of the DAG and each instruction's predecessors.
+def topology(iteration: Iteration) -> tuple[list[int], list[list[int]], list[list[int]]]:
+    """Return a topological order of the DAG, each instruction's predecessors and successors.
 
     Computed once per iteration and kept on it: the composer prices thousands of plans of
     one iteration (plain loops: at 1,024 instructions, most of planning's time was here).
@@ -324,7 +328,7 @@ def topology(iteration: Iteration) -> tuple[list[int], list[list[int]]]:
                     ready.append(j)
         if len(order) != n:
             raise KareusError("the iteration's DAG has a cycle")
-        cached = (order, preds)
+        cached = (order, preds, succs)
         object.__setattr__(iteration, "_topology", cached)  # frozen: a cache, not a field
     return cached  # type: ignore[no-any-return]
 

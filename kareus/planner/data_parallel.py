@@ -44,11 +44,11 @@ from kareus.errors import KareusError
 from kareus.hardware import Emulator, GPUSpec
 from kareus.ir.costs import CollectiveCost, Estimate, Evaluator, Knobs, OpCost, PartitionWork
 from kareus.ir.partitions import PartitionSet
-from kareus.planner.dag import Iteration, Option, with_steps
+from kareus.planner.dag import STEP, Iteration, Option, with_steps
 
 MODES = ("ddp", "fsdp", "hsdp")
-STEP = "step"
-"""The kind of an iteration's once-per-iteration instructions, and their option's profile."""
+# STEP (from dag): the kind of an iteration's once-per-iteration instructions, and the
+# profile of their option priced beside the split graphs' last backward.
 STEP_ORIGINAL = "step-original"
 """The profile of a step's option priced beside the original graphs' last backward (the
 Megatron-LM and Perseus baselines run those)."""
@@ -154,9 +154,10 @@ class Traffic:
     units: int  # layers the per-instruction traffic is spread over (one exposed, rest hidden)
     optimizer_params: float  # parameters this GPU updates
 
-    def bytes_moved(self) -> float:
-        """Bytes of all collectives of one micro-batch's forward and backward and the step."""
-        return sum(c.bytes for c, _x in self.per_forward + self.per_backward + self.per_iteration)
+    def bytes_moved(self, microbatches: int) -> float:
+        """Bytes the collectives of one iteration of ``microbatches`` micro-batches move."""
+        per_microbatch = sum(c.bytes for c, _x in self.per_forward + self.per_backward)
+        return per_microbatch * microbatches + sum(c.bytes for c, _x in self.per_iteration)
 
 
 def traffic(dp: DataParallel, weights: StageWeights) -> Traffic:
@@ -373,12 +374,10 @@ def add_data_parallel(
             steps[profile][si] = (comm[0] + optimizer[0], comm[1] + optimizer[1])
             if profile == STEP:
                 at_fmax = added_here.get(fmax, added_here[max(added_here)])
-                per_microbatch = sum(c.bytes for c, _x in tr.per_forward + tr.per_backward)
                 per_stage.append(
                     {
                         "parameters": weights[si].total,
-                        "bytes": per_microbatch * microbatches
-                        + sum(c.bytes for c, _x in tr.per_iteration),
+                        "bytes": tr.bytes_moved(microbatches),
                         "alone_s": alone_time(tr, dpp.pricing, fmax, microbatches),
                         "added_s": at_fmax * microbatches + comm[0],
                         "optimizer_s": optimizer[0],

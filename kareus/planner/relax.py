@@ -411,10 +411,7 @@ def _recover_slack(
     mixed ones only brings 10 of 11 sweep points within 0.5 % of the bound instead of 8.)
     """
     n = len(choices)
-    topological, _preds = topology(iteration)
-    succs: list[list[int]] = [[] for _ in range(n)]
-    for a, b in iteration.edges:
-        succs[a].append(b)
+    topological, _preds, succs = topology(iteration)
 
     def slack() -> list[float]:
         # plain loops: this runs after every step, thousands of times at 2,048 instructions
