@@ -1,18 +1,20 @@
 """How well the hardware model reproduces measured partitions (figures are printed).
 
 Compares the calibrated A100 model with every row of the measured forward-attention
-partition (shared/data/a100_fwd_attention_tp2, next to the repository): absolute
-percentage errors of time and energy, Spearman rank correlation of configurations, and the
-qualitative facts (collective time saturating at a handful of SMs; which overlap windows
-are best). Also checks GEMM time at max clock against the spec's peak and idle power
-against static power.
+partition (shared/data/a100_fwd_attention_tp2, next to the repository), at the default clock
+and locked at 1200 MHz: absolute percentage errors of time and energy per clock, Spearman
+rank correlation of configurations; the differences kareus plans on (each overlapped row
+against its serial row, each 1200 MHz row against its default-clock row: time, energy and
+power ratios, measured and modelled); and the qualitative facts (collective time
+saturating at a handful of SMs; which overlap windows are best). Also checks GEMM time at
+max clock against the spec's peak and idle power against static power.
 
 These figures are **in-sample**: the shipped calibration was fitted to these very rows.
 ``--cross-validate K`` also refits the calibration K times, each time without one fold of
 whole SM counts (every row of a held-out SM count left out), and scores the held-out rows:
 the **cross-validated** figures, printed beside the in-sample ones.
 
-Run: python benchmarks/hardware_fidelity.py [--data CSV] [--cross-validate K]
+Run: python benchmarks/hardware_fidelity.py [--data CSV] [--clock-data CSV] [--cross-validate K]
 """
 
 import argparse
@@ -23,7 +25,15 @@ import statistics
 from scipy.stats import spearmanr
 
 from kareus.hardware import Emulator, gpu
-from kareus.hardware.calibrate import DEFAULT_DATA, fit, load_rows, predict, shipped_harness
+from kareus.hardware.calibrate import (
+    CLOCK_DATA,
+    DEFAULT_DATA,
+    calibration_rows,
+    differences,
+    fit,
+    predict,
+    shipped_harness,
+)
 from kareus.ir.costs import OpCost
 
 
@@ -33,18 +43,72 @@ def percentile(values, q):
 
 
 def fidelity(rows, pred):
-    t_err = [abs(p[0] - r.time_s) / r.time_s * 100 for r, p in zip(rows, pred, strict=True)]
-    e_err = [abs(p[1] - r.energy_j) / r.energy_j * 100 for r, p in zip(rows, pred, strict=True)]
-    rho_t = spearmanr([r.time_s for r in rows], [p[0] for p in pred]).statistic
-    rho_e = spearmanr([r.energy_j for r in rows], [p[1] for p in pred]).statistic
-    return {
-        "time APE median %": statistics.median(t_err),
-        "time APE p90 %": percentile(t_err, 0.9),
-        "energy APE median %": statistics.median(e_err),
-        "energy APE p90 %": percentile(e_err, 0.9),
-        "Spearman rho time": rho_t,
-        "Spearman rho energy": rho_e,
+    """Per clock: absolute percentage errors and rank correlations of the rows."""
+    out = {}
+    for clock in sorted({r.knobs.freq_mhz for r in rows}, reverse=True):
+        pairs = [(r, p) for r, p in zip(rows, pred, strict=True) if r.knobs.freq_mhz == clock]
+        t_err = [abs(p[0] - r.time_s) / r.time_s * 100 for r, p in pairs]
+        e_err = [abs(p[1] - r.energy_j) / r.energy_j * 100 for r, p in pairs]
+        at = f"{clock:.0f} MHz ({len(pairs)} rows)"
+        out |= {
+            f"{at}: time APE median %": statistics.median(t_err),
+            f"{at}: time APE p90 %": percentile(t_err, 0.9),
+            f"{at}: energy APE median %": statistics.median(e_err),
+            f"{at}: energy APE p90 %": percentile(e_err, 0.9),
+            f"{at}: Spearman rho time": spearmanr(
+                [r.time_s for r, _ in pairs], [p[0] for _, p in pairs]
+            ).statistic,
+            f"{at}: Spearman rho energy": spearmanr(
+                [r.energy_j for r, _ in pairs], [p[1] for _, p in pairs]
+            ).statistic,
+        }
+    return out
+
+
+def _ratios(rows, pred, pairs, which):
+    """Measured and modelled ratios of row i to row j for (i, j) in ``pairs``."""
+    pick = {
+        "time": lambda r, p: (r.time_s, p[0]),
+        "energy": lambda r, p: (r.energy_j, p[1]),
+        "power": lambda r, p: (r.energy_j / r.time_s, p[1] / p[0]),
+    }[which]
+    out = []
+    for i, j in pairs:
+        (mi, pi), (mj, pj) = pick(rows[i], pred[i]), pick(rows[j], pred[j])
+        out.append((mi / mj, pi / pj))
+    return out
+
+
+def differences_figures(rows, pred):
+    """What kareus plans on: overlap against serial, and the clock's response.
+
+    Medians over the pairs of :func:`kareus.hardware.calibrate.differences` of the measured
+    and the modelled ratio, and of the absolute difference between the two.
+    """
+    out = {}
+    pairs = differences(rows)
+    groups = {
+        "overlapped / serial": [
+            (i, j) for i, j in pairs if rows[i].knobs.freq_mhz == rows[j].knobs.freq_mhz
+        ],
+        "lower clock / default": [
+            (i, j) for i, j in pairs if rows[i].knobs.freq_mhz != rows[j].knobs.freq_mhz
+        ],
     }
+    for label, group in groups.items():
+        if not group:
+            continue
+        clocks = sorted({rows[i].knobs.freq_mhz for i, _ in group})
+        if label.startswith("lower"):
+            label = f"{'/'.join(f'{c:.0f}' for c in clocks)} MHz / default"
+        for which in ("time", "energy", "power"):
+            ratios = _ratios(rows, pred, group, which)
+            out[f"{label} {which} ratio, median measured"] = statistics.median(m for m, _ in ratios)
+            out[f"{label} {which} ratio, median modelled"] = statistics.median(p for _, p in ratios)
+            out[f"{label} {which} ratio, median |modelled - measured|"] = statistics.median(
+                abs(p - m) for m, p in ratios
+            )
+    return out
 
 
 def saturation_sms(series, tol=0.10):
@@ -85,6 +149,12 @@ def qualitative(rows, pred):
         best_model[0].time_s / best_meas[0].time_s - 1
     ) * 100
     return out
+
+
+def _at_default(rows, pred):
+    top = max(r.knobs.freq_mhz for r in rows)
+    kept = [(r, p) for r, p in zip(rows, pred, strict=True) if r.knobs.freq_mhz == top]
+    return [r for r, _ in kept], [p for _, p in kept]
 
 
 def _knobs(k):
@@ -134,6 +204,7 @@ def cross_validated(spec, rows, k):
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--data", type=pathlib.Path, default=DEFAULT_DATA)
+    parser.add_argument("--clock-data", type=pathlib.Path, default=CLOCK_DATA)
     parser.add_argument(
         "--cross-validate",
         type=int,
@@ -141,7 +212,7 @@ def main():
         help="also refit without each of K folds of whole SM counts and score the held-out rows",
     )
     args = parser.parse_args()
-    rows = load_rows(args.data)
+    rows = calibration_rows(args.data, args.clock_data)
     spec = gpu("a100-sxm4-40gb")
     harness = shipped_harness()  # how the data set was measured, fitted with it
     pred = predict(spec, rows, harness=harness)
@@ -149,7 +220,8 @@ def main():
     print(f"hardware model (modelled) vs {len(rows)} measured configurations of {name}")
     print(f"calibration: {spec.calibration_source}")
     sections = [
-        ("fidelity, in-sample (the calibration was fitted to these rows)", fidelity(rows, pred))
+        ("fidelity, in-sample (the calibration was fitted to these rows)", fidelity(rows, pred)),
+        ("differences, in-sample", differences_figures(rows, pred)),
     ]
     if args.cross_validate:
         print(f"\nrefitting {args.cross_validate} times, each without one fold of SM counts")
@@ -160,9 +232,10 @@ def main():
                 fidelity(rows, held),
             )
         )
+        sections.append(("differences, cross-validated", differences_figures(rows, held)))
     for title, figures in (
         *sections,
-        ("qualitative facts", qualitative(rows, pred)),
+        ("qualitative facts (default clocks)", qualitative(*_at_default(rows, pred))),
         ("spec checks", spec_checks()),
     ):
         print(f"\n{title}")

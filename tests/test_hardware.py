@@ -1,13 +1,14 @@
 import dataclasses
 import itertools
+import statistics
 
 import pytest
 
 from kareus.hardware import GPUS, Emulator, gpu
 from kareus.hardware.calibrate import (
-    DEFAULT_DATA,
     attention_partition,
-    load_rows,
+    calibration_rows,
+    differences,
     predict,
     shipped_harness,
 )
@@ -76,20 +77,49 @@ def test_idle_power_is_static_power():
     assert est.dynamic_energy_j == 0
 
 
-def test_only_the_leakage_share_of_static_power_scales_with_voltage():
+def test_static_power_falls_with_the_clock_by_its_leakage_and_clock_switching_shares():
     spec = gpu("a100-sxm4-40gb")
-    static, leak = spec.calibration.static_power_w, spec.leakage_fraction
-    assert 0 < leak < 1
+    cal = spec.calibration
+    static, leak, clock = cal.static_power_w, spec.leakage_fraction, cal.static_clock_share
+    assert 0 < leak < 1 and 0 < clock < 1
     emu = Emulator(spec)
     assert emu.static_power(spec.clock_max_mhz) == pytest.approx(static)
     low = spec.clock_min_mhz  # below the knee: the voltage floor
-    assert emu.static_power(low) == pytest.approx(static * (1 - leak * (1 - spec.v_floor)))
-    no_leak = Emulator(dataclasses.replace(spec, leakage_fraction=0.0))
-    assert no_leak.static_power(low) == pytest.approx(static)
-    # A memory-bound op barely slows at a lower clock, so the leakage saved shows in its
-    # energy: less than with the whole static power held constant.
+    drop = leak * (1 - spec.v_floor) + clock * (1 - spec.dynamic_scale(low))
+    assert emu.static_power(low) == pytest.approx(static * (1 - drop))
+    flat_cal = dataclasses.replace(cal, static_clock_share=0.0)
+    flat = Emulator(
+        dataclasses.replace(spec, leakage_fraction=0.0).with_calibration(flat_cal, "test")
+    )
+    assert flat.static_power(low) == pytest.approx(static)
+    # A memory-bound op barely slows at a lower clock, so the static power saved shows in
+    # its energy: less than with the whole static power held constant.
     f = spec.clock_max_mhz * 0.6
-    assert emu.ops((COPY,), f).energy_j < no_leak.ops((COPY,), f).energy_j
+    assert emu.ops((COPY,), f).energy_j < flat.ops((COPY,), f).energy_j
+
+
+def test_a_collective_byte_costs_the_same_energy_overlapped_or_alone():
+    spec = gpu("a100-sxm4-40gb")
+    only_comm = dataclasses.replace(
+        spec.calibration,
+        static_power_w=0.0,
+        mem_power_w_per_tbs=0.0,
+        comm_latency_us=0.0,
+        activity={"gemm": 0.0, "attention": 0.0, "memory": 0.0, "comm": 1.0},
+    )
+    no_latency = dataclasses.replace(spec.interconnect, latency_us=0.0)  # bytes only
+    emu = Emulator(
+        dataclasses.replace(spec, interconnect=no_latency).with_calibration(only_comm, "test")
+    )
+    work = attention_partition()
+    f = spec.clock_max_mhz
+    serial = emu.partition(work, Knobs(f, 8, launch_slot=None))
+    overlapped = emu.partition(work, Knobs(f, 8, launch_slot=0))
+    # Beside compute the collective copies 1 / (1 + contention) as fast, so it runs longer,
+    # but its CTAs draw power for what they move: the same energy either way.
+    assert overlapped.time_s < serial.time_s
+    assert overlapped.energy_j == pytest.approx(serial.energy_j, rel=1e-6)
+    assert serial.energy_j > 0
 
 
 def test_power_above_tdp_throttles_the_clock():
@@ -193,17 +223,42 @@ def test_harness_slowdown_stretches_kernels_with_idle_pipes():
     assert slow.avg_power_w < fast.avg_power_w
 
 
-def test_model_reproduces_the_measured_partition():
-    rows = load_rows(DEFAULT_DATA)
-    assert len(rows) == 640
+def test_model_reproduces_the_measured_partition_at_both_clocks():
+    rows = calibration_rows()
+    assert len(rows) == 640 + 236
     # The data set's compute ran slower than a training job's (its harness's eager kernels):
     # the fit estimates that factor for this data set; the planner never uses it.
     pred = predict(gpu("a100-sxm4-40gb"), rows, harness=shipped_harness())
-    t_err = sorted(abs(p[0] - r.time_s) / r.time_s for r, p in zip(rows, pred, strict=True))
-    e_err = sorted(abs(p[1] - r.energy_j) / r.energy_j for r, p in zip(rows, pred, strict=True))
-    # Targets are 10 %; the benchmark prints the figures reached.
-    assert t_err[len(t_err) // 2] <= 0.10
-    assert e_err[len(e_err) // 2] <= 0.10
+    for clock in (1410, 1200):
+        pairs = [(r, p) for r, p in zip(rows, pred, strict=True) if r.knobs.freq_mhz == clock]
+        t_err = statistics.median(abs(p[0] / r.time_s - 1) for r, p in pairs)
+        e_err = statistics.median(abs(p[1] / r.energy_j - 1) for r, p in pairs)
+        assert t_err <= 0.05 and e_err <= 0.05, (clock, t_err, e_err)
+
+
+def test_model_reproduces_the_measured_clock_response_and_overlap_saving():
+    rows = calibration_rows()
+    pred = predict(gpu("a100-sxm4-40gb"), rows, harness=shipped_harness())
+    pairs = differences(rows)
+    slower = [(i, j) for i, j in pairs if rows[i].knobs.freq_mhz != rows[j].knobs.freq_mhz]
+    overlap = [(i, j) for i, j in pairs if rows[i].knobs.freq_mhz == rows[j].knobs.freq_mhz]
+    assert len(slower) == 236 and len(overlap) > 500
+
+    def medians(group, k):
+        attr = "time_s" if k == 0 else "energy_j"
+        measured = statistics.median(
+            getattr(rows[i], attr) / getattr(rows[j], attr) for i, j in group
+        )
+        modelled = statistics.median(pred[i][k] / pred[j][k] for i, j in group)
+        return measured, modelled
+
+    # 1200 MHz against the default clock: time x1.104 and energy x0.774 measured (data README).
+    (t_meas, t_model), (e_meas, e_model) = medians(slower, 0), medians(slower, 1)
+    assert t_meas == pytest.approx(1.104, abs=0.001) and e_meas == pytest.approx(0.774, abs=0.001)
+    assert abs(t_model - t_meas) <= 0.02 and abs(e_model - e_meas) <= 0.03
+    # Overlapping saves energy as measured, not only time.
+    (_, _), (e_meas, e_model) = medians(overlap, 0), medians(overlap, 1)
+    assert e_meas < 1 and abs(e_model - e_meas) <= 0.02
 
 
 def test_partition_without_collective_equals_its_ops():
@@ -235,7 +290,9 @@ def test_other_gpus_scale_the_a100_efficiencies_by_their_published_ceilings():
         cited = " ".join(k for k in spec.sources)
         assert "gemm_ceiling" in cited and "attention_ceiling" in cited
     # Every other fitted factor is the A100's.
-    same = {"eff_gemm", "eff_attention", "static_power_w"}
+    same = {"eff_gemm", "eff_attention", "static_power_w", "v_floor"}
+    # The voltage floor fitted on the A100 stays the A100's; the H100 keeps its prior.
+    assert h100.calibration.v_floor is None and h100.v_floor == GPUS["h100-sxm"].v_floor
     for field in dataclasses.fields(a100.calibration):
         if field.name not in same:
             assert getattr(h100.calibration, field.name) == getattr(a100.calibration, field.name)
@@ -252,7 +309,7 @@ def test_calibration_fit_reduces_the_error(tmp_path):
     from kareus.hardware import calibrate
     from kareus.hardware.specs import GPUS
 
-    rows = load_rows(DEFAULT_DATA)[::16]  # a spread-out subset keeps this quick
+    rows = calibration_rows()[::16]  # a spread-out subset of both clocks keeps this quick
     spec = GPUS["a100-sxm4-40gb"]  # uncalibrated priors
 
     def err(s, harness=None):
@@ -276,6 +333,7 @@ def test_shipped_fit_has_no_factor_at_a_bound():
     assert fitted["at_bound"] == []
     harness = shipped_harness()
     assert harness.compute_slowdown > 1 and harness.issue_s_per_op > 0
+    assert 0 < harness.stall_clock_share < 1
 
 
 @pytest.mark.parametrize(("seq_q", "seq_kv"), [(64, 64), (16, 64), (64, 16)])

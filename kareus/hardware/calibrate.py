@@ -39,6 +39,8 @@ def shared_data_dir() -> pathlib.Path:
 
 
 DEFAULT_DATA = shared_data_dir() / "a100_fwd_attention_tp2" / "default_clock.csv"
+CLOCK_DATA = shared_data_dir() / "a100_fwd_attention_tp2" / "clock_1200mhz.csv"
+"""The same partition with the SM clock locked at 1200 MHz: the clock response."""
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "calibration" / "a100_sxm4.json"
 
 
@@ -127,25 +129,34 @@ def load_rows(path: pathlib.Path, freq_mhz: float = 1410) -> list[Row]:
     return rows
 
 
+def calibration_rows(
+    data: pathlib.Path = DEFAULT_DATA, clock_data: pathlib.Path = CLOCK_DATA
+) -> list[Row]:
+    """Return the rows the calibration is fitted to: default clocks, then 1200 MHz."""
+    return load_rows(data) + load_rows(clock_data, 1200)
+
+
 # Fitted factors: (name, lower bound, upper bound). Activity entries are "activity.<class>".
 # The compute efficiencies, launch overhead and collective latency are not fitted: the data
 # vary communication knobs only and cannot identify them (kareus.hardware.specs.PRIORS).
 FREE = (
     ("comm_gbs_per_sm", 0.5, 50.0),
     ("comm_thread_exponent", 0.0, 2.0),
-    ("comm_hbm_bytes_per_byte", 0.5, 6.0),
     ("contention", 0.0, 3.0),
-    ("static_power_w", 40.0, 150.0),
-    ("activity.gemm", 0.1, 1.0),
-    ("activity.attention", 0.1, 1.0),
     ("activity.memory", 0.0, 1.0),
-    ("activity.comm", 0.0, 1.0),
-    # HBM2 draws about 4 pJ per bit (JEDEC HBM2; O'Connor et al., 'Fine-grained DRAM',
-    # MICRO 2017): about 32 W per TB/s; at most twice that.
-    ("mem_power_w_per_tbs", 0.0, 64.0),
+    ("activity.comm", 0.0, 1.5),
+    # The clock response (identified by the 1200 MHz rows): the share of static power that
+    # is clock switching, and the voltage floor below the knee (Ampere's core voltage runs
+    # about 0.65-1.08 V: a floor of 0.60-0.95 of the top).
+    ("static_clock_share", 0.0, 0.9),
+    ("v_floor", 0.6, 0.95),
 )
 
-HARNESS = (("compute_slowdown", 1.0, 4.0), ("issue_ms_per_op", 0.0, 2.0))
+HARNESS = (
+    ("compute_slowdown", 1.0, 4.0),
+    ("issue_ms_per_op", 0.0, 2.0),
+    ("stall_clock_share", 0.0, 1.0),
+)
 """Factors of the measuring harness, not of the GPU: fitted with :data:`FREE` to this data set
 and never used in planning (:class:`~kareus.hardware.emulator.Harness`)."""
 
@@ -157,6 +168,7 @@ def shipped_harness() -> Harness:
     return Harness(
         float(fitted.get("compute_slowdown", 1.0)),
         None if issue_ms is None else float(issue_ms) * 1e-3,
+        float(fitted.get("stall_clock_share", 1.0)),
     )
 
 
@@ -196,34 +208,70 @@ class Fit:
     at_bound: tuple[str, ...]
 
 
+DIFFERENCE_WEIGHT = 2.0
+"""Weight of a difference between two rows against a row's level in the fit's criterion."""
+
+
+def differences(rows: Sequence[Row]) -> list[tuple[int, int]]:
+    """Return (row, baseline row) index pairs: the differences kareus plans on.
+
+    Each overlapped row against the serial row of its clock, SM count and CTA size (what
+    overlap saves), and each row at another clock against the same knobs at the highest
+    clock in ``rows`` (what the clock saves). The fit weighs these log ratios beside the
+    rows' levels: a model right per row but wrong on differences would plan wrongly.
+    """
+    top = max(r.knobs.freq_mhz for r in rows)
+    index = {r.knobs: i for i, r in enumerate(rows)}
+    out = []
+    for i, row in enumerate(rows):
+        k = row.knobs
+        if k.launch_slot is not None:
+            serial = dataclasses.replace(k, launch_slot=None, wait_after=None)
+            if serial in index:
+                out.append((i, index[serial]))
+        if k.freq_mhz != top and (j := index.get(dataclasses.replace(k, freq_mhz=top))) is not None:
+            out.append((i, j))
+    return out
+
+
+def _initial(base: Calibration, spec: GPUSpec) -> list[float]:
+    x0 = []
+    for name, lo, hi in FREE:
+        if name.startswith("activity."):
+            v = base.activity[name.split(".", 1)[1]]
+        elif name == "v_floor":
+            v = base.v_floor if base.v_floor is not None else spec.v_floor
+        else:
+            v = getattr(base, name)
+        x0.append(min(max(v, lo), hi))
+    return [*x0, 2.0, 0.1, 0.5]
+
+
 def fit(spec: GPUSpec, rows: Sequence[Row]) -> Fit:
     """Fit the :data:`FREE` factors and the :data:`HARNESS` factors by least squares.
 
-    On log time and log energy; the :data:`~kareus.hardware.specs.PRIORS` stay as they are.
+    On log time and log energy of every row and, weighted by :data:`DIFFERENCE_WEIGHT`,
+    on the log ratios of :func:`differences`; the :data:`~kareus.hardware.specs.PRIORS`
+    stay as they are.
     """
     import numpy as np
     from scipy.optimize import least_squares
 
     base = spec.calibration
-    x0 = []
-    for name, lo, hi in FREE:
-        v = (
-            base.activity[name.split(".", 1)[1]]
-            if name.startswith("activity.")
-            else getattr(base, name)
-        )
-        x0.append(min(max(v, lo), hi))
-    x0 += [2.0, 0.1]
+    x0 = _initial(base, spec)
     meas = np.log([[r.time_s, r.energy_j] for r in rows])
+    pairs = np.array(differences(rows) or [(0, 0)])
+    meas_diff = meas[pairs[:, 0]] - meas[pairs[:, 1]]
     n = len(FREE)
 
     def harness(x: np.ndarray) -> Harness:
-        return Harness(float(x[n]), float(x[n + 1]) * 1e-3)
+        return Harness(float(x[n]), float(x[n + 1]) * 1e-3, float(x[n + 2]))
 
     def residuals(x: np.ndarray) -> np.ndarray:
         cal = with_params(base, list(x[:n]), "fit in progress")
         pred = np.log(predict(spec.with_calibration(cal, ""), rows, harness=harness(x)))
-        return (pred - meas).ravel()
+        diff = pred[pairs[:, 0]] - pred[pairs[:, 1]] - meas_diff
+        return np.concatenate([(pred - meas).ravel(), DIFFERENCE_WEIGHT * diff.ravel()])
 
     names = [*FREE, *HARNESS]
     bounds = ([b[1] for b in names], [b[2] for b in names])
@@ -240,20 +288,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Fit and write the A100 calibration; print the fitted factors."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--data", type=pathlib.Path, default=DEFAULT_DATA)
+    parser.add_argument(
+        "--clock-data",
+        type=pathlib.Path,
+        default=CLOCK_DATA,
+        help="the same partition at a locked 1200 MHz (the clock response)",
+    )
     parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    if not args.data.exists():
-        raise SystemExit(f"measured data not found at {args.data}; pass --data PATH")
-    rows = load_rows(args.data)
+    for path in (args.data, args.clock_data):
+        if not path.exists():
+            raise SystemExit(f"measured data not found at {path}; pass --data/--clock-data PATH")
+    rows = calibration_rows(args.data, args.clock_data)
     spec = GPUS["a100-sxm4-40gb"]
     fitted = fit(spec, rows)
     cal = fitted.calibration
     provenance = (
         f"fitted by kareus.hardware.calibrate to {len(rows)} measured configurations of "
-        "shared/data/a100_fwd_attention_tp2/default_clock.csv (Kareus research code, "
-        "commit 9b64d9e9; "
-        "two A100-SXM4, default clocks, fp16 forward-attention partition at TP 2) on "
-        f"{datetime.date.today().isoformat()}"
+        "shared/data/a100_fwd_attention_tp2 (Kareus research code, commit 9b64d9e9; two "
+        "A100-SXM4, fp16 forward-attention partition at TP 2; default clocks and locked "
+        f"1200 MHz), levels and differences, on {datetime.date.today().isoformat()}"
     )
     cal = dataclasses.replace(cal, source=provenance)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -263,6 +317,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "fit": {
             "compute_slowdown": fitted.harness.compute_slowdown,
             "issue_ms_per_op": (fitted.harness.issue_s_per_op or 0.0) * 1e3,
+            "stall_clock_share": fitted.harness.stall_clock_share,
             "at_bound": list(fitted.at_bound),
         },
     }
@@ -271,11 +326,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     for key, value in cal.to_dict().items():
         if key != "source":
             how = "prior" if key in PRIORS else "fitted" if key in fitted_names else ""
+            if key == "activity":
+                how = ", ".join(f"{c} {'fitted' if c in fitted_names else 'prior'}" for c in value)
             print(f"{key:26} {value}  {how}")
     issue_ms = (fitted.harness.issue_s_per_op or 0.0) * 1e3
     for name, value in (
         ("compute_slowdown", fitted.harness.compute_slowdown),
         ("issue_ms_per_op", issue_ms),
+        ("stall_clock_share", fitted.harness.stall_clock_share),
     ):
         print(f"{name:26} {value}  harness (this data set only)")
     print("fitted factors at a bound: " + (", ".join(fitted.at_bound) or "none"))

@@ -50,6 +50,9 @@ class Harness:
             is stalls: the math pipes and memory are busy for the model's time only, so the
             kernel draws less power than an efficient one. The data identify it only as
             one sum (every row runs the same ops).
+        stall_clock_share: the share of those stalls that lengthens as the clock falls
+            (the rest, launch gaps and memory latency, does not): the 1200 MHz rows'
+            time ratio identifies it.
         issue_s_per_op: host time to issue one op. Its custom collective kernel does not
             wait on the compute stream, so it starts when the host issues its launch slot's
             op (at slot x this), ahead of the GPU: launching it at the last op is measured
@@ -59,6 +62,7 @@ class Harness:
 
     compute_slowdown: float = 1.0
     issue_s_per_op: float | None = None
+    stall_clock_share: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +145,12 @@ class Emulator:
         bw = spec.memory_bandwidth_gbs * 1e9 * cal.eff_memory * bw_fraction
         bw *= min(1.0, sm_frac / _MEM_SAT_SM_FRACTION) * min(1.0, speed / cal.mem_clock_knee)
         t_memory = op.bytes / bw
-        t_kernel = max(t_compute, t_memory) * self.harness.compute_slowdown
+        t_kernel = max(t_compute, t_memory)
+        if self.harness.compute_slowdown != 1.0:
+            t_at_max = max(t_compute * speed, t_memory * min(1.0, speed / cal.mem_clock_knee))
+            scaled = self.harness.stall_clock_share
+            stall = (1 - scaled) * t_at_max + scaled * t_kernel
+            t_kernel += (self.harness.compute_slowdown - 1.0) * stall
         total = t_kernel + cal.launch_overhead_us * 1e-6
         return OpRun(
             time_s=total,
@@ -169,14 +178,34 @@ class Emulator:
         return self._latency(coll) + bus_bytes(coll) / self.collective_rate(knobs, knobs.freq_mhz)
 
     def _latency(self, coll: CollectiveCost) -> float:
-        if coll.world_size <= 1:
+        """Return a ring collective's latency: a base plus one link latency per ring step.
+
+        An all-reduce takes 2(p - 1) steps (reduce-scatter, then all-gather), the others
+        p - 1 (NCCL's tuning model, src/graph/tuning.cc): at TP 8 on NVLink about 56 us,
+        paid in full by a collective that runs alone and hidden by one that overlaps.
+        """
+        p = coll.world_size
+        if p <= 1:
             return 0.0
-        return (self.cal.comm_latency_us + self.spec.interconnect.latency_us) * 1e-6
+        steps = 2 * (p - 1) if coll.kind == "all_reduce" else p - 1
+        return (self.cal.comm_latency_us + steps * self.spec.interconnect.latency_us) * 1e-6
 
     # ---- power ---------------------------------------------------------------------------
 
-    def _sm_power(self, run: OpRun | None, op_class: str, sms: float, comm_sms: float) -> float:
-        """Dynamic SM-side power at the maximum clock (scaled by f·V² by the caller)."""
+    def _sm_power(
+        self,
+        run: OpRun | None,
+        op_class: str,
+        sms: float,
+        comm_sms: float,
+        comm_load: float = 1.0,
+    ) -> float:
+        """Dynamic SM-side power at the maximum clock (scaled by f·V² by the caller).
+
+        ``comm_load``: the collective's copy rate as a share of its rate alone. Its CTAs
+        draw power for the bytes they move: slowed beside compute, they wait on memory and
+        issue less, so a byte costs the same energy overlapped or not.
+        """
         act = self.cal.activity
         power = 0.0
         if run is not None and run.time_s > 0:
@@ -189,19 +218,22 @@ class Emulator:
                 * (cls * busy + act["memory"] * (1 - busy))
             )
         if comm_sms:
-            power += self.p_dyn_max * comm_sms / self.spec.sm_count * act["comm"]
+            power += self.p_dyn_max * comm_sms / self.spec.sm_count * act["comm"] * comm_load
         return power
 
     def static_power(self, freq_mhz: float) -> float:
         """Return the power drawn at ``freq_mhz`` with nothing running.
 
         ``spec.leakage_fraction`` of the static power at the maximum clock is leakage, which
-        scales with the core voltage; the rest (board, fans, memory refresh, I/O) does not.
-        Planning charges idle time at the maximum clock's static power (:meth:`idle`); an op
-        run at a lower clock saves the difference.
+        scales with the core voltage; ``calibration.static_clock_share`` is the clock network
+        and idle logic switching at the locked clock, which scales with f·V² like any dynamic
+        power; the rest (board, fans, memory refresh, I/O) does not. Planning charges idle
+        time at the maximum clock's static power (:meth:`idle`); an op run at a lower clock
+        saves the difference.
         """
-        leak = self.spec.leakage_fraction
-        return self.cal.static_power_w * (1 - leak * (1 - self.spec.voltage(freq_mhz)))
+        spec, clock = self.spec, self.cal.static_clock_share
+        leak = spec.leakage_fraction * (1 - spec.voltage(freq_mhz))
+        return self.cal.static_power_w * (1 - leak - clock * (1 - spec.dynamic_scale(freq_mhz)))
 
     def _mem_power(self, bytes_per_s: float) -> float:
         return self.cal.mem_power_w_per_tbs * bytes_per_s / 1e12
@@ -273,7 +305,8 @@ class Emulator:
                     _, rate, comm_hbm = comm_step(knobs.freq_mhz)
                 bw_left = max(_MIN_BW_LEFT, 1 - comm_hbm / (spec.memory_bandwidth_gbs * 1e9))
                 probe = self.run_op(op, knobs.freq_mhz, n_comp, bw_left)
-                sm_p = self._sm_power(probe, op.op_class, n_comp, n_comm)
+                load = 1.0 / (1.0 + cal.contention)
+                sm_p = self._sm_power(probe, op.op_class, n_comp, n_comm, load)
                 mem_p = self._mem_power(probe.mem_bytes_per_s + comm_hbm)
                 freq = self._throttled_clock(knobs.freq_mhz, sm_p, mem_p)
                 throttled |= freq < knobs.freq_mhz - 1e-6
@@ -285,7 +318,8 @@ class Emulator:
                 dt = min(dt_op, dt_comm, max(issue_at - t, 0.0) if not comm_on else math.inf)
                 power = (
                     self.static_power(freq)
-                    + self._sm_power(run, op.op_class, n_comp, n_comm) * spec.dynamic_scale(freq)
+                    + self._sm_power(run, op.op_class, n_comp, n_comm, load)
+                    * spec.dynamic_scale(freq)
                     + self._mem_power(run.mem_bytes_per_s + comm_hbm)
                 )
                 t += dt

@@ -51,9 +51,12 @@ _FLASH = (
     "attention is 1.7-2.3x faster on Hopper (same PR)"
 )
 _VF_A100 = (
-    f"{_VF}. A100 knee 0.75 (1058 MHz), floor 0.80, leakage share 0.25: fitted to the energies "
-    "of the 85 reference A100 pipeline plans (in-sample; how, and what else the grid shows: "
-    "docs/fidelity.md, 'The A100 voltage curve')"
+    f"{_VF}. A100 floor: fitted by kareus.hardware.calibrate to the partition measured at "
+    "1200 MHz and at the default clock (they fix the voltage at 1200 MHz; the fitted floor is "
+    "in the calibration and replaces the 0.80 here). Knee 0.80 (1128 MHz): chosen among "
+    "0.70-0.85 on the 75 unflagged reference A100 pipeline plans, by the Perseus frontier "
+    "slopes it reproduces, then the plans' energy error (in-sample; with each configuration "
+    "left out in turn, the same knee for 3 of 4: docs/fidelity.md, 'The A100 voltage curve')"
 )
 
 
@@ -89,9 +92,34 @@ PRIORS = {
         "plans' (time |error| median 7.3 -> 9.8 %), so 0.45 stays"
     ),
     "comm_latency_us": (
-        "none beyond the link's: NCCL's small-message all-reduce latency on NVLink is the "
-        "interconnect's latency_us (nccl-tests)"
+        "NCCL's base latency of a ring collective with its Simple protocol (the one large "
+        "messages use), 8.4 us; each ring step adds the link's latency (InterconnectSpec."
+        "latency_us): NCCL's own tuning model, NVIDIA/nccl src/graph/tuning.cc (baseLat, "
+        "hwLat)"
     ),
+    "static_power_w": (
+        f"{_STATIC_A100}. Checked on the partition data: the slow single-SM collectives "
+        "there add about 86 W per GPU per second of their run at the default clock and 69 W "
+        "at 1200 MHz (their marginal power), the level and the clock response "
+        "static_clock_share gives. Fitted freely, the partition puts it at 64 W, with the "
+        "difference moved to the kernels' power"
+    ),
+    "comm_hbm_bytes_per_byte": (
+        "a ring all-reduce step reads the local chunk and the received one and writes their "
+        "sum: 3 bytes of HBM traffic per byte sent. Fitted, the partition runs it to its "
+        "lower bound"
+    ),
+    "mem_power_w_per_tbs": (
+        "HBM2 draws about 4 pJ per bit (JEDEC HBM2; O'Connor et al., 'Fine-grained DRAM', "
+        "MICRO 2017): 32 W per TB/s, 40 with the memory controller. Fitted, the partition "
+        "runs it to its upper bound (64): it cannot tell memory power from the kernels'"
+    ),
+    "activity.gemm": (
+        "assumption: a GEMM keeping every SM's tensor cores busy at the maximum clock draws the "
+        "TDP (A100s power-throttle under large GEMMs); the partition's kernels, stretched by "
+        "their harness, cannot tell the kernels' activity from their stalls"
+    ),
+    "activity.attention": "assumption: 0.9 of a GEMM's (FlashAttention's softmax stalls)",
 }
 """Datasheet-like factors of :class:`Calibration` that the measured partitions cannot
 identify (they vary communication knobs only), kept at published values, with sources; the
@@ -104,51 +132,53 @@ class UnknownGPUError(KareusError, KeyError):
 
 @dataclasses.dataclass(frozen=True)
 class InterconnectSpec:
-    """A GPU-to-GPU link: bandwidth per direction and latency of one transfer."""
+    """A GPU-to-GPU link: bandwidth per direction and latency of one ring step."""
 
     name: str
     bandwidth_gbs: float  # per direction, per GPU
-    latency_us: float
+    latency_us: float  # per step of a ring collective (an all-reduce over p GPUs: 2(p - 1))
     source: str
 
 
+_NCCL_STEP = (
+    "latency of one ring step with the Simple protocol, from NCCL's own tuning model "
+    "(NVIDIA/nccl src/graph/tuning.cc, hwLat: NVLink 3.4 us, PCIe 5.7 us, network 9.6 us)"
+)
 NVLINK3 = InterconnectSpec(
     "NVLink 3 (A100 SXM4)",
     300.0,
-    8.0,
-    f"{_DATASHEET_A100}: 12 links x 25 GB/s per direction = 600 GB/s total; latency: NCCL "
-    "small-message all-reduce on DGX A100 is about 8-10 us (nccl-tests)",
+    3.4,
+    f"{_DATASHEET_A100}: 12 links x 25 GB/s per direction = 600 GB/s total; {_NCCL_STEP}",
 )
 NVLINK4 = InterconnectSpec(
     "NVLink 4 (H100/H200 SXM5)",
     450.0,
-    6.0,
-    f"{_DATASHEET_H100}: 18 links x 25 GB/s per direction = 900 GB/s total; latency: "
-    "assumed a little below NVLink 3's",
+    3.4,
+    f"{_DATASHEET_H100}: 18 links x 25 GB/s per direction = 900 GB/s total; {_NCCL_STEP} "
+    "(one NVLink figure for every generation)",
 )
 IB_HDR = InterconnectSpec(
     "InfiniBand HDR, one 200 Gb/s port per GPU (DGX A100)",
     25.0,
-    20.0,
+    9.6,
     "NVIDIA DGX A100 datasheet (2020): 8 single-port ConnectX-6 VPI HDR 200 Gb/s "
-    "InfiniBand adapters for the compute fabric, one per GPU: 25 GB/s per direction; "
-    "latency: NCCL's inter-node small-message all-reduce is some tens of microseconds "
-    "(nccl-tests on HDR clusters), taken as 20 us; uncalibrated",
+    f"InfiniBand adapters for the compute fabric, one per GPU: 25 GB/s per direction; "
+    f"{_NCCL_STEP}; every step priced at the network's (uncalibrated)",
 )
 IB_NDR = InterconnectSpec(
     "InfiniBand NDR, one 400 Gb/s port per GPU (DGX H100/H200)",
     50.0,
-    20.0,
+    9.6,
     "NVIDIA DGX H100 and DGX H200 datasheets (2023, 2024): 8 single-port ConnectX-7 NDR "
-    "400 Gb/s adapters for the compute fabric, one per GPU: 50 GB/s per direction; latency "
-    "as HDR's; uncalibrated",
+    f"400 Gb/s adapters for the compute fabric, one per GPU: 50 GB/s per direction; "
+    f"{_NCCL_STEP}; uncalibrated",
 )
 PCIE4 = InterconnectSpec(
     "PCIe 4.0 x16",
     32.0,
-    15.0,
+    5.7,
     "PCI-SIG PCIe 4.0 specification: 16 GT/s x 16 lanes, about 32 GB/s per direction; "
-    "latency: typical host-staged NCCL latency (nccl-tests on PCIe systems)",
+    f"{_NCCL_STEP}",
 )
 
 
@@ -166,12 +196,17 @@ class Calibration:
         comm_gbs_per_sm: bytes a collective moves per second per SM at the maximum clock,
             with 1024-thread CTAs.
         comm_thread_exponent: a CTA of t threads copies (t/1024)**exponent as fast.
-        comm_latency_us: fixed cost of one collective.
+        comm_latency_us: fixed cost of one collective, beside the per-step link latency.
         comm_link_efficiency: achieved fraction of the datasheet link bandwidth.
         comm_hbm_bytes_per_byte: local memory traffic per byte the collective moves.
         contention: a collective copies 1/(1 + contention) as fast while compute kernels run
             beside it (they share SMs, issue slots and the memory system).
         static_power_w: power drawn at the maximum clock while blocked on communication.
+        static_clock_share: the share of ``static_power_w`` that is the clock network and
+            idle logic switching at the locked clock: it falls with f·V(f)² as the clock is
+            lowered (an idle GPU at a lower locked clock draws less).
+        v_floor: the voltage floor fitted with these factors, replacing the spec's prior;
+            None keeps the spec's.
         activity: dynamic power of each class at full activity and maximum clock, as a
             fraction of (TDP - static power): gemm, attention, memory (SM side), comm.
         mem_power_w_per_tbs: power of memory traffic, watts per TB/s.
@@ -185,13 +220,15 @@ class Calibration:
     launch_overhead_us: float = 4.0
     comm_gbs_per_sm: float = 10.0
     comm_thread_exponent: float = 1.0
-    comm_latency_us: float = 0.0
+    comm_latency_us: float = 8.4
     comm_link_efficiency: float = 0.77
     comm_hbm_bytes_per_byte: float = 3.0
     contention: float = 0.3
     static_power_w: float = 85.0
+    static_clock_share: float = 0.0
+    v_floor: float | None = None
     activity: dict[str, float] = dataclasses.field(
-        default_factory=lambda: {"gemm": 0.9, "attention": 0.8, "memory": 0.3, "comm": 0.2}
+        default_factory=lambda: {"gemm": 1.0, "attention": 0.9, "memory": 0.3, "comm": 0.2}
     )
     mem_power_w_per_tbs: float = 40.0
     source: str = "uncalibrated priors"
@@ -292,8 +329,11 @@ class GPUSpec:
         return dataclasses.replace(self, interconnect=self.network or self.interconnect)
 
     def with_calibration(self, calibration: Calibration, source: str) -> GPUSpec:
-        """Return a copy that uses ``calibration``."""
-        return dataclasses.replace(self, calibration=calibration, calibration_source=source)
+        """Return a copy that uses ``calibration`` (and its voltage floor, if it has one)."""
+        floor = self.v_floor if calibration.v_floor is None else calibration.v_floor
+        return dataclasses.replace(
+            self, calibration=calibration, calibration_source=source, v_floor=floor
+        )
 
 
 def _a100(name: str, memory_gb: float, bandwidth_gbs: float, bw_source: str) -> GPUSpec:
@@ -310,7 +350,7 @@ def _a100(name: str, memory_gb: float, bandwidth_gbs: float, bw_source: str) -> 
         tdp_w=400.0,
         interconnect=NVLINK3,
         network=IB_HDR,
-        vf_knee=0.75,
+        vf_knee=0.80,
         v_floor=0.80,
         leakage_fraction=0.25,
         gemm_ceiling=0.859,
@@ -320,7 +360,8 @@ def _a100(name: str, memory_gb: float, bandwidth_gbs: float, bw_source: str) -> 
             "clocks": _SMI,
             "memory_bandwidth_gbs": bw_source,
             "static_power_w": _STATIC_A100,
-            "vf_knee, v_floor, leakage_fraction": _VF_A100,
+            "vf_knee, v_floor": _VF_A100,
+            "leakage_fraction": _LEAK,
             "gemm_ceiling": _MAMF,
             "attention_ceiling": _FLASH,
         },
@@ -469,6 +510,7 @@ def gpu(name: str) -> GPUSpec:
         eff_gemm=cal.eff_gemm * spec.gemm_ceiling / a100.gemm_ceiling,
         eff_attention=cal.eff_attention * spec.attention_ceiling / a100.attention_ceiling,
         static_power_w=cal.static_power_w * _STATIC_SCALED[key],
+        v_floor=None,  # the A100's voltage floor is the A100's: this GPU keeps its prior
     )
     return spec.with_calibration(
         scaled,
