@@ -36,6 +36,16 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
 def _layers_traced(text: str) -> int:
     from kareus.jobs.trace import TEMPLATE_POSITION
 
@@ -166,6 +176,15 @@ def _search_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clocks", type=_ints, help="SM clocks to consider, MHz, comma-separated")
     p.add_argument("--sm-shares", type=_ints, help="SM shares of the collective, comma-separated")
     p.add_argument("--exhaustive", action="store_true", help="evaluate the whole knob grid")
+    p.add_argument(
+        "--solver-work",
+        type=_positive,
+        default=None,
+        metavar="UNITS",
+        help="CP-SAT's deterministic work per solve and 64 instructions (default 1.0; "
+        "about seconds of one core): less plans sooner with larger proven gaps, the same "
+        "plan on any machine either way",
+    )
     p.add_argument(
         "--gpu-profile",
         type=pathlib.Path,
@@ -730,6 +749,7 @@ def _settings(args: argparse.Namespace) -> Any:
         exhaustive=args.exhaustive,
         switch=switch_cost(profile) if profile is not None else None,
         **({"sm_shares": args.sm_shares} if args.sm_shares else {}),
+        **({"solver_time_limit_s": args.solver_work} if args.solver_work is not None else {}),
     )
 
 

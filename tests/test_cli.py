@@ -13,6 +13,7 @@ from kareus.jobs.trace import Workload, trace
 from kareus.models import LlamaConfig
 
 SMALL = ["--model", "tiny-4l", "--tp", "2", "--microbatch-size", "4", "--seq-len", "32"]
+SMALL += ["--solver-work", "0.2"]  # these tests check what is planned and written, not gaps
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +145,7 @@ def test_bad_input_gets_its_error_and_exit_status(args, rc, message, capsys):
     [
         (["--clocks", "fast"], "comma-separated list of integers"),
         (["--layers-traced", "2"], "trace at least 4 layers per stage"),
+        (["--solver-work", "0"], "'0' must be positive"),
     ],
 )
 def test_malformed_options_are_rejected_by_the_parser(option, message, capsys):
@@ -392,3 +394,13 @@ def test_extracted_programs_cost_what_the_partition_set_records(recwarn, nanobat
     assert blocks == set(traced.pset.block_other["forward"])
     if nanobatches == 1:
         assert blocks == {f"layers.{i}" for i in range(4)}
+
+
+def test_solver_work_sets_cp_sat_work_per_solve():
+    from kareus.cli import _parser, _settings
+    from kareus.planner import PlannerSettings
+
+    args = _parser().parse_args(["plan", *SMALL])
+    assert _settings(args).solver_time_limit_s == 0.2
+    default = _parser().parse_args(["plan", "--model", "tiny-4l"])
+    assert _settings(default).solver_time_limit_s == PlannerSettings().solver_time_limit_s
