@@ -1,12 +1,15 @@
 """Fit the hardware model's free factors to measured partitions, reproducibly.
 
-Run ``python -m kareus.hardware.calibrate [--data CSV] [--out JSON]``. It reads the measured
-forward-attention partition of two A100-SXM4 GPUs at tensor parallelism 2 (shared/data), fits
-the :class:`~kareus.hardware.specs.Calibration` factors that no datasheet gives (op-class
-efficiencies, the collective's per-SM copy rate, thread and contention factors, static power,
-activity factors) by least squares on log time and log energy, and writes them with their
-provenance to ``kareus/hardware/calibration/a100_sxm4.json``. Datasheet numbers (peaks,
-bandwidths, TDP, SM count) are not fitted.
+Run ``python -m kareus.hardware.calibrate [--data CSV] [--clock-data CSV] [--out JSON]``. It
+reads the measured forward-attention partition of two A100-SXM4 GPUs at tensor parallelism 2
+(shared/data) at the default clock and locked at 1200 MHz, fits the
+:class:`~kareus.hardware.specs.Calibration` factors that no datasheet gives (the collective's
+per-SM copy rate, thread and contention factors, the activity of stalled kernels and of the
+collective, the share of static power that is clock switching, the voltage floor) by least
+squares on log time and log energy of every row and on the log ratios between rows that
+kareus plans on (:func:`differences`), and writes them with their provenance to
+``kareus/hardware/calibration/a100_sxm4.json``. Datasheet numbers (peaks, bandwidths, TDP, SM
+count) and the priors of :data:`kareus.hardware.specs.PRIORS` are not fitted.
 """
 
 from __future__ import annotations
@@ -144,7 +147,7 @@ FREE = (
     ("comm_thread_exponent", 0.0, 2.0),
     ("contention", 0.0, 3.0),
     ("activity.memory", 0.0, 1.0),
-    ("activity.comm", 0.0, 1.5),
+    ("activity.comm", 0.0, 1.0),
     # The clock response (identified by the 1200 MHz rows): the share of static power that
     # is clock switching, and the voltage floor below the knee (Ampere's core voltage runs
     # about 0.65-1.08 V: a floor of 0.60-0.95 of the top).
