@@ -37,6 +37,9 @@ parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
 parser.add_argument("--gpu", default="a100-40gb", help="GPU type the plan is made for")
 parser.add_argument("--plan", help="a plan.json for this configuration (else planned now)")
 parser.add_argument("--out", default="kareus-pipeline", help="where the plan is written")
+parser.add_argument(
+    "--solver-work", default="1.0", help="kareus plan's CP-SAT work per solve (less: sooner)"
+)
 args = parser.parse_args()
 
 MICROBATCHES, MB_SIZE, SEQ = 4, 4, 32
@@ -64,6 +67,7 @@ try:
             command += ["--gpu", args.gpu, "--tp", str(args.tp), "--pp", str(pp)]
             command += ["--microbatches", str(MICROBATCHES), "--microbatch-size", str(MB_SIZE)]
             command += ["--seq-len", str(SEQ), "--dtype", "fp32", "--out", str(out), "--quiet"]
+            command += ["--solver-work", args.solver_work]
             subprocess.run(
                 command,
                 check=True,
