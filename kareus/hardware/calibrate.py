@@ -147,7 +147,7 @@ FREE = (
     ("comm_thread_exponent", 0.0, 2.0),
     ("contention", 0.0, 3.0),
     ("activity.memory", 0.0, 1.0),
-    ("activity.comm", 0.0, 1.0),
+    ("activity.comm", 0.0, 1.5),
     # The clock response (identified by the 1200 MHz rows): the share of static power that
     # is clock switching, and the voltage floor below the knee (Ampere's core voltage runs
     # about 0.65-1.08 V: a floor of 0.60-0.95 of the top).
