@@ -436,7 +436,7 @@ def main() -> None:
     table = []
     rhos = []
     fastest: dict[tuple[tuple, str], tuple[float, float]] = {}
-    points: dict[tuple, dict[str, dict[str, Points]]] = collections.defaultdict(dict)
+    priced_sets: dict[tuple[tuple, str], tuple[Pairs, Pairs]] = {}
     for key, by_method in list(reference().items())[: args.configs]:
         tp, cp, _pp, mbs, seq, _micro = key
         start = time.perf_counter()
@@ -446,10 +446,7 @@ def main() -> None:
             if not plans:
                 continue
             t_pairs, e_pairs = priced(key, plans, method, args.recompute)
-            points[key][ref_method] = {
-                "reference": [(t[1], e[1]) for t, e in zip(t_pairs, e_pairs, strict=True)],
-                "kareus": [(t[0], e[0]) for t, e in zip(t_pairs, e_pairs, strict=True)],
-            }
+            priced_sets[(key, ref_method)] = (t_pairs, e_pairs)
             fastest[(key, ref_method)] = min(t_pairs, key=lambda p: p[1])
             all_t += t_pairs
             all_e += e_pairs
@@ -544,7 +541,7 @@ def main() -> None:
     )
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for row in savings_rows(points):
+    for row in savings_rows(_points(priced_sets)):
         print("| " + " | ".join(row) + " |")
     rows = calibration_rows()
     pred = predict(gpu("a100-sxm4-40gb"), rows, harness=shipped_harness())

@@ -104,13 +104,22 @@ def matmul_fill(dims: tuple[int, ...], sms: int) -> float:
     return min(1.0, best)
 
 
-def bus_bytes(coll: CollectiveCost) -> float:
-    """Return the bytes each rank sends for ``coll`` (ring/NVLS algorithm traffic)."""
+def ring_steps(coll: CollectiveCost) -> int:
+    """Return the steps of ``coll`` around a ring of its ranks.
+
+    An all-reduce takes 2(p - 1) (reduce-scatter, then all-gather), the others p - 1; each
+    step moves 1/p of the tensor and pays the link's latency (NCCL's tuning model,
+    src/graph/tuning.cc).
+    """
     p = coll.world_size
     if p <= 1:
-        return 0.0
-    factor = 2 * (p - 1) / p if coll.kind == "all_reduce" else (p - 1) / p
-    return factor * coll.bytes
+        return 0
+    return 2 * (p - 1) if coll.kind == "all_reduce" else p - 1
+
+
+def bus_bytes(coll: CollectiveCost) -> float:
+    """Return the bytes each rank sends for ``coll`` (ring/NVLS algorithm traffic)."""
+    return ring_steps(coll) / coll.world_size * coll.bytes
 
 
 class Emulator:
@@ -143,11 +152,12 @@ class Emulator:
                 eff *= matmul_fill(op.dims, spec.sm_count)
         t_compute = op.flops / (peak * speed * sm_frac * eff)
         bw = spec.memory_bandwidth_gbs * 1e9 * cal.eff_memory * bw_fraction
-        bw *= min(1.0, sm_frac / _MEM_SAT_SM_FRACTION) * min(1.0, speed / cal.mem_clock_knee)
+        mem_speed = min(1.0, speed / cal.mem_clock_knee)
+        bw *= min(1.0, sm_frac / _MEM_SAT_SM_FRACTION) * mem_speed
         t_memory = op.bytes / bw
         t_kernel = max(t_compute, t_memory)
         if self.harness.compute_slowdown != 1.0:
-            t_at_max = max(t_compute * speed, t_memory * min(1.0, speed / cal.mem_clock_knee))
+            t_at_max = max(t_compute * speed, t_memory * mem_speed)
             scaled = self.harness.stall_clock_share
             stall = (1 - scaled) * t_at_max + scaled * t_kernel
             t_kernel += (self.harness.compute_slowdown - 1.0) * stall
@@ -180,14 +190,12 @@ class Emulator:
     def _latency(self, coll: CollectiveCost) -> float:
         """Return a ring collective's latency: a base plus one link latency per ring step.
 
-        An all-reduce takes 2(p - 1) steps (reduce-scatter, then all-gather), the others
-        p - 1 (NCCL's tuning model, src/graph/tuning.cc): at TP 8 on NVLink about 56 us,
-        paid in full by a collective that runs alone and hidden by one that overlaps.
+        At TP 8 on NVLink about 56 us for an all-reduce (:func:`ring_steps`), paid in full by
+        a collective that runs alone and hidden by one that overlaps.
         """
-        p = coll.world_size
-        if p <= 1:
+        steps = ring_steps(coll)
+        if steps == 0:
             return 0.0
-        steps = 2 * (p - 1) if coll.kind == "all_reduce" else p - 1
         return (self.cal.comm_latency_us + steps * self.spec.interconnect.latency_us) * 1e-6
 
     # ---- power ---------------------------------------------------------------------------
@@ -291,6 +299,7 @@ class Emulator:
             rate = self.collective_rate(knobs, freq, beside_compute=True)
             return lat_left + comm_left / rate, rate, rate * cal.comm_hbm_bytes_per_byte
 
+        load = 1.0 / (1.0 + cal.contention)  # the collective's rate beside compute, as a share
         for i, op in enumerate(ops):
             if overlap and i == knobs.launch_slot:
                 comm_on = True
@@ -305,7 +314,6 @@ class Emulator:
                     _, rate, comm_hbm = comm_step(knobs.freq_mhz)
                 bw_left = max(_MIN_BW_LEFT, 1 - comm_hbm / (spec.memory_bandwidth_gbs * 1e9))
                 probe = self.run_op(op, knobs.freq_mhz, n_comp, bw_left)
-                load = 1.0 / (1.0 + cal.contention)
                 sm_p = self._sm_power(probe, op.op_class, n_comp, n_comm, load)
                 mem_p = self._mem_power(probe.mem_bytes_per_s + comm_hbm)
                 freq = self._throttled_clock(knobs.freq_mhz, sm_p, mem_p)

@@ -162,7 +162,7 @@ IB_HDR = InterconnectSpec(
     25.0,
     9.6,
     "NVIDIA DGX A100 datasheet (2020): 8 single-port ConnectX-6 VPI HDR 200 Gb/s "
-    f"InfiniBand adapters for the compute fabric, one per GPU: 25 GB/s per direction; "
+    "InfiniBand adapters for the compute fabric, one per GPU: 25 GB/s per direction; "
     f"{_NCCL_STEP}; every step priced at the network's (uncalibrated)",
 )
 IB_NDR = InterconnectSpec(
@@ -170,7 +170,7 @@ IB_NDR = InterconnectSpec(
     50.0,
     9.6,
     "NVIDIA DGX H100 and DGX H200 datasheets (2023, 2024): 8 single-port ConnectX-7 NDR "
-    f"400 Gb/s adapters for the compute fabric, one per GPU: 50 GB/s per direction; "
+    "400 Gb/s adapters for the compute fabric, one per GPU: 50 GB/s per direction; "
     f"{_NCCL_STEP}; uncalibrated",
 )
 PCIE4 = InterconnectSpec(
