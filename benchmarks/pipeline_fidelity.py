@@ -525,8 +525,9 @@ def main() -> None:
     for line in _growth(fastest):
         print(line)
     print(
-        "\nwhat nanobatching + Perseus saves over Perseus, reference / kareus's prices of the "
-        "same plans (points of difference in brackets), %: iso-time = least energy no slower "
+        "\nwhat nanobatching + Perseus saves over Perseus, reference (predicted from measured "
+        "profiles) / kareus's prices of the same plans (modelled; points of difference in "
+        "brackets), %: iso-time = least energy no slower "
         "than Perseus's fastest plan; iso-energy = least time at no more energy than it; "
         "fastest-plan energy = the two fastest plans' energies; Perseus frontier = energy "
         "change for 5 % and 10 % more time than its fastest plan"
