@@ -7,13 +7,13 @@
    frontiers of kareus and the baselines. The partition set is built from the shapes
    (kareus.testing.megatron_partition_set); all times and energies are modelled.
 
-3. The composer at scale (``--scale [8x16,16x64]``): Llama 3.3 70B shapes (80 layers, hidden
-   8192, TP 8, micro-batches of 8 x 4096), PP 8 x 16 by default, PP 16 x 64 (2,048
-   instructions) on request,
-   from partition sets built from the shapes (no tracing): planning wall time (measured),
-   frontier points, the largest proven gap and the chosen point's, kareus's least energy
-   against the best uniform-clock plan (every instruction at one clock and one overlap
-   setting), and solves not proven within the gap limit.
+3. The composer at scale (``--scale [8x16,8x64,16x64,16x128]``): Llama 3.3 70B shapes (80
+   layers, hidden 8192, TP 8, micro-batches of 8 x 4096), PP 8 x 16 by default, up to PP
+   16 x 128 (4,096 instructions, about 80 s on 2 cores: the relaxation is a min-cost flow
+   past 128 instructions), from partition sets built from the shapes (no tracing):
+   planning wall time (measured), frontier points, the largest proven gap and the chosen
+   point's, kareus's least energy against the best uniform-clock plan (every instruction
+   at one clock and one overlap setting), and solves not proven within the gap limit.
 
 Run: python benchmarks/planner.py [--gpu a100-sxm4-40gb] [--scale [PPxM,...]]
 """
@@ -96,7 +96,7 @@ def main():
         const="8x16",
         metavar="PPxM,...",
         help="only the composer at 70B scale, for these PP x micro-batch sizes (default 8x16; "
-        "16x64 is 2,048 instructions and takes far longer)",
+        "16x128 is 4,096 instructions and takes minutes)",
     )
     args = parser.parse_args()
     spec = gpu(args.gpu)

@@ -29,16 +29,17 @@ from kareus.planner.dag import (
     Iteration,
     Option,
     SwitchCost,
+    Timing,
     change_energy,
     makespan,
     plan_cost,
-    slack,
     switches,
 )
 from kareus.planner.pareto import TIME_RESOLUTION_S, pareto_front
 
 if TYPE_CHECKING:
-    from kareus.planner.relax import Relaxation
+    from kareus.planner.flow import FlowRelaxation
+    from kareus.planner.relax import Relaxation, Relaxed
 
 _log = logging.getLogger(__name__)
 
@@ -131,6 +132,9 @@ class Composer:
         dive_max_instructions: the relaxation's dive improves the rounded plan only in
             iterations of at most this many instructions (None: any); a larger one keeps
             the rounded plan and its proven gap.
+        flow_min_instructions: iterations of at least this many instructions solve the
+            relaxation as a min-cost flow (:mod:`kareus.planner.flow`: the same bound, a
+            rounding as good, no dive) instead of by the simplex (None: never).
         switch: what a clock change costs (:class:`~kareus.planner.dag.SwitchCost`); every
             plan is priced with it, CP-SAT weighs it, and a change whose saving does not
             pay for it is undone. The relaxation leaves it out: its bound stays a bound.
@@ -150,6 +154,7 @@ class Composer:
         gap_limit: float = 0.0,
         search_max_instructions: int | None = None,
         dive_max_instructions: int | None = None,
+        flow_min_instructions: int | None = None,
         switch: SwitchCost | None = None,
     ) -> None:
         self.it = iteration
@@ -170,9 +175,11 @@ class Composer:
         self.gap_limit = gap_limit
         self.search_max_instructions = search_max_instructions
         self.dive_max_instructions = dive_max_instructions
+        self.flow_min_instructions = flow_min_instructions
         self.solves: list[Solution] = []  # every solve since the last frontier() began
         self.searches = 0  # of which CP-SAT searched (the relaxation had not proven them)
-        self._relaxation: Relaxation | None = None  # built at the first solve, then kept
+        self._relaxation: Relaxation | None = None  # built at its first solve, then kept
+        self._flow: FlowRelaxation | None = None  # likewise
         self._memo: dict[float | None, Solution] = {}  # each bound's solution, since frontier()
         self.switch = switch if switch is not None and switch.time_s > 0 else None
         # the energy of a clock change before each instruction, on all GPUs of its stage
@@ -224,27 +231,14 @@ class Composer:
         Raises:
             KareusError: no plan meets the bound.
         """
-        from kareus.planner.relax import Relaxation
-
         if minimise == "time":
             bound_s = self.fastest_choice().time_s + TIME_RESOLUTION_S
         elif minimise != "energy":
             raise KareusError(f"minimise must be 'energy' or 'time', got {minimise!r}")
-        if self._relaxation is None:
-            self._relaxation = Relaxation(
-                self.it,
-                self.model_options,
-                static_power_w=self.static_w,
-                gpus=self.gpus,
-                gpus_per_stage=self.per_stage,
-            )
         prior = self._memo.get(bound_s)
         if prior is not None:  # solved at this bound already (a point proved twice)
             return self._better(prior, hint, bound_s)
-        dives = self.dive_max_instructions is None or (
-            len(self.it.instructions) <= self.dive_max_instructions
-        )
-        relaxed = self._relaxation.at(bound_s, self.gap_limit if dives else None)
+        relaxed = self._relax(bound_s)
         fits = hint is not None and (bound_s is None or hint.time_s <= bound_s + 1e-9)
         if relaxed is None:
             if fits:  # the relaxation's tolerances, at a bound the hint meets to a hair
@@ -280,6 +274,46 @@ class Composer:
             return self._record(found)
         return self._cp_sat(bound_s, best, relaxed.bound_j, fastest=minimise == "time")
 
+    def _relax(self, bound_s: float | None) -> Relaxed | None:
+        """Return the relaxation's bound and plan within ``bound_s`` (None: no plan fits).
+
+        Past ``flow_min_instructions`` the flow solves it; where the flow's plan is not
+        proven within the gap limit and the iteration is small enough to dive, the simplex
+        dives too, and the better bound and plan are kept.
+        """
+        from kareus.planner.flow import FlowRelaxation
+        from kareus.planner.relax import Relaxation, Relaxed
+
+        n = len(self.it.instructions)
+        dives = self.dive_max_instructions is None or n <= self.dive_max_instructions
+        flows = self.flow_min_instructions is not None and n >= self.flow_min_instructions
+        kw: dict[str, Any] = {
+            "static_power_w": self.static_w,
+            "gpus": self.gpus,
+            "gpus_per_stage": self.per_stage,
+        }
+        first: Relaxed | None = None
+        if flows:
+            if self._flow is None:
+                self._flow = FlowRelaxation(self.it, self.model_options, **kw)
+            first = self._flow.at(bound_s)
+            if first is None or not dives or self._proven(first):
+                return first
+        if self._relaxation is None:
+            self._relaxation = Relaxation(self.it, self.model_options, **kw)
+        second = self._relaxation.at(bound_s, self.gap_limit if dives else None)
+        if first is None or second is None:
+            return second
+        plans = [r.choices for r in (first, second) if r.choices is not None]
+        best = min(plans, key=lambda c: self.evaluate(c)[::-1], default=None)
+        return Relaxed(max(first.bound_j, second.bound_j), best)
+
+    def _proven(self, relaxed: Relaxed) -> bool:
+        if relaxed.choices is None:
+            return False
+        energy = self.evaluate(relaxed.choices)[1]
+        return energy - relaxed.bound_j <= self.gap_limit * energy
+
     def _record(self, found: Solution) -> Solution:
         found = self._pay_for_switches(found)
         self.solves.append(found)
@@ -313,11 +347,11 @@ class Composer:
             around.setdefault(a, []).append((a, b))
             around.setdefault(b, []).append((a, b))
         within = found.within_s
-        # Each instruction's slack within the current iteration time: a move changes one
-        # instruction, so the new time is known without walking the DAG (a slower option
-        # lengthens only the paths through it; a faster one off every longest path changes
-        # nothing). Only near-ties, and moves that shorten a longest path, are priced in full.
-        rooms = slack(self.it, [c.time_s for c in choices], best[1])
+        # A move changes one instruction: its slack prices most moves without a walk of the
+        # DAG (a slower option lengthens only the paths through it; a faster one off every
+        # longest path changes nothing), and the timing follows a kept move, or one priced
+        # in full, only as far as it reaches.
+        timing = Timing(self.it, [c.time_s for c in choices])
         changed = True
         while changed:
             changed = False
@@ -329,25 +363,53 @@ class Composer:
                     alt = self._by_clock[group].get((choices[i].profile, choices[j].freq_mhz))
                     if alt is None:
                         continue
-                    guess = self._moved(choices, i, alt, around[i], best, rooms[i])
-                    if guess is not None:
-                        t, e = guess
-                        fits = within is None or t <= within + 1e-9
-                        margin = 1e-9 * abs(best[0])
-                        if not fits or e > best[0] + margin:
-                            continue  # surely refused
-                        if e >= best[0] - margin:
-                            guess = None  # a near-tie: priced in full
-                    trial = list(choices)
-                    trial[i] = alt
-                    t, e = self.evaluate(trial)
-                    if (e, t) < best and (within is None or t <= within + 1e-9):
-                        choices, best, changed = trial, (e, t), True
-                        rooms = slack(self.it, [c.time_s for c in choices], t)
+                    margin = 1e-9 * abs(best[0])
+                    priced = self._trial(choices, i, alt, around[i], best, timing)
+                    if priced is None or not self._pays(priced, best, within, margin):
+                        continue  # refused (a near-tie is not worth a change)
+                    timing.set(i, alt.time_s)
+                    t = timing.makespan()  # the guess's time, to the float sums' order
+                    priced = self._moved(choices, i, alt, around[i], best, 0.0, new_time_s=t)
+                    if priced is not None and self._pays(priced, best, within, margin):
+                        choices[i] = alt
+                        best, changed = (priced[1], t), True
                         break
+                    timing.set(i, choices[i].time_s)
         if best == (found.energy_j, found.time_s):
             return found
-        return dataclasses.replace(found, choices=tuple(choices), energy_j=best[0], time_s=best[1])
+        time_s, energy_j = self.evaluate(choices)  # summed afresh, as every plan is
+        return dataclasses.replace(found, choices=tuple(choices), energy_j=energy_j, time_s=time_s)
+
+    def _trial(
+        self,
+        choices: Sequence[Option],
+        i: int,
+        alt: Option,
+        pairs: Sequence[tuple[int, int]],
+        now: tuple[float, float],
+        timing: Timing,
+    ) -> tuple[float, float] | None:
+        """Return (time, energy) of the plan with ``alt`` at ``i``; None if surely worse."""
+        room = timing.slack(i, now[1])
+        known_s = None
+        if alt.time_s < choices[i].time_s and room <= 1e-12 and not timing.sole(i, now[1]):
+            known_s = now[1]  # another longest path avoids ``i``: the time stays
+        guess = self._moved(choices, i, alt, pairs, now, room, new_time_s=known_s)
+        if guess is not None:
+            return guess if guess[1] <= now[0] else None
+        # ``i`` is on every longest path and runs faster: the new time needs the DAG
+        durations = list(timing.durations)
+        durations[i] = alt.time_s
+        return self._moved(
+            choices, i, alt, pairs, now, room, new_time_s=makespan(self.it, durations)
+        )
+
+    @staticmethod
+    def _pays(
+        priced: tuple[float, float], now: tuple[float, float], within: float | None, margin: float
+    ) -> bool:
+        t, e = priced
+        return e < now[0] - margin and (within is None or t <= within + 1e-9)
 
     def _moved(
         self,
@@ -357,18 +419,22 @@ class Composer:
         pairs: Sequence[tuple[int, int]],
         now: tuple[float, float],
         room: float,
+        *,
+        new_time_s: float | None = None,
     ) -> tuple[float, float] | None:
         """Return (time, energy) of the plan with ``alt`` at ``i``, from the plan's ``now``.
 
         ``room``: ``i``'s slack within the plan's time. Exact up to the order of float sums,
-        except where the move shortens a longest path (the new time needs the whole DAG):
+        except where the move shortens a longest path (the new time needs the DAG):
         there the energy of the shortest time the move could reach, which refuses a move
-        surely (returned) or leaves it to the full price (None).
+        surely (returned) or leaves it to the full price (None). ``new_time_s``: the new
+        time, when known (then exact).
         """
         old = choices[i]
         longer = alt.time_s - old.time_s
-        shortens = longer < 0 and room <= 1e-12  # the new time lies in [T + longer, T]
+        shortens = new_time_s is None and longer < 0 and room <= 1e-12  # in [T + longer, T]
         t = now[1] + max(0.0, longer - room) if longer > 0 else now[1]
+        t = t if new_time_s is None else new_time_s
         e = now[0] + (alt.dynamic_energy_j - old.dynamic_energy_j) * self.per_stage
         e += self.static_w * self.gpus * ((t - now[1]) if not shortens else longer)
         for a, b in pairs:

@@ -8,7 +8,9 @@ instruction. :func:`makespan` and :func:`plan_cost` price a choice of options ov
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
+import math
 from collections.abc import Callable, Sequence
 
 from kareus.errors import KareusError
@@ -300,6 +302,116 @@ def slack(iteration: Iteration, durations: Sequence[float], bound_s: float) -> l
             if start < latest[p]:
                 latest[p] = start
     return [latest[j] - finish[j] for j in range(len(order))]
+
+
+_TIGHT_S = 1e-12
+"""Slack (s) within which an instruction is on a longest path: float sums' rounding."""
+
+
+class Timing:
+    """Earliest starts and longest tails of one choice of durations, kept as durations change.
+
+    ``head[j]``: the longest path to ``j``'s start; ``tail[j]``: the longest path from its
+    start to the iteration's end, its own duration included. A change of one duration
+    updates only what it reaches (descendants' heads, ancestors' tails), so a greedy that
+    tries thousands of one-instruction moves pays for what each move touches, not for the
+    DAG. Heads are computed as :func:`finishes` computes starts, so :meth:`makespan` is
+    exactly :func:`makespan`'s.
+    """
+
+    def __init__(self, iteration: Iteration, durations: Sequence[float]) -> None:
+        self._order, self._preds, self._succs = topology(iteration)
+        self._pos = [0] * len(durations)
+        for k, j in enumerate(self._order):
+            self._pos[j] = k
+        self._ends = [j for j in self._order if not self._succs[j]]
+        self.durations = list(durations)
+        self.head = [0.0] * len(durations)
+        for j in self._order:
+            self.head[j] = self._start(j)
+        self.tail = [0.0] * len(durations)
+        for j in reversed(self._order):
+            self.tail[j] = self._rest(j)
+        self._sole: tuple[float, set[int]] | None = None  # (makespan, instructions alone)
+
+    def makespan(self) -> float:
+        """Return the iteration's time: the longest path."""
+        return max((self.head[j] + self.durations[j] for j in self._ends), default=0.0)
+
+    def slack(self, j: int, makespan: float) -> float:
+        """How much longer ``j`` may run with the iteration within ``makespan``."""
+        return makespan - self.head[j] - self.tail[j]
+
+    def sole(self, j: int, makespan: float) -> bool:
+        """Whether every longest path (within ``makespan``) runs through ``j``.
+
+        A longest path covers the iteration's time with its instructions, end to end; so a
+        path avoids ``j`` exactly where another instruction of no slack overlaps ``j``'s
+        time. Only then can running ``j`` faster shorten the iteration.
+        """
+        if self._sole is None or self._sole[0] != makespan:
+            tight = sorted(
+                (self.head[k], k)
+                for k in range(len(self.durations))
+                if self.slack(k, makespan) <= _TIGHT_S and self.durations[k] > 0
+            )
+            ends = [h + self.durations[k] for h, k in tight]
+            alone = set()
+            reach = -math.inf  # the latest end of the instructions starting before
+            for p, (h, k) in enumerate(tight):
+                after = p + 1 < len(tight) and tight[p + 1][0] < ends[p] - _TIGHT_S
+                if not after and reach <= h + _TIGHT_S:
+                    alone.add(k)
+                reach = max(reach, ends[p])
+            self._sole = (makespan, alone)
+        return j in self._sole[1]
+
+    def set(self, i: int, duration: float) -> None:
+        """Change ``i``'s duration; heads and tails follow."""
+        self._sole = None
+        self.durations[i] = duration
+        self._spread(self._succs[i], self.head, self._start, self._succs, 1)
+        self.tail[i] = self._rest(i)
+        self._spread(self._preds[i], self.tail, self._rest, self._preds, -1)
+
+    def _start(self, j: int) -> float:
+        start = 0.0
+        for p in self._preds[j]:
+            f = self.head[p] + self.durations[p]
+            if f > start:
+                start = f
+        return start
+
+    def _rest(self, j: int) -> float:
+        after = 0.0
+        for q in self._succs[j]:
+            if self.tail[q] > after:
+                after = self.tail[q]
+        return after + self.durations[j]
+
+    def _spread(
+        self,
+        first: Sequence[int],
+        values: list[float],
+        compute: Callable[[int], float],
+        onward: Sequence[Sequence[int]],
+        direction: int,
+    ) -> None:
+        """Recompute ``values`` from ``first`` on, in topological order (``direction``)."""
+        heap = [(direction * self._pos[j], j) for j in first]
+        heapq.heapify(heap)
+        queued = set(first)
+        while heap:
+            _k, j = heapq.heappop(heap)
+            queued.discard(j)
+            value = compute(j)
+            if value == values[j]:
+                continue
+            values[j] = value
+            for q in onward[j]:
+                if q not in queued:
+                    queued.add(q)
+                    heapq.heappush(heap, (direction * self._pos[q], q))
 
 
 def topology(iteration: Iteration) -> tuple[list[int], list[list[int]], list[list[int]]]:

@@ -243,7 +243,7 @@ class Relaxation:
         within = bound_s
         if within is None:
             within = makespan(self.it, [c.time_s for c in choices])
-        _recover_slack(self.it, choices, allowed, within)
+        recover_slack(self.it, choices, allowed, within)
         return choices
 
     def _energy(self, choices: Sequence[Option]) -> float:
@@ -393,13 +393,18 @@ def _heaviest(weights: Mapping[str, float]) -> str:
     return min(weights, key=lambda p: (-round(weights[p], 9), p))
 
 
-def _recover_slack(
+def recover_slack(
     iteration: Iteration,
     choices: list[Option],
     allowed: Sequence[Sequence[Option]],
     bound_s: float,
+    static_per_s: float = 0.0,
 ) -> None:
     """Slow down, in place, instructions into the slack the rounded plan leaves.
+
+    ``static_per_s``: what a second more of the iteration costs, in the options' energy
+    (static power of all GPUs over those that run an instruction); a step that lengthens
+    the iteration is taken only where it saves more than that. Zero: any step that fits.
 
     Rounding runs a mixed instruction at its fastest option; where the plan then leaves an
     instruction slack (its latest finish within ``bound_s`` minus its earliest finish), it
@@ -427,6 +432,7 @@ def _recover_slack(
         return [start[j] + times[j] - finish[j] for j in range(n)]
 
     room = slack()  # recomputed after each move only: a refusal changes nothing
+    now = makespan(iteration, [c.time_s for c in choices]) if static_per_s > 0 else 0.0
     moved = True
     while moved:
         moved = False
@@ -439,7 +445,15 @@ def _recover_slack(
             if not slower:
                 continue
             step = min(slower, key=lambda o: (o.time_s, o.dynamic_energy_j))
-            if step.time_s <= choices[i].time_s + room[i]:
-                choices[i] = step
-                room = slack()
-                moved = True
+            longer = step.time_s - choices[i].time_s
+            if longer > room[i]:
+                continue
+            # the iteration lengthens by what the step takes beyond i's slack within it
+            if static_per_s > 0:
+                lengthens = max(0.0, longer - (room[i] - (bound_s - now)))
+                if choices[i].dynamic_energy_j - step.dynamic_energy_j <= static_per_s * lengthens:
+                    continue
+            choices[i] = step
+            room = slack()
+            now = makespan(iteration, [c.time_s for c in choices]) if static_per_s > 0 else 0.0
+            moved = True

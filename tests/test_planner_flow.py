@@ -1,0 +1,221 @@
+"""The relaxation as a min-cost flow (kareus.planner.flow) and the DAG timing kept in place."""
+
+import random
+
+import numpy as np
+import pytest
+
+from kareus.planner.compose import Composer
+from kareus.planner.dag import Option, SwitchCost, Timing, gpipe, makespan, one_f_one_b
+from kareus.planner.flow import FlowRelaxation
+from kareus.planner.relax import Relaxation
+
+
+def _options(group, freqs=(810, 1005, 1200, 1410)):
+    # Two profiles whose hulls cross (so a group's best profile depends on the bound) and
+    # a real trade-off of dynamic energy against static power; stages differ in size.
+    size = 1.0 + 0.5 * (group[1] == "backward") + 0.15 * group[0]
+    return [
+        Option(
+            f,
+            p,
+            size * (1000 / f) * (0.9 if p == "b" else 1.0),
+            size * 300 * (f / 1000) ** 2 * (1.1 if p == "b" else 1.0),
+        )
+        for f in freqs
+        for p in ("a", "b")
+    ]
+
+
+def _pair(it, static_w=20.0, gpus=4):
+    opts = {g: _options(g) for g in {i.group for i in it.instructions}}
+    comp = Composer(it, opts, static_power_w=static_w, gpus=gpus)
+    kw = {"static_power_w": static_w, "gpus": gpus, "gpus_per_stage": 1}
+    return (
+        comp,
+        Relaxation(it, comp.model_options, **kw),
+        FlowRelaxation(it, comp.model_options, **kw),
+    )
+
+
+def _bounds(comp):
+    fastest = comp.fastest_choice().time_s
+    slowest = max(u.time_s for u in comp.uniform_plans())
+    return [None] + [fastest + f * (slowest - fastest) for f in (1.0, 0.6, 0.3, 0.1, 0.0)]
+
+
+@pytest.mark.parametrize("it", [one_f_one_b(4, 12), gpipe(3, 6)], ids=["1f1b", "gpipe"])
+def test_the_flow_proves_the_simplex_bound_and_rounds_to_a_plan_within_it(it):
+    # The flow solves the same relaxation as the simplex: the same lower bound (to its
+    # integer scaling), and a plan within the time bound that costs no less than it.
+    comp, simplex, flow = _pair(it)
+    for bound in _bounds(comp):
+        want, got = simplex.at(bound), flow.at(bound)
+        assert want is not None and got is not None and got.choices is not None
+        assert got.bound_j == pytest.approx(want.bound_j, rel=1e-3), bound
+        t, e = comp.evaluate(got.choices)
+        assert bound is None or t <= bound + 1e-9
+        assert got.bound_j <= e
+        # rounded about as well as the simplex rounds: on these coarse options (four
+        # clocks) both roundings lie up to 5 % above the bound, each better at some bounds
+        simplex_e = comp.evaluate(want.choices)[1]
+        assert (e - got.bound_j) / e <= (simplex_e - want.bound_j) / simplex_e + 0.02, bound
+        picked = {(i.group, c.profile) for i, c in zip(it.instructions, got.choices, strict=True)}
+        assert len(picked) == len({i.group for i in it.instructions})  # a profile per group
+
+
+def test_on_a_models_options_the_flow_agrees_with_the_simplex_and_proves_its_plans():
+    # Llama 3.3 70B shapes on the modelled A100 (ten clocks, five overlap profiles), PP 4 x
+    # 16: the bounds agree to 0.01 % and every plan is proven within the gap limit.
+    from kareus.hardware import Emulator, gpu
+    from kareus.planner.iteration import PlannerSettings, evaluate_options
+    from kareus.planner.knobs import CountingEvaluator, default_clocks
+    from kareus.testing import megatron_partition_set
+
+    spec = gpu("a100-sxm4-40gb")
+    pset = megatron_partition_set(
+        hidden=8192, ffn=28672, heads=64, seq=4096, microbatch=8, layers=20, tp=8
+    )
+    static = spec.calibration.static_power_w
+    ev = CountingEvaluator(Emulator(spec))
+    clocks = default_clocks(spec.clocks_mhz())
+    opts = evaluate_options([pset] * 4, ev, clocks, static, PlannerSettings()).options
+    it = one_f_one_b(4, 16)
+    comp = Composer(it, opts, static_power_w=static, gpus=32, gpus_per_stage=8)
+    kw = {"static_power_w": static, "gpus": 32, "gpus_per_stage": 8}
+    simplex = Relaxation(it, comp.model_options, **kw)
+    flow = FlowRelaxation(it, comp.model_options, **kw)
+    for bound in _bounds(comp):
+        want, got = simplex.at(bound), flow.at(bound)
+        assert got.bound_j == pytest.approx(want.bound_j, rel=1e-4), bound
+        t, e = comp.evaluate(got.choices)
+        assert (bound is None or t <= bound + 1e-9) and got.bound_j <= e <= got.bound_j * 1.005
+
+
+def test_any_prices_prove_a_bound_below_every_plan():
+    # The Lagrangian bound holds for any non-negative prices, not only the flow's optimal
+    # ones: random prices, however unbalanced, never prove more than the relaxation's
+    # optimum (itself below every plan).
+    from kareus.planner import flow as flow_module
+
+    it = one_f_one_b(3, 6)
+    comp, simplex, relaxation = _pair(it)
+    bound_s = 1.3 * comp.fastest_choice().time_s
+    optimum = simplex.at(bound_s).bound_j
+    rng = random.Random(0)
+    real = flow_module._Flow.__init__
+
+    def random_prices(self, *args):
+        real(self, *args)
+        self.out = np.asarray([rng.uniform(0, 40) for _ in self.out])
+        self.into = np.asarray([rng.uniform(0, 40) for _ in self.into])
+        self.paid = rng.uniform(0, 40)
+
+    pick = {g: "a" for g in relaxation._groups}
+    proven = []
+    for _ in range(50):
+        flow_module._Flow.__init__ = random_prices
+        try:
+            proven.append(relaxation._flow(pick, bound_s)[1])
+        finally:
+            flow_module._Flow.__init__ = real
+    assert max(proven) <= optimum * (1 + 1e-9)
+    # the union's optimal prices (each instruction free to take any profile's hull: a
+    # relaxation of the group's one mix) prove nearly the optimum: within 0.15 % on these
+    # crossing profiles, 0.003 % on a model's (test above)
+    assert relaxation._flow(relaxation._union, bound_s)[1] == pytest.approx(optimum, rel=3e-3)
+
+
+def test_no_plan_within_a_bound_below_the_fastest():
+    comp, _simplex, flow = _pair(one_f_one_b(2, 4))
+    assert flow.at(0.5 * comp.fastest_choice().time_s) is None
+    assert flow.at(1.1 * comp.fastest_choice().time_s) is not None  # still usable
+
+
+def test_a_composer_past_the_flow_threshold_plans_a_proven_frontier():
+    # The composer's frontier on the flow: every point within its bound and carrying a
+    # lower bound below its energy; no worse than the simplex's frontier by more than the
+    # dive's edge.
+    it = one_f_one_b(4, 16)  # 128 instructions
+    opts = {g: _options(g) for g in {i.group for i in it.instructions}}
+    kw = {"static_power_w": 20.0, "gpus": 4, "search_max_instructions": 0, "gap_limit": 0.005}
+    simplex = Composer(it, opts, **kw).frontier(points=6)
+    flowed_comp = Composer(it, opts, flow_min_instructions=128, **kw)
+    flowed = flowed_comp.frontier(points=6)
+    assert flowed_comp._flow is not None  # the flow solved every bound (the simplex dived
+    # where its plan was not proven within the gap limit)
+    for p in flowed:
+        assert p.bound_j is not None and p.bound_j <= p.energy_j
+        assert p.time_s <= p.within_s + 1e-9
+    # the flow's frontier covers the simplex's points (which dive) to 2 % on these coarse
+    # options (four clocks: both lie up to 5 % above their bounds)
+    for q in simplex:  # (the sweeps refine points at their own times: within 0.5 %)
+        near = [p.energy_j for p in flowed if p.time_s <= q.time_s * 1.005]
+        assert min(near) <= 1.02 * q.energy_j, q
+
+
+def test_timing_follows_each_change_exactly():
+    # Heads, tails and the makespan kept in place through random changes equal those
+    # computed afresh; the makespan to the bit.
+    it = one_f_one_b(4, 10)
+    rng = random.Random(1)
+    durations = [rng.uniform(0.5, 2.0) for _ in it.instructions]
+    timing = Timing(it, durations)
+    for _ in range(200):
+        i = rng.randrange(len(durations))
+        durations[i] = rng.choice([rng.uniform(0.5, 2.0), durations[i] * 0.5])
+        timing.set(i, durations[i])
+        fresh = Timing(it, durations)
+        assert timing.makespan() == makespan(it, durations)
+        assert timing.head == fresh.head
+        assert timing.tail == pytest.approx(fresh.tail, rel=1e-12)
+
+
+def test_sole_says_which_instructions_every_longest_path_runs_through():
+    # An instruction is alone on the longest paths exactly where running it faster
+    # shortens the iteration.
+    for it, seed in [(one_f_one_b(3, 6), 2), (gpipe(2, 4), 3), (one_f_one_b(2, 5), 4)]:
+        rng = random.Random(seed)
+        # coarse durations: ties between paths, so some longest paths avoid an instruction
+        durations = [float(rng.choice((1, 2, 3))) for _ in it.instructions]
+        timing = Timing(it, durations)
+        total = timing.makespan()
+        for j in range(len(durations)):
+            faster = list(durations)
+            faster[j] -= 0.5
+            assert timing.sole(j, total) == (makespan(it, faster) < total), (seed, j)
+
+
+def test_the_switch_greedy_keeps_its_plans_on_large_iterations():
+    # Past the flow threshold the greedy that undoes unprofitable clock changes prices
+    # moves from the timing it keeps; its plans are priced afresh at the end.
+    it = one_f_one_b(4, 16)
+    opts = {g: _options(g) for g in {i.group for i in it.instructions}}
+    comp = Composer(
+        it,
+        opts,
+        static_power_w=20.0,
+        gpus=4,
+        search_max_instructions=0,
+        flow_min_instructions=1,
+        dive_max_instructions=0,  # the flow alone
+        switch=SwitchCost(0.05),
+    )
+    sol = comp.solve(bound_s=1.2 * comp.fastest_choice().time_s)
+    assert (sol.time_s, sol.energy_j) == comp.evaluate(sol.choices)
+    assert sol.time_s <= sol.within_s + 1e-9
+    assert sol.bound_j is not None and sol.bound_j <= sol.energy_j
+    # every change kept pays: undoing any one costs energy or breaks the bound
+    for a, b in it.switch_pairs():
+        if sol.choices[a].freq_mhz == sol.choices[b].freq_mhz:
+            continue
+        for i, j in ((b, a), (a, b)):
+            same = [
+                o
+                for o in opts[it.instructions[i].group]
+                if o.profile == sol.choices[i].profile and o.freq_mhz == sol.choices[j].freq_mhz
+            ]
+            trial = list(sol.choices)
+            trial[i] = same[0]
+            t, e = comp.evaluate(trial)
+            assert t > sol.within_s + 1e-9 or e >= sol.energy_j * (1 - 1e-9)
