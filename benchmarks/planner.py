@@ -15,7 +15,10 @@
    point's, kareus's least energy against the best uniform-clock plan (every instruction
    at one clock and one overlap setting), and solves not proven within the gap limit.
 
-Run: python benchmarks/planner.py [--gpu a100-sxm4-40gb] [--scale [PPxM,...]]
+   With ``--dp N [--dp-mode ddp|fsdp|hsdp]``, the same with N data-parallel replicas (8
+   GPUs a node): their traffic priced beside the compute and the optimizer step.
+
+Run: python benchmarks/planner.py [--gpu a100-sxm4-40gb] [--scale [PPxM,...] [--dp N]]
 """
 
 import argparse
@@ -49,7 +52,20 @@ def search_quality(spec, pset):
         print(f"  {name:26} {full.evaluations:5} {got.evaluations:9} {share:6.1%} {hv:10.4%}")
 
 
-def at_scale(spec, configs):
+def _data_parallel(pp, dp, mode):
+    """Llama 3.3 70B's parameters per GPU of each stage at TP 8, and the DP layout (8 per node)."""
+    from kareus.planner.data_parallel import DataParallel, StageWeights
+
+    hidden, ffn, vocab, tp = 8192, 28672, 128256, 8
+    per_layer = (2.25 * hidden**2 + 3 * hidden * ffn) / tp  # q, o; k, v at 8 KV heads; MLP
+    weights = [
+        StageWeights(80 // pp, per_layer, vocab * hidden / tp * ((s == 0) + (s == pp - 1)))
+        for s in range(pp)
+    ]
+    return {"data_parallel": DataParallel(dp, mode, 8, tp), "weights": weights}
+
+
+def at_scale(spec, configs, dp=None, dp_mode="ddp"):
     """Plan 70B shapes at each (PP, micro-batches) of ``configs``; print the figures."""
     from kareus.planner.compose import Composer
     from kareus.planner.dag import one_f_one_b
@@ -60,8 +76,11 @@ def at_scale(spec, configs):
         pset = megatron_partition_set(
             hidden=8192, ffn=28672, heads=64, seq=4096, microbatch=8, layers=80 // pp, tp=8
         )
+        extra = {} if dp is None else _data_parallel(pp, dp, dp_mode)
         start = time.perf_counter()
-        result = plan_for_gpu(pset, spec, parallel=Parallelism(tp=8, pp=pp, microbatches=micro))
+        result = plan_for_gpu(
+            pset, spec, parallel=Parallelism(tp=8, pp=pp, microbatches=micro), **extra
+        )
         wall = time.perf_counter() - start
         plan = result.plan
         gaps = [p.gap for p in plan.frontier if p.gap is not None]
@@ -75,13 +94,19 @@ def at_scale(spec, configs):
                         gpus_per_stage=8)  # fmt: skip
         uniform = min(u.energy_j for u in comp.uniform_plans())
         least = min(p.energy_j for p in plan.frontier)
+        layout = "" if dp is None else f", DP {dp} ({dp_mode}, {8 * pp * dp} GPUs)"
+        against = (  # (the enumeration above prices no data-parallel traffic)
+            f" vs best uniform-clock plan {uniform:.0f} J "
+            f"({100 * (least - uniform) / uniform:+.2f} %, modelled)"
+            if dp is None
+            else " (modelled)"
+        )
         print(
-            f"\n70B shapes, TP 8, PP {pp} x {micro} micro-batches "
+            f"\n70B shapes, TP 8, PP {pp} x {micro} micro-batches{layout} "
             f"({2 * pp * micro} instructions): planning {wall:.1f} s wall (measured); "
             f"{len(plan.frontier)} frontier points; largest proven gap "
             f"{100 * max(gaps):.2f} %, chosen {100 * (plan.chosen.gap or 0):.2f} %; least "
-            f"energy {least:.0f} J vs best uniform-clock plan {uniform:.0f} J "
-            f"({100 * (least - uniform) / uniform:+.2f} %, modelled); "
+            f"energy {least:.0f} J{against}; "
             f"{plan.evaluations['solves_not_proven_optimal']} of "
             f"{plan.evaluations['solves']} solves not proven within the gap limit"
         )
@@ -98,10 +123,15 @@ def main():
         help="only the composer at 70B scale, for these PP x micro-batch sizes (default 8x16; "
         "16x128 is 4,096 instructions and takes minutes)",
     )
+    parser.add_argument(
+        "--dp", type=int, help="with --scale: data-parallel replicas (their traffic and step)"
+    )
+    parser.add_argument("--dp-mode", default="ddp", choices=("ddp", "fsdp", "hsdp"))
     args = parser.parse_args()
     spec = gpu(args.gpu)
     if args.scale:
-        at_scale(spec, [tuple(map(int, c.split("x"))) for c in args.scale.split(",")])
+        sizes = [tuple(map(int, c.split("x"))) for c in args.scale.split(",")]
+        at_scale(spec, sizes, args.dp, args.dp_mode)
         return
     pset = megatron_partition_set(
         hidden=3072, ffn=8192, heads=24, seq=4096, microbatch=8, layers=14, tp=8

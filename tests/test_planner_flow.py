@@ -219,3 +219,51 @@ def test_the_switch_greedy_keeps_its_plans_on_large_iterations():
             trial[i] = same[0]
             t, e = comp.evaluate(trial)
             assert t > sol.within_s + 1e-9 or e >= sol.energy_j * (1 - 1e-9)
+
+
+def test_a_plan_past_its_bound_is_brought_back_by_running_late_instructions_fastest():
+    # The flow's integer times are rounded up; at a bound within that rounding of the least
+    # time its plan may lie a hair over, and the instructions past the bound run fastest.
+    from kareus.planner.dag import slack
+    from kareus.planner.flow import _meet
+
+    it = one_f_one_b(2, 3)
+    opts = {
+        g: [o for o in _options(g) if o.profile == "a"] for g in {i.group for i in it.instructions}
+    }
+    allowed = [opts[i.group] for i in it.instructions]
+    fast = [min(a, key=lambda o: o.time_s) for a in allowed]
+    slow = [min(a, key=lambda o: -o.time_s) for a in allowed]
+    bound = makespan(it, [o.time_s for o in fast])
+    rooms = slack(it, [o.time_s for o in fast], bound)
+    loose = max(range(len(fast)), key=lambda i: rooms[i])  # slack enough to run slow
+    assert rooms[loose] >= slow[loose].time_s - fast[loose].time_s
+    choices = list(fast)
+    choices[0] = slow[0]  # the first forward: on every path, past the bound
+    choices[loose] = slow[loose]
+    _meet(it, choices, allowed, bound)
+    assert makespan(it, [c.time_s for c in choices]) <= bound
+    assert choices[0] is fast[0] and choices[loose] is slow[loose]
+
+
+def test_at_the_least_time_groups_take_a_profile_that_runs_their_fastest_option():
+    # Profile "a" is cheap and slow, "b" fast: the union's prices may pick "a" for a group
+    # whose slack they misjudge; at the least time every group must run "b".
+    opts = {
+        (s, k): [
+            Option(1410, "b", 1.0 + s, 300.0),
+            Option(1005, "b", 1.5 + s, 250.0),
+            Option(1410, "a", 2.0 + s, 100.0),
+            Option(1005, "a", 2.5 + s, 80.0),
+        ]
+        for s in range(2)
+        for k in ("forward", "backward")
+    }
+    it = one_f_one_b(2, 4)
+    comp = Composer(it, opts, static_power_w=5.0, gpus=2)
+    flow = FlowRelaxation(it, comp.model_options, static_power_w=5.0, gpus=2, gpus_per_stage=1)
+    bound = comp.fastest_choice().time_s + 1e-6
+    got = flow.at(bound)
+    assert got is not None and got.choices is not None
+    t, e = comp.evaluate(got.choices)
+    assert t <= bound + 1e-9 and got.bound_j <= e

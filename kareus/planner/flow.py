@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from kareus.errors import KareusError
-from kareus.planner.dag import Iteration, Option, makespan, topology
+from kareus.planner.dag import Iteration, Option, makespan, slack, topology
 from kareus.planner.relax import BOUND_TOLERANCE, Relaxed, lower_hull, recover_slack
 
 TIME_UNITS_PER_MS = 1_000
@@ -104,6 +104,8 @@ class FlowRelaxation:
         flow, bound_j = self._flow(self._union, bound_s)
         out = flow.out
         pick: dict[tuple[int, str], str | None] = {g: self._cheapest(g, out) for g in self._groups}
+        if self._fastest(pick) > horizon_s:  # near the least time: the fastest profiles
+            pick = {g: self._cheapest(g, out, fastest=True) for g in self._groups}
         if self._fastest(pick) > horizon_s:
             return Relaxed(bound_j * (1 - BOUND_TOLERANCE), None)
         if any(len(self._profiles[g]) > 1 for g in self._groups):
@@ -115,6 +117,8 @@ class FlowRelaxation:
             [o for o in self.options[i.group] if o.profile == pick[i.group]]
             for i in self.it.instructions
         ]
+        if bound_s is not None:
+            _meet(self.it, choices, allowed, bound_s)
         # Slowed into the slack within the bound where a step saves more dynamic energy than
         # the static power costs over what it lengthens the iteration (a bound that does
         # not bind leaves slack beyond the optimal schedule's time).
@@ -153,9 +157,17 @@ class FlowRelaxation:
             bound_j += min(self._cost(g, p, out) for p in profiles)
         return flow, bound_j
 
-    def _cheapest(self, group: tuple[int, str], out: np.ndarray) -> str:
-        """Return the group's profile of least cost at the prices ``out`` (ties: first name)."""
-        return min(self._profiles[group], key=lambda p: self._cost(group, p, out))
+    def _cheapest(self, group: tuple[int, str], out: np.ndarray, *, fastest: bool = False) -> str:
+        """Return the group's profile of least cost at the prices ``out`` (ties: first name).
+
+        ``fastest``: among the profiles that run the group's fastest option.
+        """
+        ladders = self._ladders[group]
+        least = ladders[None].options[0].time_s
+        profiles = [
+            p for p in self._profiles[group] if not fastest or ladders[p].options[0].time_s <= least
+        ]
+        return min(profiles, key=lambda p: self._cost(group, p, out))
 
     def _cost(self, group: tuple[int, str], profile: str, out: np.ndarray) -> float:
         """Return the least the group's instructions cost on ``profile``, time priced at ``out``."""
@@ -306,6 +318,26 @@ class _Flow:
             for u, v, w in zip(*columns, strict=True):
                 out[u].append((v, w))
         return _longest_paths(out, 0)
+
+
+def _meet(
+    iteration: Iteration, choices: list[Option], allowed: Sequence[Sequence[Option]], bound_s: float
+) -> None:
+    """Run, in place, every instruction past the bound at its fastest option, until it fits.
+
+    The flow's integer times are rounded up, so its plan fits the bound, but for a bound
+    within that rounding of the least time (the fastest point: the least time and a
+    microsecond) the flow's horizon is the rounded least time: a plan a few microseconds
+    over is brought back here.
+    """
+    for _ in range(len(choices)):
+        durations = [c.time_s for c in choices]
+        late = [i for i, room in enumerate(slack(iteration, durations, bound_s)) if room < 0]
+        faster = {i: min(allowed[i], key=lambda o: (o.time_s, o.dynamic_energy_j)) for i in late}
+        if not late or all(faster[i] is choices[i] for i in late):
+            return
+        for i in late:
+            choices[i] = faster[i]
 
 
 def _longest(iteration: Iteration, durations: Sequence[int]) -> int:
