@@ -450,6 +450,30 @@ def _add_split_type(
             )
 
 
+def tradeoff_options(
+    group: tuple[int, str], freqs: Sequence[float], stage_step: float = 0.1
+) -> list[Any]:
+    """Return made-up options of one group: two profiles whose hulls cross.
+
+    Profile "b" is 10 % faster at 10 % more energy; dynamic energy is worth saving against
+    static power; a backward is 1.5 times its forward, each stage ``stage_step`` larger
+    than the one before.
+    """
+    from kareus.planner.dag import Option
+
+    size = 1.0 + 0.5 * (group[1] == "backward") + stage_step * group[0]
+    return [
+        Option(
+            f,
+            p,
+            size * (1000 / f) * (0.9 if p == "b" else 1.0),
+            size * 300 * (f / 1000) ** 2 * (1.1 if p == "b" else 1.0),
+        )
+        for f in freqs
+        for p in ("a", "b")
+    ]
+
+
 def megatron_partition_set(
     *,
     hidden: int,

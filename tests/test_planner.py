@@ -37,7 +37,7 @@ from kareus.planner.knobs import (
 from kareus.planner.pareto import hypervolume, hypervolume_share, is_monotone, pareto_front
 from kareus.planner.search import exhaustive, search
 from kareus.planner.select import InfeasiblePlanError, select
-from kareus.testing import megatron_partition_set
+from kareus.testing import megatron_partition_set, tradeoff_options
 
 SPEC = gpu("a100-sxm4-40gb")
 
@@ -95,17 +95,7 @@ def test_cp_sat_equals_brute_force(kind):
 
 def _tradeoff_options(group, freqs):
     # Dynamic energy worth saving against static power: a real time-energy trade-off.
-    sc = 1.0 + 0.5 * (group[1] == "backward") + 0.1 * group[0]
-    return [
-        Option(
-            f,
-            p,
-            sc * (1000 / f) * (0.9 if p == "b" else 1.0),
-            sc * 300 * (f / 1000) ** 2 * (1.1 if p == "b" else 1.0),
-        )
-        for f in freqs
-        for p in ("a", "b")
-    ]
+    return tradeoff_options(group, freqs)
 
 
 def test_the_fastest_point_is_not_a_hair_faster_at_much_more_energy():

@@ -9,22 +9,13 @@ from kareus.planner.compose import Composer
 from kareus.planner.dag import Option, SwitchCost, Timing, gpipe, makespan, one_f_one_b
 from kareus.planner.flow import FlowRelaxation
 from kareus.planner.relax import Relaxation
+from kareus.testing import tradeoff_options
 
 
 def _options(group, freqs=(810, 1005, 1200, 1410)):
     # Two profiles whose hulls cross (so a group's best profile depends on the bound) and
     # a real trade-off of dynamic energy against static power; stages differ in size.
-    size = 1.0 + 0.5 * (group[1] == "backward") + 0.15 * group[0]
-    return [
-        Option(
-            f,
-            p,
-            size * (1000 / f) * (0.9 if p == "b" else 1.0),
-            size * 300 * (f / 1000) ** 2 * (1.1 if p == "b" else 1.0),
-        )
-        for f in freqs
-        for p in ("a", "b")
-    ]
+    return tradeoff_options(group, freqs, stage_step=0.15)
 
 
 def _pair(it, static_w=20.0, gpus=4):
