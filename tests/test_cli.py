@@ -193,8 +193,11 @@ def test_the_report_says_which_size_limit_left_points_unproven(planned):
     _rc, out = planned
     work = Workload(model="tiny-4l", tp=2, cp=2, pp=2, microbatch_size=4, seq_len=32)
     work = dataclasses.replace(work, microbatches=4)  # 16 instructions
-    tight = PlannerSettings(
-        solver_gap_limit=0.0, search_max_instructions=8, dive_max_instructions=8
+    tight = PlannerSettings(  # (a small CP-SAT work limit: the text, not the proofs, is tested)
+        solver_gap_limit=0.0,
+        search_max_instructions=8,
+        dive_max_instructions=8,
+        solver_time_limit_s=0.05,
     )
     got = plan_workload(work, "a100-40gb", settings=tight, partitions=out / "partitions.json")
     assert got.plan.evaluations["solves_not_proven_optimal"] > 0  # gap limit 0: rounding is loose

@@ -10,8 +10,9 @@ instruction, minimising
     Σ dynamic energy of the chosen options + P_static · N_gpus · T
 
 subject to precedence and T ≤ bound; sweeping the bound traces the iteration frontier.
-Each solve first solves the model's linear relaxation (:mod:`kareus.planner.relax`): its
-optimum is a proven lower bound and its rounding a plan within the bound; CP-SAT (times in
+Each solve first solves the model's linear relaxation (:mod:`kareus.planner.relax`, or as
+a min-cost flow past ``flow_min_instructions``: :mod:`kareus.planner.flow`): its optimum
+is a proven lower bound and its rounding a plan within the bound; CP-SAT (times in
 integer microseconds, energies in integer microjoules) searches only where the two are
 further apart than the gap limit.
 """
@@ -134,7 +135,9 @@ class Composer:
             the rounded plan and its proven gap.
         flow_min_instructions: iterations of at least this many instructions solve the
             relaxation as a min-cost flow (:mod:`kareus.planner.flow`: the same bound, a
-            rounding as good, no dive) instead of by the simplex (None: never).
+            rounding about as good, no dive) instead of by the simplex (None: never); the
+            simplex still dives where the flow's plan is not proven within the gap limit
+            and the iteration has at most ``dive_max_instructions``.
         switch: what a clock change costs (:class:`~kareus.planner.dag.SwitchCost`); every
             plan is priced with it, CP-SAT weighs it, and a change whose saving does not
             pay for it is undone. The relaxation leaves it out: its bound stays a bound.
