@@ -56,7 +56,7 @@ class FlowRelaxation:
     """The relaxation of one composition, solved as a min-cost flow at any time bound.
 
     Takes the arguments of :class:`kareus.planner.relax.Relaxation` and answers
-    :meth:`at` as it does (the ``gap_limit`` is accepted and unused: no dive).
+    :meth:`at` as it does, without a dive.
     """
 
     def __init__(
@@ -89,13 +89,13 @@ class FlowRelaxation:
         slowest = [max(o.time_s for o in options[i.group]) for i in iteration.instructions]
         self._loose_s = makespan(iteration, slowest) * (1 + 1e-6)  # "any time"
         self._union: dict[tuple[int, str], str | None] = {g: None for g in self._groups}
+        self._least_s = self._fastest(self._union)  # the least time any plan takes
         self._net = _Network(iteration)
 
-    def at(self, bound_s: float | None, gap_limit: float | None = None) -> Relaxed | None:
+    def at(self, bound_s: float | None) -> Relaxed | None:
         """Return the bound and the plan within ``bound_s`` (any time: None); None if none fits."""
-        del gap_limit  # the flow's plan is its rounding; there is no dive
         horizon_s = self._loose_s if bound_s is None else bound_s
-        if self._fastest(self._union) > horizon_s:
+        if self._least_s > horizon_s:
             return None
         # Every group on every profile's hull: prices that prove the relaxation's optimum
         # (within 0.15 % where its groups mix profiles); each group then runs the profile
@@ -257,7 +257,7 @@ class _Flow:
             # above the least time), the horizon is the fastest plan's: the flow stays bounded.
             horizon = max(
                 math.floor(horizon_s * 1e3 * TIME_UNITS_PER_MS),
-                _longest(net.iteration, [ladder.times[0] for ladder in ladders]),
+                int(makespan(net.iteration, [ladder.times[0] for ladder in ladders])),
             )
             for column, value in zip(
                 (tail, head, cap, cost), (1, 0, _UNLIMITED, horizon), strict=True
@@ -338,15 +338,6 @@ def _meet(
             return
         for i in late:
             choices[i] = faster[i]
-
-
-def _longest(iteration: Iteration, durations: Sequence[int]) -> int:
-    """Return the DAG's longest path with integer durations."""
-    order, preds, _succs = topology(iteration)
-    finish = [0] * len(durations)
-    for j in order:
-        finish[j] = max((finish[p] for p in preds[j]), default=0) + durations[j]
-    return max(finish, default=0)
 
 
 def _longest_paths(arcs: Sequence[Sequence[tuple[int, int]]], source: int) -> list[int]:

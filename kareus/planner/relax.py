@@ -418,7 +418,8 @@ def recover_slack(
     n = len(choices)
     topological, _preds, succs = topology(iteration)
 
-    def slack() -> list[float]:
+    def slack() -> tuple[list[float], float]:
+        """Return each instruction's slack within ``bound_s``, and the plan's time."""
         # plain loops: this runs after every step, thousands of times at 2,048 instructions
         times = [c.time_s for c in choices]
         finish = finishes(iteration, times)
@@ -429,10 +430,9 @@ def recover_slack(
                 if start[q] < late:
                     late = start[q]
             start[j] = late - times[j]
-        return [start[j] + times[j] - finish[j] for j in range(n)]
+        return [start[j] + times[j] - finish[j] for j in range(n)], max(finish, default=0.0)
 
-    room = slack()  # recomputed after each move only: a refusal changes nothing
-    now = makespan(iteration, [c.time_s for c in choices]) if static_per_s > 0 else 0.0
+    room, now = slack()  # recomputed after each move only: a refusal changes nothing
     moved = True
     while moved:
         moved = False
@@ -454,6 +454,5 @@ def recover_slack(
                 if choices[i].dynamic_energy_j - step.dynamic_energy_j <= static_per_s * lengthens:
                     continue
             choices[i] = step
-            room = slack()
-            now = makespan(iteration, [c.time_s for c in choices]) if static_per_s > 0 else 0.0
+            room, now = slack()
             moved = True
