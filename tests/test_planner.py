@@ -1098,3 +1098,35 @@ def test_clock_changes_are_priced_and_never_kept_when_they_do_not_pay():
     comp = Composer(chain(1), options, static_power_w=50, gpus=1, switch=SwitchCost(0.5))
     sol = comp.solve(hint=None)
     assert comp.switches(sol.choices) == 0
+
+
+def test_no_bound_is_above_the_best_plan_that_meets_it():
+    """Solved at the exact time of a plan (as a plan priced elsewhere is), the bound a solve
+    reports is never above the least energy any plan within that time uses (enumerated).
+    CP-SAT's model rounds times to whole microseconds: a plan at the bound to a hair may lie
+    outside it, so CP-SAT's bound there is no bound; the clock-change greedy then finds a
+    plan below it (this happened on a data-parallel iteration), and the relaxation's bound
+    must be reported instead."""
+    import random
+
+    rng = random.Random(3)
+    freqs = (1410, 1200, 1005)
+    options = {
+        g: [
+            dataclasses.replace(o, time_s=o.time_s * 1.37e-3 + rng.random() * 1e-6)
+            for o in tradeoff_options(g, freqs)
+        ]
+        for g in ((0, "forward"), (0, "backward"))
+    }
+    it = chain(3)
+    comp = Composer(it, options, static_power_w=40, gpus=1, switch=SwitchCost(0.0005))
+    failures = []
+    for _ in range(40):
+        plan = [rng.choice(options[i.group]) for i in it.instructions]
+        time_s = comp.evaluate(plan)[0]
+        found = comp.solve(bound_s=time_s)
+        best_j = comp.brute_force(time_s)[0]
+        assert found.time_s <= time_s + 1e-9 and found.energy_j >= best_j - 1e-9
+        if found.bound_j is None or found.bound_j > best_j + 1e-9:
+            failures.append((time_s, found.bound_j, best_j))
+    assert not failures

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,10 @@ _log = logging.getLogger(__name__)
 WALL_CLOCK_GUARD_S = 600.0
 """A wall-clock stop for one solve, far beyond its deterministic limit: it only guards
 against a hung machine (a solve it stops reports it in its status)."""
+
+_CP_SAT_ATTEMPTS = 3
+"""Searches at one bound: the first, and again with the model's bound lowered where its
+rounding of times let a plan run over the real one."""
 
 
 REFINE_GAP = 0.005
@@ -275,7 +280,7 @@ class Composer:
                 best, within_s=bound_s, bound_j=min(relaxed.bound_j, best.energy_j)
             )
             return self._record(found)
-        return self._cp_sat(bound_s, best, relaxed.bound_j, fastest=minimise == "time")
+        return self._cp_sat(bound_s, best, relaxed.bound_j)
 
     def _relax(self, bound_s: float | None) -> Relaxed | None:
         """Return the relaxation's bound and plan within ``bound_s`` (None: no plan fits).
@@ -453,21 +458,73 @@ class Composer:
         time_s, energy_j = self.evaluate(choices)
         return Solution(tuple(choices), time_s, energy_j, status)
 
-    def _cp_sat(
-        self, bound_s: float | None, hint: Solution | None, proven_j: float, *, fastest: bool
-    ) -> Solution:
+    def _cp_sat(self, bound_s: float | None, hint: Solution | None, proven_j: float) -> Solution:
         """Search with CP-SAT from ``hint``; ``proven_j`` is a lower bound already proven.
 
-        ``fastest``: the bound is the least time, taken in the model's whole microseconds.
+        The model's times are whole microseconds rounded down, its bound too, so every plan
+        within ``bound_s`` is within the model's and CP-SAT's objective bound is a bound on
+        them all (less its rounding of energies to microjoules). A plan CP-SAT finds may run
+        over ``bound_s`` by that rounding: the model's bound is then lowered by the excess
+        and CP-SAT searches again (its bound there proves nothing).
+        """
+        self.searches += 1
+        opts = [self.model_options[i.group] for i in self.it.instructions]
+        us = [[math.floor(o.time_s * 1e6) for o in row] for row in opts]
+        bound_us = None if bound_s is None else math.floor(bound_s * 1e6)
+        # each energy term of the objective is rounded to the nearest microjoule
+        rounding_j = 0.5e-6 * (len(opts) + len(self.it.switch_pairs()))
+        proven, found = proven_j, None
+        for attempt in range(_CP_SAT_ATTEMPTS):
+            status, choices, objective_bound = self._cp_sat_search(opts, us, bound_us, hint)
+            if attempt == 0 and objective_bound is not None:
+                proven = max(proven, objective_bound / 1e6 - rounding_j)
+            if choices is None:
+                break
+            found = self._solution(choices, status)
+            if bound_s is None or found.time_s <= bound_s + 1e-9:
+                break
+            assert bound_us is not None
+            bound_us -= math.ceil((found.time_s - bound_s) * 1e6)
+            found = None
+        if found is None:
+            if hint is not None:
+                # Out of work before CP-SAT found a plan: the hint is still a valid plan.
+                found = dataclasses.replace(
+                    hint, status="HINT", within_s=bound_s, bound_j=min(proven, hint.energy_j)
+                )
+                return self._record(found)
+            within = f"within {bound_s:.6f} s " if bound_s is not None else ""
+            limit = self.time_limit_s * max(1.0, len(self.it.instructions) / 64)
+            raise KareusError(
+                f"CP-SAT found no plan {within}within its work limit ({limit:.1f} "
+                "deterministic units; raise PlannerSettings.solver_time_limit_s) "
+                f"(status {status})"
+            )
+        _log.debug(
+            "CP-SAT's plan %.1f J, from %s (modelled)",
+            found.energy_j,
+            "no hint" if hint is None else f"{hint.energy_j:.1f} J",
+        )
+        if hint is not None and (hint.energy_j, hint.time_s) < (found.energy_j, found.time_s):
+            found = dataclasses.replace(hint, status="HINT")  # the search stopped short of it
+        # OPTIMAL means within gap_limit, not exact
+        found = dataclasses.replace(found, within_s=bound_s, bound_j=min(proven, found.energy_j))
+        return self._record(found)
+
+    def _cp_sat_search(
+        self,
+        opts: Sequence[Sequence[Option]],
+        us: list[list[int]],
+        bound_us: int | None,
+        hint: Solution | None,
+    ) -> tuple[str, tuple[Option, ...] | None, float | None]:
+        """Run CP-SAT once: return its status, plan and objective bound.
+
+        The plan is None where it found none; the bound (microjoules) is None where the
+        model is infeasible.
         """
         from ortools.sat.python import cp_model
 
-        self.searches += 1
-        opts = [self.model_options[i.group] for i in self.it.instructions]
-        us = [[round(o.time_s * 1e6) for o in row] for row in opts]
-        bound_us = None if bound_s is None else int(bound_s * 1e6)
-        if fastest:
-            bound_us = round(makespan(self.it, [min(d) for d in us]))
         m, x = self._cp_sat_model(opts, us, bound_us)
         if hint is not None:
             for i in range(len(opts)):
@@ -486,45 +543,21 @@ class Composer:
         solver.parameters.max_deterministic_time = limit
         solver.parameters.max_time_in_seconds = WALL_CLOCK_GUARD_S
         status = solver.solve(m)
+        name = solver.status_name(status)
         _log.debug(
-            "CP-SAT least energy within %s: %s after %.2f deterministic units",
-            "any time" if bound_s is None else f"{bound_s:.6f} s",
-            solver.status_name(status),
+            "CP-SAT least energy within %s us: %s after %.2f deterministic units",
+            bound_us,
+            name,
             solver.deterministic_time,
         )
-        # CP-SAT's objective bound is in its integer units (us, uJ, whole watts): converted,
-        # it bounds the energy up to that rounding, so it is capped at the plan it proves.
-        proven = proven_j
-        if status != cp_model.INFEASIBLE:  # (infeasible: the model's rounding of times)
-            proven = max(proven, solver.best_objective_bound / 1e6)
+        bound = None if status == cp_model.INFEASIBLE else solver.best_objective_bound
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            if hint is not None:
-                # Out of work before CP-SAT found a plan: the hint is still a valid plan.
-                found = dataclasses.replace(
-                    hint, status="HINT", within_s=bound_s, bound_j=min(proven, hint.energy_j)
-                )
-                return self._record(found)
-            within = f"within {bound_s:.6f} s " if bound_s is not None else ""
-            raise KareusError(
-                f"CP-SAT found no plan {within}within its work limit ({limit:.1f} "
-                "deterministic units; raise PlannerSettings.solver_time_limit_s) "
-                f"(status {solver.status_name(status)})"
-            )
+            return name, None, bound
         choices = tuple(
             opts[i][next(k for k, v in enumerate(x[i]) if solver.value(v))]
             for i in range(len(opts))
         )
-        found = self._solution(choices, solver.status_name(status))
-        _log.debug(
-            "CP-SAT's plan %.1f J, from %s (modelled)",
-            found.energy_j,
-            "no hint" if hint is None else f"{hint.energy_j:.1f} J",
-        )
-        if hint is not None and (hint.energy_j, hint.time_s) < (found.energy_j, found.time_s):
-            found = dataclasses.replace(hint, status="HINT")  # CP-SAT's rounding of times
-        # OPTIMAL means within gap_limit, not exact
-        found = dataclasses.replace(found, within_s=bound_s, bound_j=min(proven, found.energy_j))
-        return self._record(found)
+        return name, choices, bound
 
     def _cp_sat_model(
         self, opts: Sequence[Sequence[Option]], us: list[list[int]], bound_us: int | None
@@ -567,7 +600,7 @@ class Composer:
             for i in range(len(opts))
             for k, o in enumerate(opts[i])
         )
-        static_w = round(self.static_w * self.gpus)  # W x us = uJ
+        static_w = math.floor(self.static_w * self.gpus)  # W x us = uJ (down: a bound stays one)
         m.minimize(dyn + switch_uj + static_w * t)
         return m, x
 
