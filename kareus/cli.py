@@ -530,7 +530,8 @@ def _plan(args: argparse.Namespace) -> int:
         # Saved at once: an infeasible policy or a later failure still leaves it to re-plan
         # from (--partitions).
         save_stages(work, stages, out / "partitions.json", originals)
-        progress.start("planning", planning_steps(stages, originals is not None))
+        dp = work.data_parallel() is not None
+        progress.start("planning", planning_steps(stages, originals is not None, dp))
 
     with _Progress(enabled=not args.quiet) as progress:
         # the split graphs, then the original ones (a replay plans the split ones only)

@@ -19,6 +19,7 @@ from kareus.planner.dag import (
     makespan,
     one_f_one_b,
     pipeline,
+    with_steps,
 )
 from kareus.planner.iteration import (
     Parallelism,
@@ -1103,10 +1104,9 @@ def test_clock_changes_are_priced_and_never_kept_when_they_do_not_pay():
 def test_no_bound_is_above_the_best_plan_that_meets_it():
     """Solved at the exact time of a plan (as a plan priced elsewhere is), the bound a solve
     reports is never above the least energy any plan within that time uses (enumerated).
-    CP-SAT's model rounds times to whole microseconds: a plan at the bound to a hair may lie
-    outside it, so CP-SAT's bound there is no bound; the clock-change greedy then finds a
-    plan below it (this happened on a data-parallel iteration), and the relaxation's bound
-    must be reported instead."""
+    CP-SAT's model rounded times to the nearest microsecond: a plan at the bound to a hair
+    lay outside it, and the bound CP-SAT proved there was above it (found on a
+    data-parallel iteration)."""
     import random
 
     rng = random.Random(3)
@@ -1130,3 +1130,22 @@ def test_no_bound_is_above_the_best_plan_that_meets_it():
         if found.bound_j is None or found.bound_j > best_j + 1e-9:
             failures.append((time_s, found.bound_j, best_j))
     assert not failures
+
+
+def test_a_dominated_option_that_saves_a_clock_change_is_searched():
+    """The optimizer step runs as fast at 1005 MHz as at 1410 for less energy, so 1410
+    is dominated; but after a backward at 1410, running the step at 1410 too saves a
+    change that costs more than the step's saving. CP-SAT must see that option: its bound
+    is then no higher than that plan (it dropped it once, and proved a bound above it)."""
+    options = {
+        (0, "forward"): [Option(1410, "a", 1.0, 100.0)],
+        (0, "backward"): [Option(1410, "a", 2.0, 200.0)],
+        (0, "step"): [Option(1410, "a", 0.5, 20.0), Option(1005, "a", 0.5, 15.0)],
+    }
+    it, _ranks = with_steps(chain(2))
+    comp = Composer(it, options, static_power_w=50, gpus=1, switch=SwitchCost(0.05))
+    found = comp.solve()
+    best_j, _t = comp.brute_force()
+    assert [o.freq_mhz for o in found.choices] == [1410] * len(it.instructions)
+    assert found.energy_j == pytest.approx(best_j)
+    assert found.bound_j is not None and found.bound_j <= best_j + 1e-9

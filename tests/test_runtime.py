@@ -465,6 +465,59 @@ def test_graph_breaks_and_recompute_do_not_shift_the_schedule(how):
     runtime.close()
 
 
+@pytest.mark.parametrize("how", ["graph_break", "checkpoint", "inductor"])
+def test_the_step_gets_its_clock_after_the_last_backward_of_the_iteration(how):
+    """A plan's step (data-parallel communication, optimizer) starts where the GPU's last
+    backward of the iteration ends, in its last region to run (region 0: the graph break
+    runs the backward of region 1 first), not after an earlier micro-batch's backward."""
+    clocks = EmulatedClocks()
+    plan = make_plan([*ACCUMULATE, (0, "step", 0, 810)])
+    codegen = "inductor" if how == "inductor" else "python"
+    model = kareus.compile(BrokenMLP(), plan=plan, clocks=clocks, codegen=codegen, nanobatches=1)
+    xs = torch.randn(6, 4, 8, generator=torch.Generator().manual_seed(1))
+    seen = []
+    for x in xs:
+        if how == "checkpoint":  # the whole model is recomputed in its backward
+            loss = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+        else:
+            loss = model(x)
+        seen.append(clocks.current)
+        loss.backward()
+        seen.append(clocks.current)
+    assert seen == [1410, 1200, 1100, 810] * 3
+    runtime = kareus.compiler.backend.find_backend(model).runtime
+    planned = [(k, m, f) for _s, k, m, f in ACCUMULATE] + [("step", 0, 810)]
+    assert [a[2:] for a in runtime.applied] == planned * 3
+    assert runtime.switch_count == 5 * 3  # the step is a change too
+    assert not [n for n in runtime.notes if "order" in n]
+    runtime.close()
+
+
+def test_the_step_waits_for_every_region_and_stage_on_the_gpu():
+    """Two regions (a graph break) and two stages on one GPU (interleaved): the step starts
+    only when the last of their last backwards ends, once per iteration."""
+    from kareus.runtime.switcher import ClockRuntime, Step
+
+    clocks = EmulatedClocks()
+    schedule = [Step(k, f, stage=s, microbatch=0) for s, k, f in (
+        (0, "forward", 1410), (1, "forward", 1305), (1, "backward", 1200),
+        (0, "backward", 1110), (0, "step", 810),
+    )]  # fmt: skip
+    runtime = ClockRuntime(schedule, clocks)
+    for _iteration in range(2):
+        for stage in (0, 1):
+            runtime.switch(stage, "forward", 0)
+            runtime.switch(stage, "forward", 1)
+        for stage in (1, 0):
+            for region in (1, 0):
+                runtime.switch(stage, "backward", region)
+                runtime.switch(stage, "step", region)
+                last = (stage, region) == (0, 0)
+                assert (clocks.current == 810) == last, (stage, region)
+    assert [a[2] for a in runtime.applied].count("step") == 2
+    runtime.close()
+
+
 def test_switch_is_a_side_effecting_op_inductor_keeps_in_place(tmp_path):
     from torch._inductor.utils import run_and_get_code
 

@@ -168,8 +168,11 @@ class Plan:
         except Exception:  # a GPU kareus has no spec for: only positivity is checked
             clocks = None
         for i, s in enumerate(self.schedule):
-            if s.kind not in ("forward", "backward"):
-                out.append(f"schedule[{i}].kind: {s.kind!r} is neither forward nor backward")
+            if s.kind not in ("forward", "backward", "step"):
+                out.append(
+                    f"schedule[{i}].kind: {s.kind!r} is not forward, backward or step (the "
+                    "data-parallel communication and optimizer after a rank's last backward)"
+                )
             if s.freq_mhz <= 0 or (clocks and not clocks[0] <= s.freq_mhz <= clocks[1]):
                 allowed = f"{clocks[0]:g}-{clocks[1]:g} MHz" if clocks else "a positive clock"
                 out.append(f"schedule[{i}].freq_mhz: {s.freq_mhz:g} is outside {allowed}")
@@ -204,10 +207,12 @@ class Plan:
         return cls.from_json(read_text(path, "kareus plan"), str(path))
 
     def stage_clocks(self) -> dict[int, str]:
-        """Each stage's instructions and clocks in order (``F0@1410 B0@1200 ...``)."""
+        """Each stage's instructions and clocks in order (``F0@1410 B0@1200 ... step@1005``)."""
         return {
             s: " ".join(
-                f"{c.kind[0].upper()}{c.microbatch}@{c.freq_mhz:g}"
+                f"step@{c.freq_mhz:g}"
+                if c.kind == "step"
+                else f"{c.kind[0].upper()}{c.microbatch}@{c.freq_mhz:g}"
                 for c in self.schedule
                 if c.stage == s
             )

@@ -466,8 +466,8 @@ def evaluate_clock_plans(
     for plan in plans:
         choices: list[Option] = []
         for instr in iteration.instructions:
-            if instr.kind == STEP:  # its one option, at the clock the last backward leaves
-                choices.append(options[instr.group][0])
+            if instr.kind == STEP:  # at the clock the rank's last instruction leaves
+                choices.append(by_clock[instr.group][plan.freqs_mhz[instr.stage][-1]])
                 continue
             rank, p = position[instr]
             choices.append(by_clock[instr.group][plan.freqs_mhz[rank][p]])

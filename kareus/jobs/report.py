@@ -278,11 +278,38 @@ def data_parallel_lines(plan: Plan) -> list[str]:
         "clock. *alone*: the iteration's data-parallel collectives run by themselves; "
         "*added*: what they add to the stage's instructions, beside compute as PyTorch's hooks "
         "issue them (kareus prices them, it does not move them); the rest is hidden. The "
-        "once-per-iteration part (DDP's all-reduce, the optimizer step) runs at the clock the "
-        "last backward leaves; what is added to each micro-batch (FSDP) is priced at every "
+        "once-per-iteration part (DDP's exposed all-reduce, the optimizer step) is each "
+        f"rank's *step*, at a clock of its own ({_step_clocks(plan)}; the baselines keep it "
+        "at the maximum); what is added to each micro-batch (FSDP) is priced at every "
         "clock, so the clocks chosen account for it.",
         "",
         _md_table(header, rows),
+        "",
+        *_blind_lines(dp.get("blind")),
+    ]
+
+
+def _step_clocks(plan: Plan) -> str:
+    """Say the clock of each rank's step, e.g. ``rank 0 at 1005 MHz, rank 1 at 1410 MHz``."""
+    steps = [s for s in plan.schedule if s.kind == "step"]
+    if not steps:
+        return "none in this plan's schedule"
+    return ", ".join(f"rank {s.stage} at {s.freq_mhz:g} MHz" for s in steps)
+
+
+def _blind_lines(blind: dict[str, Any] | None) -> list[str]:
+    """Return what planning with the data-parallel traffic in view gained (none if unpriced)."""
+    if not blind:
+        return []
+    if "note" in blind:
+        return [f"What seeing the data-parallel traffic gained: {blind['note']}.", ""]
+    return [
+        "**What seeing it gained** (modelled): planned blind to this traffic (kareus's "
+        f"`{blind['policy']}` plan of the iteration without it) and run with it, the "
+        f"iteration takes {blind['time_s']:.4f} s and {blind['energy_j']:,.0f} J; planned "
+        f"with it in view, kareus's least energy no slower is {blind['aware_energy_j']:,.0f} J: "
+        f"**{blind['saving']:.1%} less**, the saving attributable to pricing the data-parallel "
+        "communication and choosing clocks around it.",
         "",
     ]
 
@@ -399,6 +426,13 @@ def _decisions_section(plan: Plan) -> list[str]:
 
 def _clocks_section(plan: Plan) -> list[str]:
     lines = ["## Clock schedule (MHz; F = forward, B = backward, then the micro-batch)", ""]
+    if any(s.kind == "step" for s in plan.schedule):
+        lines += [
+            "*step*: the data-parallel communication and optimizer step after the rank's "
+            "last backward, at a clock of its own (the runtime sets it where that backward's "
+            "graph ends).",
+            "",
+        ]
     lines += [f"- stage {s}: {steps}" for s, steps in plan.stage_clocks().items()]
     lines += ["", switch_sentence(plan)]
     return [*lines, ""]

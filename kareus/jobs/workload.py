@@ -74,9 +74,14 @@ def with_recompute(stages: Sequence[PartitionSet], mode: str) -> list[PartitionS
     return [done[id(p)] for p in stages]
 
 
-def planning_steps(stages: Sequence[PartitionSet], originals: bool = True) -> int:
-    """Return how many progress steps planning these stages reports (with originals')."""
-    return sum(len(p.types) for _, p in distinct(stages)) + 3 + originals
+def planning_steps(
+    stages: Sequence[PartitionSet], originals: bool = True, data_parallel: bool = False
+) -> int:
+    """Return how many progress steps planning these stages reports.
+
+    Originals' add one; data-parallel traffic two (pricing it, then planning blind to it).
+    """
+    return sum(len(p.types) for _, p in distinct(stages)) + 3 + originals + 2 * data_parallel
 
 
 def plan_workload(

@@ -170,10 +170,13 @@ class Composer:
         for instr in iteration.instructions:
             if not self.options.get(instr.group):
                 raise KareusError(f"no options for stage {instr.stage} {instr.kind}")
-        # For CP-SAT, each option dominated within its profile (another is no slower and no
-        # more energy-hungry) is dropped: it can only tie. The full lists serve the
-        # uniform-clock plans.
+        # For the relaxations, each option dominated within its profile (another is no
+        # slower and no more energy-hungry) is dropped: without clock changes it can only
+        # tie. CP-SAT prices changes, and a dominated option at the clock of its neighbours
+        # saves one, so it keeps them all when changes cost anything.
         self.model_options = {g: _undominated(o) for g, o in self.options.items()}
+        self.switch = switch if switch is not None and switch.time_s > 0 else None
+        self.search_options = self.model_options if self.switch is None else self.options
         self.static_w = static_power_w
         self.gpus = gpus
         self.per_stage = gpus_per_stage
@@ -189,7 +192,6 @@ class Composer:
         self._relaxation: Relaxation | None = None  # built at its first solve, then kept
         self._flow: FlowRelaxation | None = None  # likewise
         self._memo: dict[float | None, Solution] = {}  # each bound's solution, since frontier()
-        self.switch = switch if switch is not None and switch.time_s > 0 else None
         # the energy of a clock change before each instruction, on all GPUs of its stage
         # (empty when changes are free)
         self._change_j = [
@@ -468,7 +470,7 @@ class Composer:
         and CP-SAT searches again (its bound there proves nothing).
         """
         self.searches += 1
-        opts = [self.model_options[i.group] for i in self.it.instructions]
+        opts = [self.search_options[i.group] for i in self.it.instructions]
         us = [[math.floor(o.time_s * 1e6) for o in row] for row in opts]
         bound_us = None if bound_s is None else math.floor(bound_s * 1e6)
         # each energy term of the objective is rounded to the nearest microjoule
@@ -573,7 +575,7 @@ class Composer:
         horizon = sum(max(d) for d in us) + 1
         x = [[m.new_bool_var(f"x{i}_{k}") for k in range(len(us[i]))] for i in range(len(us))]
         groups = sorted({i.group for i in self.it.instructions})
-        profiles = {g: sorted({o.profile for o in self.model_options[g]}) for g in groups}
+        profiles = {g: sorted({o.profile for o in self.search_options[g]}) for g in groups}
         y = {g: {p: m.new_bool_var(f"y{g}_{p}") for p in profiles[g]} for g in groups}
         for g in groups:
             m.add_exactly_one(y[g].values())

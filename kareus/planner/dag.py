@@ -228,16 +228,19 @@ def with_steps(iteration: Iteration) -> tuple[Iteration, dict[int, list[int]]]:
 
     The step (kind ``step``, the rank's index as its stage) holds what runs once per
     iteration after the backward: data-parallel gradient communication and the optimizer
-    step. It is in no rank's order: the clock does not change before it.
+    step. It ends the rank's order: it has a clock of its own, and a change before it (and
+    from it to the next iteration's first instruction) is a change like any other.
     """
     instrs = list(iteration.instructions)
     edges = list(iteration.edges)
+    orders = []
     ranks: dict[int, list[int]] = {}
     for rank, order in enumerate(iteration.orders):
         ranks[rank] = sorted({instrs[i].stage for i in order})
         edges.append((order[-1], len(instrs)))
+        orders.append((*order, len(instrs)))
         instrs.append(Instruction(rank, STEP, 0))
-    return Iteration(tuple(instrs), tuple(edges), iteration.orders), ranks
+    return Iteration(tuple(instrs), tuple(edges), tuple(orders)), ranks
 
 
 def _check_sizes(name: str, stages: int, microbatches: int) -> None:

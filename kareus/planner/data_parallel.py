@@ -24,9 +24,11 @@ the compute beside it (SMs it takes, the contention for memory, the power of its
 each micro-batch instruction's options grow by what the traffic adds at their clock, and
 the composer chooses clocks knowing what is exposed. What happens once per iteration (DDP's
 all-reduce, the optimizer step) is a *step* instruction after each pipeline rank's last
-backward, priced at the maximum clock: kareus's runtime does not change the clock between
-the last backward and the optimizer step, and the step runs at the clock the GPU is left
-at, which is never above the maximum (so its energy is an upper bound).
+backward, with a clock of its own: the exposed end of the gradient all-reduce waits on the
+network and the optimizer on memory, so a low clock there costs little time and saves
+power. kareus's runtime sets the step's clock where the rank's last backward graph ends
+(:mod:`kareus.runtime.switcher`); the baselines leave the step at the maximum clock, as
+Megatron-LM and Perseus (whose plans cover the pipeline's compute only) do.
 
 The planner stays free of graphs: the parameters each stage holds come from the workload
 (:class:`StageWeights`), the compute from the partition sets.
@@ -44,7 +46,9 @@ from kareus.errors import KareusError
 from kareus.hardware import Emulator, GPUSpec
 from kareus.ir.costs import CollectiveCost, Estimate, Evaluator, Knobs, OpCost, PartitionWork
 from kareus.ir.partitions import PartitionSet
+from kareus.planner.compose import Composer, Solution
 from kareus.planner.dag import STEP, Iteration, Option, with_steps
+from kareus.planner.select import select
 
 MODES = ("ddp", "fsdp", "hsdp")
 # STEP (from dag): the kind of an iteration's once-per-iteration instructions, and the
@@ -260,23 +264,30 @@ def per_instruction_cost(
 
 
 def step_cost(
-    tr: Traffic, dp: DataParallel, last_backward: tuple[OpCost, ...], pricing: Pricing, fmax: float
+    tr: Traffic,
+    dp: DataParallel,
+    last_backward: tuple[OpCost, ...],
+    pricing: Pricing,
+    fmax: float,
+    freq: float | None = None,
 ) -> tuple[tuple[float, float], tuple[float, float]]:
     """(time, dynamic energy) of one stage's once-per-iteration communication and optimizer.
 
-    At the maximum clock: DDP's all-reduce (all buckets but the last beside the last
-    backward's compute, the last after it), then the optimizer step over the parameters
-    this GPU updates.
+    DDP's all-reduce: all buckets but the last beside the last backward's compute (at the
+    maximum clock: the backward's own clock is chosen apart, and this is the most its
+    traffic can cost it), the last bucket after it, at the step's clock ``freq`` (default
+    the maximum); then the optimizer step over the parameters this GPU updates, at ``freq``.
     """
+    freq = fmax if freq is None else freq
     t = e = 0.0
     for coll, across in tr.per_iteration:
         last = min(1.0, dp.bucket_bytes / coll.bytes) if coll.bytes else 1.0
-        dt, de = pricing.alone(_scaled(coll, last), across, fmax)
+        dt, de = pricing.alone(_scaled(coll, last), across, freq)
         bt, be = pricing.beside(last_backward, _scaled(coll, 1 - last), across, fmax)
         t, e = t + dt + bt, e + de + be
     n = tr.optimizer_params
     adam = OpCost("memory", ADAM_FLOPS_PER_PARAM * n, ADAM_BYTES_PER_PARAM * n, "fp32", "adamw")
-    est = pricing.local.ops((adam,), fmax)
+    est = pricing.local.ops((adam,), freq)
     return (t, e), (est.time_s, est.energy_j - pricing.static_power_w * est.time_s)
 
 
@@ -343,9 +354,9 @@ def add_data_parallel(
 
     The per-micro-batch traffic is priced at each clock of ``freqs``, beside the compute of
     the graphs each option runs: ``originals`` (the original graphs' sets, and the profile
-    of the options that run them) or ``stages``. The step is priced at ``fmax`` (the GPU's
-    maximum clock; default the highest of ``freqs``), once beside each graph family's last
-    backward (profiles :data:`STEP` and :data:`STEP_ORIGINAL`).
+    of the options that run them) or ``stages``. The step is priced at each of ``freqs``
+    and ``fmax`` (the GPU's maximum clock; default the highest of ``freqs``), once beside
+    each graph family's last backward (profiles :data:`STEP` and :data:`STEP_ORIGINAL`).
 
     Returns the iteration with its steps, and the record the plan keeps: per stage, the
     bytes one iteration moves and, at the maximum clock, the seconds its collectives take
@@ -356,8 +367,10 @@ def add_data_parallel(
     weights = weights if len(weights) == len(stages) else weights[:1] * len(stages)
     microbatches = sum(1 for i in iteration.instructions if i.stage == 0 and i.kind == "forward")
     fmax = max(freqs) if fmax is None else fmax
+    step_freqs = sorted({*freqs, fmax}, reverse=True)
     original_sets, original_profile = originals
-    steps: dict[str, dict[int, tuple[float, float]]] = {STEP: {}, STEP_ORIGINAL: {}}
+    # profile -> stage -> clock -> (time, dynamic energy) of the stage's share of the step
+    steps: dict[str, dict[int, dict[float, tuple[float, float]]]] = {STEP: {}, STEP_ORIGINAL: {}}
     per_stage = []
     for si, pset in enumerate(stages):
         graphs = {STEP: pset, STEP_ORIGINAL: original_sets[si] if original_sets else None}
@@ -368,10 +381,13 @@ def add_data_parallel(
             original = profile == STEP_ORIGINAL
             picks = functools.partial(operator.eq if original else operator.ne, original_profile)
             added_here = _add_traffic(si, graph, tr, dpp.pricing, options, freqs, picks)
-            comm, optimizer = step_cost(
-                tr, dpp.layout, instruction_ops(graph, "backward"), dpp.pricing, fmax
-            )
-            steps[profile][si] = (comm[0] + optimizer[0], comm[1] + optimizer[1])
+            last_backward = instruction_ops(graph, "backward")
+            by_clock = {}
+            for f in step_freqs:
+                c, o = step_cost(tr, dpp.layout, last_backward, dpp.pricing, fmax, f)
+                by_clock[f] = (c[0] + o[0], c[1] + o[1])
+            steps[profile][si] = by_clock
+            comm, optimizer = step_cost(tr, dpp.layout, last_backward, dpp.pricing, fmax)
             if profile == STEP:
                 at_fmax = added_here.get(fmax, added_here[max(added_here)])
                 per_stage.append(
@@ -387,13 +403,14 @@ def add_data_parallel(
     for rank, rank_stages in ranks.items():
         options[(rank, STEP)] = [
             Option(
-                fmax,
+                f,
                 profile,
-                sum(by[s][0] for s in rank_stages),
-                sum(by[s][1] for s in rank_stages),
+                sum(by[s][f][0] for s in rank_stages),
+                sum(by[s][f][1] for s in rank_stages),
             )
             for profile, by in steps.items()
             if by
+            for f in step_freqs
         ]
     dp = dpp.layout
     summary = {"degree": dp.degree, "mode": dp.mode, "gpus_per_node": dp.gpus_per_node}
@@ -432,3 +449,89 @@ def _add_traffic(
         for f in freqs:
             added[f] += extra[f][0]
     return added
+
+
+def blind_gain(
+    blind: Composer,
+    aware: Composer,
+    policy: str,
+    *,
+    baseline_time_s: float,
+    sweep_points: int,
+    energy_budget_j: float | None = None,
+    deadline_s: float | None = None,
+) -> dict[str, Any]:
+    """Return what planning with the data-parallel traffic in view gained over planning blind.
+
+    The *blind* plan is what kareus picks by ``policy`` on the iteration without data
+    parallelism (``blind``: kareus's composer over the options before the traffic was added,
+    no step; ``baseline_time_s``: Megatron-LM's time there), run with it: every instruction
+    keeps its clock and overlap, now with the traffic beside it, and each rank's step runs
+    at the clock its last instruction leaves (no step, no clock of its own). The
+    *aware* plan is the least energy ``aware`` (kareus's composer over the iteration with the
+    traffic) finds no slower than that; the blind plan is one of its plans, so its energy is
+    at most the blind plan's and the gain is never negative.
+
+    Returns the record the plan keeps: the blind plan's time and energy with the traffic,
+    the aware plan's energy and proven lower bound, and the saving.
+    """
+    try:
+        picked = _policy_solve(
+            blind, policy, baseline_time_s, sweep_points, energy_budget_j, deadline_s
+        )
+    except KareusError as err:  # e.g. only the original graphs meet the baseline's time
+        return {
+            "note": "not priced: kareus's split graphs cannot meet the policy on the iteration "
+            f"without the data-parallel traffic ({err})"
+        }
+    keyed = {g: {(o.profile, o.freq_mhz): o for o in opts} for g, opts in aware.options.items()}
+    choices = [
+        keyed[instr.group][(picked.choices[j].profile, picked.choices[j].freq_mhz)]
+        for j, instr in enumerate(aware.it.instructions)
+        if instr.kind != STEP
+    ]
+    # Blind to the step, the runtime leaves it at the clock of the rank's last instruction.
+    for order in aware.it.orders:
+        step = aware.it.instructions[order[-1]]
+        choices.append(keyed[step.group][(STEP, choices[order[-2]].freq_mhz)])
+    time_s, energy_j = aware.evaluate(choices)
+    # searched from the blind plan: the search starts where planning blind left off
+    found = aware.solve(bound_s=time_s, hint=Solution(tuple(choices), time_s, energy_j, "BLIND"))
+    best = min(found.energy_j, energy_j)
+    return {
+        "policy": policy,
+        "time_s": time_s,
+        "energy_j": energy_j,
+        "aware_energy_j": best,
+        "aware_bound_j": found.bound_j,
+        "saving": 1 - best / energy_j if energy_j > 0 else 0.0,
+    }
+
+
+def _policy_solve(
+    comp: Composer,
+    policy: str,
+    baseline_time_s: float,
+    sweep_points: int,
+    energy_budget_j: float | None,
+    deadline_s: float | None,
+) -> Solution:
+    """Return the plan ``policy`` picks among ``comp``'s, solving only where it must.
+
+    Least energy within a time (the baseline's, the deadline; none for ``min_energy``) is
+    one solve; the fastest is a least-time solve; only a budget needs the frontier.
+    """
+    if policy == "energy_budget_j":
+        chosen = select(
+            comp.frontier(sweep_points),  # type: ignore[arg-type]
+            policy,
+            energy_budget_j=energy_budget_j,
+        )
+        assert isinstance(chosen, Solution)
+        return chosen
+    if policy == "max_throughput":
+        return comp.solve(minimise="time")
+    bounds = {"iso_time": baseline_time_s, "deadline_s": deadline_s, "min_energy": None}
+    if policy not in bounds:
+        raise KareusError(f"unknown policy {policy!r}")
+    return comp.solve(bound_s=bounds[policy])

@@ -38,6 +38,7 @@ from kareus.planner.data_parallel import (
     STEP_ORIGINAL,
     DataParallelPlanning,
     add_data_parallel,
+    blind_gain,
     data_parallel_planning,
 )
 from kareus.planner.knobs import CountingEvaluator, KnobSpace, Setting, default_clocks, knobs_of
@@ -211,6 +212,7 @@ def plan_iteration(
     freqs = tuple(settings.clocks_mhz or default_clocks(clocks_mhz))
     note = progress or (lambda _step: None)
     evaluated = evaluate_options(stages, ev, freqs, static_power_w, settings, note, originals)
+    blind_options = dict(evaluated.options)  # the data-parallel traffic replaces its lists
     iteration, dp_record = _iteration_for(
         parallel, evaluated.options, (stages, originals), data_parallel, freqs, note
     )
@@ -219,22 +221,56 @@ def plan_iteration(
     )
     frontiers = _frontiers(comps, settings, deadline_s, note, with_originals=bool(originals))
     chosen = _choose(frontiers, policy, energy_budget_j, deadline_s)
-    meta = {
-        "gpu": gpu,
-        "source": getattr(evaluator, "source", "modelled"),
-        "policy": policy,
-        "skip_reasons": tuple(skip_reasons),
-        "static_power_w": static_power_w,
-        "workload": dict(workload or {}),
-        "clock_switch": dataclasses.asdict(settings.switch or SwitchCost()),
-        "data_parallel": dp_record,
-    }
     counts = {"search": evaluated.searched, "total": ev.evaluations, "grid": evaluated.grid}
     counts |= _solve_counts(comps.values(), settings.solver_gap_limit)
     graphs = (stages, originals)
+    if data_parallel is not None:
+        dp_record["blind"] = _seeing_data_parallel(
+            parallel, blind_options, graphs, comps["kareus"], freqs, static_power_w, settings,
+            (policy, energy_budget_j, deadline_s), note,
+        )  # fmt: skip
+    meta = {
+        "gpu": gpu, "source": getattr(evaluator, "source", "modelled"), "policy": policy,
+        "skip_reasons": tuple(skip_reasons), "static_power_w": static_power_w,
+        "workload": dict(workload or {}), "data_parallel": dp_record,
+        "clock_switch": dataclasses.asdict(settings.switch or SwitchCost()),
+    }  # fmt: skip
     plan = _plan_file(chosen, frontiers, evaluated, iteration, graphs, parallel, counts, meta)
     return PlanningResult(
         plan, evaluated.searches, frontiers, ev.evaluations, evaluated.grid, settings
+    )
+
+
+def _seeing_data_parallel(
+    parallel: Parallelism,
+    blind_options: dict[tuple[int, str], list[Option]],
+    graphs: tuple[Sequence[PartitionSet], Sequence[PartitionSet] | None],
+    aware: Composer,
+    freqs: Sequence[float],
+    static_power_w: float,
+    settings: PlannerSettings,
+    request: tuple[str, float | None, float | None],
+    note: Callable[[str], Any],
+) -> dict[str, Any]:
+    """Return what planning with the data-parallel traffic in view gained (:func:`blind_gain`).
+
+    ``blind_options``: the options before the traffic was added; ``request``: the policy,
+    its energy budget and deadline.
+    """
+    note("planning blind to the data-parallel traffic, to price what seeing it gained")
+    policy, energy_budget_j, deadline_s = request
+    iteration = _iteration_for(parallel, blind_options, graphs, None, freqs, lambda _s: None)[0]
+    blind = _composers(
+        iteration, blind_options, max(freqs), static_power_w, parallel, settings, graphs[1]
+    )
+    return blind_gain(
+        blind["kareus"],
+        aware,
+        policy,
+        baseline_time_s=blind["megatron"].fastest_choice().time_s,
+        sweep_points=settings.sweep_points,
+        energy_budget_j=energy_budget_j,
+        deadline_s=deadline_s,
     )
 
 
@@ -349,12 +385,15 @@ def _composers(
     Megatron-LM's and Perseus's run the original graphs' options where they were given.
     """
     alone = ORIGINAL if originals is not None else "no-overlap"
-    # A data-parallel step (:mod:`kareus.planner.data_parallel`) has one option per graphs.
+    # A data-parallel step (:mod:`kareus.planner.data_parallel`) has one profile per graphs;
+    # only kareus clocks it (the baselines' plans cover the pipeline's compute).
     step = STEP_ORIGINAL if originals is not None else STEP
     restrict: dict[str, Callable[[Option], bool]] = {
-        "megatron": lambda o: (o.freq_mhz == fmax and o.profile == alone) or o.profile == step,
-        "perseus": lambda o: o.profile in (alone, step),
-        "nanobatch+perseus": lambda o: o.profile in ("nanobatch", STEP),
+        "megatron": lambda o: o.freq_mhz == fmax and o.profile in (alone, step),
+        "perseus": lambda o: o.profile == alone or (o.profile == step and o.freq_mhz == fmax),
+        "nanobatch+perseus": lambda o: (
+            o.profile == "nanobatch" or (o.profile == STEP and o.freq_mhz == fmax)
+        ),
         "kareus": lambda o: o.profile not in (ORIGINAL, STEP_ORIGINAL),
     }
     return {
@@ -436,7 +475,6 @@ def _clock_schedule(iteration: Iteration, chosen: Solution) -> tuple[ScheduledIn
             opt.dynamic_energy_j,
         )
         for instr, opt in zip(iteration.instructions, chosen.choices, strict=True)
-        if instr.kind != STEP  # at the clock the last backward leaves (see data_parallel)
     )
 
 

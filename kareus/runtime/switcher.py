@@ -10,8 +10,11 @@ identifies each instruction whatever the interleaving of forwards and backwards,
 instruction gets exactly the clock the plan gives it. Each compiled region counts its own
 calls, so a graph break (two regions per pass) does not advance the schedule twice; a
 forward run while autograd executes a backward is an activation recompute and keeps the
-backward's clock. A stage whose observed order differs from the plan's (a plan made for
-another schedule) is reported once. One runtime serves one GPU, whatever the number of
+backward's clock. A second switch where each backward graph ends starts the plan's *step*
+(data-parallel communication and the optimizer, after the GPU's last backward of the
+iteration: every region of every stage on it at its last micro-batch) at its own clock. A
+stage whose observed order differs from the plan's (a plan made for another schedule) is
+reported once. One runtime serves one GPU, whatever the number of
 stages (interleaved schedules) and regions on it.
 
 On CUDA the switch takes effect when the GPU reaches that point: an event is recorded on
@@ -55,6 +58,10 @@ _RUNTIMES: dict[int, ClockRuntime] = {}
 _BY_DEVICE: dict[object, ClockRuntime] = {}
 _IDS = itertools.count()
 
+
+STEP = "step"
+"""The kind of the instruction after a GPU's last backward of an iteration (data-parallel
+communication and the optimizer step), and of the switch where a backward graph ends."""
 
 _SHAPE_RUNS = 0
 """Greater than zero while a framework runs the model only to learn shapes (no instruction)."""
@@ -154,6 +161,7 @@ class ClockRuntime:
         self.schedule: list[Step] = []
         self._steps: dict[tuple[int, str, int], Step] = {}
         self._counts: dict[tuple[int, str], int] = {}  # micro-batches per (stage, kind)
+        self._step: Step | None = None  # the step after this GPU's last backward, if planned
         self.add(schedule)
         self.controller = controller
         self.journal = pathlib.Path(journal) if journal else None
@@ -178,6 +186,8 @@ class ClockRuntime:
         self._iteration = -1
         self._order: dict[int, list[tuple[str, int]]] = {}  # iteration 0's order, per stage
         self._seen: set[tuple[int, tuple[int, str, int]]] = set()
+        self._ended: dict[int, set[tuple[int, int]]] = {}  # (stage, region) last backwards
+        self._step_iteration = -1  # the last iteration whose step started
         self._current: float | None = None
         # _lock guards the schedule's counters only: no controller, journal, monitor or user
         # callback runs under it, and no signal handler takes it.
@@ -264,6 +274,8 @@ class ClockRuntime:
                 continue
             self._steps[step.key] = step
             self.schedule.append(step)
+            if step.kind == STEP:
+                self._step = step
             self._counts[step.stage, step.kind] = self._counts.get((step.stage, step.kind), 0) + 1
 
     def stages(self) -> list[int]:
@@ -284,6 +296,9 @@ class ClockRuntime:
             return
         if _SHAPE_RUNS:
             return  # a run for shapes only, not an instruction
+        if kind == STEP:
+            self._after_backward(stage, region)
+            return
         if kind == "forward" and torch._C._current_graph_task_id() != -1:
             return  # a recompute inside a backward pass: the backward's clock stays
         per_iteration = self._counts.get((stage, kind), 0)
@@ -309,17 +324,58 @@ class ClockRuntime:
             if iteration == 0:
                 self._order.setdefault(stage, []).append((kind, microbatch))
             self.applied.append((iteration, stage, kind, microbatch, step.freq_mhz))
-            if self.enabled and step.freq_mhz != self._current:
-                freq = self._current = step.freq_mhz
-                self.switch_count += 1
-                self.switches.append(freq)
-                if len(self.switches) > 2 * _KEEP:
-                    del self.switches[:-_KEEP]
+            freq = self._take(step.freq_mhz)
         # Outside the lock: the monitor, the user's callback and the controller.
         if started and self._monitor is not None:
             self._monitor.start()
         if finished:
             self._finish_iteration()
+        if freq is not None:
+            self._apply(freq)
+
+    def _take(self, freq: float) -> float | None:
+        """Under the lock: ``freq`` is the clock from here; return it if it must be set."""
+        if not self.enabled or freq == self._current:
+            return None
+        self._current = freq
+        self.switch_count += 1
+        self.switches.append(freq)
+        if len(self.switches) > 2 * _KEEP:
+            del self.switches[:-_KEEP]
+        return freq
+
+    def _after_backward(self, stage: int, region: int) -> None:
+        """Note that a backward of ``stage`` ended in ``region``; start the step after the last.
+
+        After the GPU's last backward of the iteration (every region of every stage on it
+        at its last micro-batch), the step's clock is set: DDP's last all-reduce and the
+        optimizer step run at it.
+        """
+        step = self._step
+        if step is None:
+            return
+        freq: float | None = None
+        with self._lock:
+            per_iteration = self._counts.get((stage, "backward"), 0)
+            calls = self._calls.get((stage, "backward", region), 0)
+            if per_iteration == 0 or calls == 0:
+                return
+            iteration, microbatch = divmod(calls - 1, per_iteration)
+            if microbatch != per_iteration - 1 or iteration <= self._step_iteration:
+                return
+            ended = self._ended.setdefault(iteration, set())
+            ended.add((stage, region))
+            regions = {
+                (s, r)
+                for s, k, r in self._calls
+                if k == "forward" and self._counts.get((s, "backward"), 0)
+            }
+            if not regions <= ended:
+                return  # another region or stage of this GPU has its last backward to run
+            self._ended = {i: e for i, e in self._ended.items() if i > iteration}
+            self._step_iteration = iteration
+            self.applied.append((iteration, step.stage, STEP, 0, step.freq_mhz))
+            freq = self._take(step.freq_mhz)
         if freq is not None:
             self._apply(freq)
 
@@ -344,7 +400,9 @@ class ClockRuntime:
     def _check_order(self) -> None:
         """Compare each stage's order in the first iteration with the plan's; report once."""
         for stage, seen in sorted(self._order.items()):
-            planned = [(s.kind, s.microbatch) for s in self.schedule if s.stage == stage]
+            planned = [
+                (s.kind, s.microbatch) for s in self.schedule if s.stage == stage and s.kind != STEP
+            ]
             if seen != planned:
                 note = (
                     f"stage {stage} ran its instructions in the order {_order_text(seen)}, but "
@@ -646,6 +704,26 @@ def switch_clock(runtime_id: int, stage: int, kind: str, region: int) -> None:
 def _(runtime_id: int, stage: int, kind: str, region: int) -> None:
     return None
 
+
+@torch.library.custom_op("kareus::switch_clock_after", mutates_args=())
+def switch_clock_after(runtime_id: int, stage: int, region: int, after: list[torch.Tensor]) -> None:
+    """End a backward graph of ``stage`` (the graph node): start the step after the last.
+
+    Takes the graph's outputs, so that every backend runs it after all that computes them
+    (a node with side effects but no inputs may be moved among the kernels).
+    """
+    runtime = _RUNTIMES.get(runtime_id)
+    if runtime is not None:
+        runtime.switch(stage, STEP, region)
+
+
+@switch_clock_after.register_fake
+def _(runtime_id: int, stage: int, region: int, after: list[torch.Tensor]) -> None:
+    return None
+
+
+SWITCH_AFTER_OP = torch.ops.kareus.switch_clock_after.default
+"""The switch where a backward graph ends, as an operator."""
 
 SWITCH_OP = torch.ops.kareus.switch_clock.default
 """The switch as an operator (the graph pass marks it as having side effects)."""
