@@ -441,22 +441,26 @@ ACCUMULATE = [
 ]
 
 
+def _clocks_around_each_pass(model, clocks, passes, *, checkpoint):
+    """Run ``passes`` forward and backward passes; return the clock after each of them."""
+    xs = torch.randn(passes, 4, 8, generator=torch.Generator().manual_seed(1))
+    seen = []
+    for x in xs:
+        if checkpoint:  # the whole model is recomputed in its backward
+            loss = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+        else:
+            loss = model(x)
+        seen.append(clocks.current)
+        loss.backward()
+        seen.append(clocks.current)
+    return seen
+
+
 @pytest.mark.parametrize("how", ["graph_break", "checkpoint"])
 def test_graph_breaks_and_recompute_do_not_shift_the_schedule(how):
     clocks = EmulatedClocks()
     model = kareus.compile(BrokenMLP(), plan=make_plan(ACCUMULATE), clocks=clocks, nanobatches=1)
-    xs = torch.randn(4, 4, 8, generator=torch.Generator().manual_seed(1))
-    seen = []
-    for step in range(2):
-        for m in range(2):
-            x = xs[2 * step + m]
-            if how == "checkpoint":  # the whole model is recomputed in its backward
-                loss = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
-            else:
-                loss = model(x)
-            seen.append(clocks.current)
-            loss.backward()
-            seen.append(clocks.current)
+    seen = _clocks_around_each_pass(model, clocks, 4, checkpoint=how == "checkpoint")
     assert seen == [f for *_k, f in ACCUMULATE] * 2
     runtime = kareus.compiler.backend.find_backend(model).runtime
     assert [a[2:] for a in runtime.applied] == [(k, m, f) for _s, k, m, f in ACCUMULATE] * 2
@@ -474,16 +478,7 @@ def test_the_step_gets_its_clock_after_the_last_backward_of_the_iteration(how):
     plan = make_plan([*ACCUMULATE, (0, "step", 0, 810)])
     codegen = "inductor" if how == "inductor" else "python"
     model = kareus.compile(BrokenMLP(), plan=plan, clocks=clocks, codegen=codegen, nanobatches=1)
-    xs = torch.randn(6, 4, 8, generator=torch.Generator().manual_seed(1))
-    seen = []
-    for x in xs:
-        if how == "checkpoint":  # the whole model is recomputed in its backward
-            loss = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
-        else:
-            loss = model(x)
-        seen.append(clocks.current)
-        loss.backward()
-        seen.append(clocks.current)
+    seen = _clocks_around_each_pass(model, clocks, 6, checkpoint=how == "checkpoint")
     assert seen == [1410, 1200, 1100, 810] * 3
     runtime = kareus.compiler.backend.find_backend(model).runtime
     planned = [(k, m, f) for _s, k, m, f in ACCUMULATE] + [("step", 0, 810)]
