@@ -12,7 +12,13 @@ import kareus.passes.pipeline
 from kareus.errors import PassError
 from kareus.passes.base import GraphPass, PassResult
 from kareus.passes.census import census, lost
-from kareus.testing import InplaceTPNet, assert_same_history, compare_training, run_ranks
+from kareus.testing import (
+    InplaceTPLayer,
+    InplaceTPNet,
+    assert_same_history,
+    compare_training,
+    run_ranks,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -105,6 +111,95 @@ def test_inplace_dist_collectives_survive_the_split(inplace_runs, sequence_paral
         )
         # ... and they are overlapped: partitions with a collective in both directions.
         assert with_collective >= 8
+
+
+class _GatherParam(torch.autograd.Function):
+    """SimpleFSDP's parameter gather: all-gather the shards forward, reduce-scatter back."""
+
+    @staticmethod
+    def forward(ctx, shard):
+        out = shard.new_empty((shard.shape[0] * dist.get_world_size(), *shard.shape[1:]))
+        dist.all_gather_into_tensor(out, shard.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty((grad.shape[0] // dist.get_world_size(), *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad.contiguous())
+        return out
+
+
+class _FSDPLayer(torch.nn.Module):
+    """A layer whose weight is sharded and gathered in the graph, as SimpleFSDP writes it,
+    then (with ``tp``) a tensor-parallel MLP."""
+
+    def __init__(self, width, tp):
+        super().__init__()
+        self.shard = torch.nn.Parameter(torch.randn(width // 2, width) * 0.2)
+        self.tp = InplaceTPLayer(width, sequence_parallel=False) if tp else None
+
+    def forward(self, x):
+        x = x + torch.tanh(x @ _GatherParam.apply(self.shard))
+        return x if self.tp is None else self.tp(x)
+
+
+class _FSDPNet(torch.nn.Module):
+    def __init__(self, tp):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_FSDPLayer(16, tp) for _ in range(2))
+
+    def forward(self, x, target):
+        for layer in self.layers:
+            x = layer(x)
+        return ((x - target) ** 2).mean()
+
+
+def _fsdp_runs(rank):
+    out = {}
+    for tp in (False, True):
+        grab = _Grab()
+        saved = kareus.passes.pipeline.PIPELINE
+        kareus.passes.pipeline.PIPELINE = (*saved, grab)
+        holder = {}
+
+        def make(tp=tp):
+            torch.manual_seed(1)
+            return _FSDPNet(tp)
+
+        def comp(m, holder=holder):
+            holder["c"] = kareus.compile(m, strict=True)
+            return holder["c"]
+
+        try:
+            torch._dynamo.reset()
+            ref, got = compare_training(make, comp, _batches(False), resync=True)
+        finally:
+            kareus.passes.pipeline.PIPELINE = saved
+        blocks = kareus.explain(holder["c"]).regions[0].findings["find_blocks"]
+        out[tp] = ref, got, grab.counts, blocks.split, dict(blocks.skipped)
+    return out
+
+
+def test_a_parameter_gathered_in_the_graph_is_shared_by_both_nanobatches():
+    """SimpleFSDP-style layers (the weight all-gathered in the graph, its gradient
+    reduce-scattered): the gather reads nothing that carries the batch, so a split block
+    runs it once for both nanobatches (twice would move the weights twice, and the
+    collective census refused that split), while its tensor-parallel all-reduces run per
+    nanobatch. A layer whose only collective is the gather is left whole, saying why."""
+    for per_rank in run_ranks(_fsdp_runs):
+        ref, got, counts, split, skipped = per_rank[True]
+        assert split == ["layers.0", "layers.1"]
+        assert_same_history(ref, got)
+        forward = {k: n for (k, _g), n in counts["forward"].items()}
+        backward = {k: n for (k, _g), n in counts["backward"].items()}
+        # 2 layers: the gather and its reduce-scatter once each, the "g" and "f" all-reduces
+        # once per nanobatch
+        assert forward == {"all_gather_into_tensor": 2, "all_reduce": 4}
+        assert backward == {"reduce_scatter_tensor": 2, "all_reduce": 4}
+        ref, got, _counts, split, skipped = per_rank[False]
+        assert split == [] and set(skipped) == {"layers.0", "layers.1"}
+        assert all("act on nothing that carries the batch" in r for r in skipped.values())
+        assert_same_history(ref, got)
 
 
 def _dropping_runs(rank):

@@ -111,13 +111,23 @@ class SplitNanobatches(GraphPass):
             plan = find_split(gm.graph, block.nodes, batch, ctx.config.allow_random_split)
             if isinstance(plan, str):
                 blockset.skipped[block.name] = plan
+            elif ctx.config.nanobatches is None and not _splits_a_collective(
+                gm, block.nodes, plan, by_name
+            ):
+                blockset.skipped[block.name] = (
+                    "its collectives act on nothing that carries the batch (a parameter's "
+                    "all-gather, as SimpleFSDP issues them): both nanobatches would share them, "
+                    "leaving nothing to overlap (Config.nanobatches=2 splits it anyway)"
+                )
             else:
                 plans.append((block.name, block.nodes, plan))
-        # A split block's collectives run once per nanobatch: announce the doubled count
-        # so the runner can tell a lost collective from a duplicated one.
+        # A split block's collectives run once per nanobatch (but those on nothing that
+        # carries the batch, once): announce the count so the runner can tell a lost
+        # collective from a duplicated one.
         expected = census(gm)
-        for _name, nodes, _plan in plans:
-            expected.update(census(gm, (by_name[n] for n in nodes)))
+        for _name, nodes, plan in plans:
+            once = shared_nodes([by_name[n] for n in nodes], plan, by_name)
+            expected.update(census(gm, (by_name[n] for n in nodes if by_name[n] not in once)))
         joined: dict[str, fx.Node] = {}  # outputs of split blocks -> their joined node
         made: list[fx.Node] = []
         for name, nodes, plan in plans:
@@ -125,6 +135,15 @@ class SplitNanobatches(GraphPass):
             blockset.split.append(name)
         _erase_unused(gm.graph, made)
         return PassResult(gm, modified=bool(plans), collectives=expected)
+
+
+def _splits_a_collective(
+    gm: fx.GraphModule, names: Sequence[str], plan: SplitPlan, by_name: dict[str, fx.Node]
+) -> bool:
+    """Whether a collective of the block would run once per nanobatch (not shared by both)."""
+    nodes = [by_name[n] for n in names]
+    once = set(shared_nodes(nodes, plan, by_name))
+    return _communicates(gm, [n.name for n in nodes if n not in once], by_name)
 
 
 def _communicates(gm: fx.GraphModule, names: Sequence[str], by_name: dict[str, fx.Node]) -> bool:
@@ -311,10 +330,21 @@ def rewrite_split(
         rest = graph.call_function(operator.sub, (size, half))
     made = [size, half, rest]
     cursor = rest
+    # What the block computes from nothing that carries the batch (a parameter all-gathered
+    # as SimpleFSDP does, a weight's cast, positions' rotary tables) is the same in both
+    # nanobatches: computed once, before them, and read by both (a collective on it would
+    # otherwise move its data twice).
+    shared: dict[fx.Node, fx.Node] = {}
+    for node in shared_nodes(nodes, plan, by_name):
+        with graph.inserting_after(cursor):
+            new = graph.node_copy(node, functools.partial(_lookup, shared))
+        set_tag(new, NodeTag(block))
+        cursor = shared[node] = _named(graph, new, f"{node.name}_shared")
     copies: list[dict[fx.Node, fx.Node]] = []
     bounds: tuple[tuple[Any, fx.Node], ...] = ((0, half), (half, rest))
     for nb, (start, length) in enumerate(bounds):
         env: dict[fx.Node, fx.Node] = {by_name[n]: (half, rest)[nb] for n in plan.batch_sizes}
+        env |= shared
         for name, dim in plan.batch_inputs:
             source = by_name[name]
             parts = _joined_parts(source, dim)
@@ -331,7 +361,7 @@ def rewrite_split(
                 )
             env[source] = cursor
             made.append(cursor)
-        for node in nodes:
+        for node in (n for n in nodes if n not in shared):
             with graph.inserting_after(cursor):
                 new = graph.node_copy(node, functools.partial(_lookup, env))
             new.meta.pop("example_value", None)  # its shape is the whole batch's: stale
@@ -380,6 +410,18 @@ def _join_outputs(
         joined[name] = cursor
         made.append(cursor)
     return made
+
+
+def shared_nodes(
+    nodes: Sequence[fx.Node], plan: SplitPlan, by_name: dict[str, fx.Node]
+) -> list[fx.Node]:
+    """Return the block's nodes that both nanobatches share, in order.
+
+    Those computed from nothing that carries the batch (:func:`_batch_free`).
+    """
+    batch = {by_name[n] for n, _d in plan.batch_inputs} | {by_name[n] for n in plan.batch_sizes}
+    inside = set(nodes)
+    return [n for n in nodes if _batch_free(n, inside, batch)]
 
 
 def _batch_free(node: fx.Node, inside: set[fx.Node], batch: set[fx.Node]) -> bool:
