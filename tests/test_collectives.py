@@ -51,15 +51,13 @@ def _batches(sequence_parallel):
     return batches
 
 
-def _train(sequence_parallel, **options):
+def _trained(make, batches, **options):
+    """Train ``make()`` eager and kareus-compiled side by side; return both histories, the
+    collectives of the compiled graphs and the region's report."""
     grab = _Grab()
     saved = kareus.passes.pipeline.PIPELINE
     kareus.passes.pipeline.PIPELINE = (*saved, grab)
     holder = {}
-
-    def make():
-        torch.manual_seed(1)
-        return InplaceTPNet(sequence_parallel=sequence_parallel)
 
     def comp(m):
         holder["c"] = kareus.compile(m, **options)
@@ -67,14 +65,22 @@ def _train(sequence_parallel, **options):
 
     try:
         torch._dynamo.reset()
-        ref, got = compare_training(make, comp, _batches(sequence_parallel), resync=True)
+        ref, got = compare_training(make, comp, batches, resync=True)
     finally:
         kareus.passes.pipeline.PIPELINE = saved
-    region = kareus.explain(holder["c"]).regions[0]
+    return ref, got, grab.counts, kareus.explain(holder["c"]).regions[0]
+
+
+def _train(sequence_parallel, **options):
+    def make():
+        torch.manual_seed(1)
+        return InplaceTPNet(sequence_parallel=sequence_parallel)
+
+    ref, got, counts, region = _trained(make, _batches(sequence_parallel), **options)
     pset = region.findings["cut_partitions"]
     with_collective = sum(1 for p in pset.partitions if p.collective is not None)
     blocks = region.findings["find_blocks"]
-    return ref, got, grab.counts, blocks.split, with_collective, region.notes
+    return ref, got, counts, blocks.split, with_collective, region.notes
 
 
 def _inplace_runs(rank):
@@ -157,26 +163,14 @@ class _FSDPNet(torch.nn.Module):
 def _fsdp_runs(rank):
     out = {}
     for tp in (False, True):
-        grab = _Grab()
-        saved = kareus.passes.pipeline.PIPELINE
-        kareus.passes.pipeline.PIPELINE = (*saved, grab)
-        holder = {}
 
         def make(tp=tp):
             torch.manual_seed(1)
             return _FSDPNet(tp)
 
-        def comp(m, holder=holder):
-            holder["c"] = kareus.compile(m, strict=True)
-            return holder["c"]
-
-        try:
-            torch._dynamo.reset()
-            ref, got = compare_training(make, comp, _batches(False), resync=True)
-        finally:
-            kareus.passes.pipeline.PIPELINE = saved
-        blocks = kareus.explain(holder["c"]).regions[0].findings["find_blocks"]
-        out[tp] = ref, got, grab.counts, blocks.split, dict(blocks.skipped)
+        ref, got, counts, region = _trained(make, _batches(False), strict=True)
+        blocks = region.findings["find_blocks"]
+        out[tp] = ref, got, counts, blocks.split, dict(blocks.skipped)
     return out
 
 
