@@ -49,10 +49,6 @@ WALL_CLOCK_GUARD_S = 600.0
 """A wall-clock stop for one solve, far beyond its deterministic limit: it only guards
 against a hung machine (a solve it stops reports it in its status)."""
 
-_CP_SAT_ATTEMPTS = 3
-"""Searches at one bound: the first, and again with the model's bound lowered where its
-rounding of times let a plan run over the real one."""
-
 
 REFINE_GAP = 0.005
 """A frontier point whose proven gap exceeds this fraction of its energy (or the solver's gap
@@ -466,28 +462,28 @@ class Composer:
         The model's times are whole microseconds rounded down, its bound too, so every plan
         within ``bound_s`` is within the model's and CP-SAT's objective bound is a bound on
         them all (less its rounding of energies to microjoules). A plan CP-SAT finds may run
-        over ``bound_s`` by that rounding: the model's bound is then lowered by the excess
-        and CP-SAT searches again (its bound there proves nothing).
+        over ``bound_s`` by that rounding: unless the hint is proven within the gap limit,
+        CP-SAT then searches once more with times rounded up, where every plan it finds
+        meets the bound (and its bound proves nothing).
         """
         self.searches += 1
         opts = [self.search_options[i.group] for i in self.it.instructions]
-        us = [[math.floor(o.time_s * 1e6) for o in row] for row in opts]
         bound_us = None if bound_s is None else math.floor(bound_s * 1e6)
         # each energy term of the objective is rounded to the nearest microjoule
         rounding_j = 0.5e-6 * (len(opts) + len(self.it.switch_pairs()))
         proven, found = proven_j, None
-        for attempt in range(_CP_SAT_ATTEMPTS):
+        for attempt, rounded in enumerate((math.floor, math.ceil)):
+            us = [[rounded(o.time_s * 1e6) for o in row] for row in opts]
             status, choices, objective_bound = self._cp_sat_search(opts, us, bound_us, hint)
             if attempt == 0 and objective_bound is not None:
                 proven = max(proven, objective_bound / 1e6 - rounding_j)
-            if choices is None:
-                break
-            found = self._solution(choices, status)
-            if bound_s is None or found.time_s <= bound_s + 1e-9:
-                break
-            assert bound_us is not None
-            bound_us -= math.ceil((found.time_s - bound_s) * 1e6)
-            found = None
+            if choices is not None:
+                found = self._solution(choices, status)
+                if bound_s is None or found.time_s <= bound_s + 1e-9:
+                    break
+                found = None
+            if hint is not None and hint.energy_j - proven <= self.gap_limit * hint.energy_j:
+                break  # the hint is proven good enough: no second search
         if found is None:
             if hint is not None:
                 # Out of work before CP-SAT found a plan: the hint is still a valid plan.
