@@ -67,9 +67,10 @@ class InsertClockSwitches(GraphPass):
         if first.target is not SWITCH_OP:
             raise ValueError("the clock switch is not the first node after the inputs")
         ends = [n for n in gm.graph.nodes if n.target is SWITCH_AFTER_OP]
-        if ctx.graph == "backward" and _outputs(gm) and len(ends) != 1:
+        outputs = _outputs(gm)
+        if ctx.graph == "backward" and outputs and len(ends) != 1:
             raise ValueError(f"a backward graph has {len(ends)} step switches, not one")
-        if ends and set(ends[0].args[3]) != set(_outputs(gm)):
+        if ends and set(ends[0].args[3]) != set(outputs):
             raise ValueError("the step's clock switch does not take every output of the graph")
 
 

@@ -198,6 +198,10 @@ class Composer:
             g: {(o.profile, o.freq_mhz): o for o in opts} for g, opts in self.options.items()
         }
 
+    def option(self, group: tuple[int, str], profile: str, freq_mhz: float) -> Option | None:
+        """Return ``group``'s option of ``profile`` at ``freq_mhz`` (None: it has none)."""
+        return self._by_clock[group].get((profile, freq_mhz))
+
     def evaluate(self, choices: Sequence[Option]) -> tuple[float, float]:
         """Return (iteration time, energy of all GPUs) of one choice per instruction."""
         return plan_cost(
@@ -366,7 +370,7 @@ class Composer:
                     continue
                 for i, j in ((b, a), (a, b)):
                     group = self.it.instructions[i].group
-                    alt = self._by_clock[group].get((choices[i].profile, choices[j].freq_mhz))
+                    alt = self.option(group, choices[i].profile, choices[j].freq_mhz)
                     if alt is None:
                         continue
                     margin = 1e-9 * abs(best[0])

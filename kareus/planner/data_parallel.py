@@ -382,12 +382,12 @@ def add_data_parallel(
             picks = functools.partial(operator.eq if original else operator.ne, original_profile)
             added_here = _add_traffic(si, graph, tr, dpp.pricing, options, freqs, picks)
             last_backward = instruction_ops(graph, "backward")
-            by_clock = {}
-            for f in step_freqs:
-                c, o = step_cost(tr, dpp.layout, last_backward, dpp.pricing, fmax, f)
-                by_clock[f] = (c[0] + o[0], c[1] + o[1])
-            steps[profile][si] = by_clock
-            comm, optimizer = step_cost(tr, dpp.layout, last_backward, dpp.pricing, fmax)
+            parts = {
+                f: step_cost(tr, dpp.layout, last_backward, dpp.pricing, fmax, f)
+                for f in step_freqs
+            }
+            steps[profile][si] = {f: (c[0] + o[0], c[1] + o[1]) for f, (c, o) in parts.items()}
+            comm, optimizer = parts[fmax]
             if profile == STEP:
                 at_fmax = added_here.get(fmax, added_here[max(added_here)])
                 per_stage.append(
@@ -484,16 +484,21 @@ def blind_gain(
             "note": "not priced: kareus's split graphs cannot meet the policy on the iteration "
             f"without the data-parallel traffic ({err})"
         }
-    keyed = {g: {(o.profile, o.freq_mhz): o for o in opts} for g, opts in aware.options.items()}
+
+    def same(group: tuple[int, str], profile: str, freq_mhz: float) -> Option:
+        opt = aware.option(group, profile, freq_mhz)  # the blind option, with the traffic
+        assert opt is not None, (group, profile, freq_mhz)
+        return opt
+
     choices = [
-        keyed[instr.group][(picked.choices[j].profile, picked.choices[j].freq_mhz)]
+        same(instr.group, picked.choices[j].profile, picked.choices[j].freq_mhz)
         for j, instr in enumerate(aware.it.instructions)
         if instr.kind != STEP
     ]
     # Blind to the step, the runtime leaves it at the clock of the rank's last instruction.
     for order in aware.it.orders:
         step = aware.it.instructions[order[-1]]
-        choices.append(keyed[step.group][(STEP, choices[order[-2]].freq_mhz)])
+        choices.append(same(step.group, STEP, choices[order[-2]].freq_mhz))
     time_s, energy_j = aware.evaluate(choices)
     # searched from the blind plan: the search starts where planning blind left off
     found = aware.solve(bound_s=time_s, hint=Solution(tuple(choices), time_s, energy_j, "BLIND"))
