@@ -417,15 +417,16 @@ def test_70b_pipeline_is_proven_by_the_relaxation_without_search():
     pset = megatron_partition_set(
         hidden=8192, ffn=28672, heads=64, seq=4096, microbatch=8, layers=10, tp=8
     )
-    # Clock changes priced (the A100's prior): the relaxation leaves them out, so its proofs
-    # hold with them only up to what they cost (58-205 changes an iteration, about 0.1 %).
+    # Clock changes priced (the A100's prior): the relaxation leaves them out (58-205 changes
+    # an iteration, about 0.1 %), and still every point is proven within the gap limit on
+    # the default clocks (with ten, 75-90 MHz apart, nine solves stayed 0.56-0.73 % away).
     priced = plan_for_gpu(
         pset,
         SPEC,
         parallel=Parallelism(tp=8, pp=8, microbatches=16),
         settings=PlannerSettings(solver_time_limit_s=0.001),
     ).plan
-    assert all(p.gap is not None and p.gap <= 0.01 for p in priced.frontier)
+    assert all(p.gap is not None and p.gap <= 0.005 for p in priced.frontier)
     assert all(p.switches for p in priced.frontier)
     # Free changes: the relaxation alone proves every point within the gap limit.
     settings = PlannerSettings(solver_time_limit_s=0.001, switch=SwitchCost())

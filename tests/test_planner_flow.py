@@ -56,7 +56,7 @@ def test_the_flow_proves_the_simplex_bound_and_rounds_to_a_plan_within_it(it):
 
 
 def test_on_a_models_options_the_flow_agrees_with_the_simplex_and_proves_its_plans():
-    # Llama 3.3 70B shapes on the modelled A100 (ten clocks, five overlap profiles), PP 4 x
+    # Llama 3.3 70B shapes on the modelled A100 (19 clocks, five overlap profiles), PP 4 x
     # 16: the bounds agree to 0.01 % and every plan is proven within the gap limit.
     from kareus.hardware import Emulator, gpu
     from kareus.planner.iteration import PlannerSettings, evaluate_options

@@ -55,7 +55,8 @@ class PlannerSettings:
     """Knobs of the planner itself.
 
     Attributes:
-        clocks_mhz: clocks to consider; None takes a spread of the top of the GPU's range.
+        clocks_mhz: clocks to consider; None takes a spread of the top of the GPU's range
+            (:data:`~kareus.planner.knobs.DEFAULT_CLOCK_COUNT` of them).
         sm_shares: SM shares of the collective to consider.
         no_overlap_sm_share: SMs of a collective that runs alone: NCCL's defaults, which
             reach its published bus bandwidth (about 230 GB/s on 8 A100s, with 24 channels:
