@@ -98,9 +98,10 @@ class PlannerSettings:
             ``dive_max_instructions``, the simplex dives as well and the better plan and
             bound are kept. The default starts past CP-SAT's search limit, so small
             iterations plan as before. On Llama 3.3 70B shapes, TP 8 (``python
-            benchmarks/planner.py --scale 8x16,8x64,16x64,16x128``, 2026-12-03, 2 cores):
-            PP 8 x 64 (1,024 instructions) plans in 7.9 s instead of 16.9 s, PP 16 x 64 in
-            23 s instead of 63 s, PP 16 x 128 in 77 s instead of 661 s, gaps no larger.
+            benchmarks/planner.py --scale 8x16,8x64,16x64,16x128``, 2026-12-03, 2 cores,
+            on the ten clocks then planned by default): PP 8 x 64 (1,024 instructions)
+            plans in 7.9 s instead of 16.9 s, PP 16 x 64 in 23 s instead of 63 s, PP 16 x
+            128 in 77 s instead of 661 s, gaps no larger.
         switch: what one clock change costs; None takes the GPU spec's
             (:func:`plan_for_gpu`), or none where no spec is given.
     """
