@@ -40,6 +40,9 @@ parser.add_argument("--out", default="kareus-pipeline", help="where the plan is 
 parser.add_argument(
     "--solver-work", default="1.0", help="kareus plan's CP-SAT work per solve (less: sooner)"
 )
+parser.add_argument(
+    "--clocks", help="kareus plan's clocks, MHz, comma-separated (default: its own)"
+)
 args = parser.parse_args()
 
 MICROBATCHES, MB_SIZE, SEQ = 4, 4, 32
@@ -68,6 +71,7 @@ try:
             command += ["--microbatches", str(MICROBATCHES), "--microbatch-size", str(MB_SIZE)]
             command += ["--seq-len", str(SEQ), "--dtype", "fp32", "--out", str(out), "--quiet"]
             command += ["--solver-work", args.solver_work]
+            command += ["--clocks", args.clocks] if args.clocks else []
             subprocess.run(
                 command,
                 check=True,
