@@ -198,7 +198,8 @@ def test_the_report_says_which_size_limit_left_points_unproven(planned):
     _rc, out = planned
     work = Workload(model="tiny-4l", tp=2, cp=2, pp=2, microbatch_size=4, seq_len=32)
     work = dataclasses.replace(work, microbatches=4)  # 16 instructions
-    tight = PlannerSettings(  # (a small CP-SAT work limit: the text, not the proofs, is tested)
+    tight = PlannerSettings(  # (little CP-SAT work, five clocks: the text, not the proofs)
+        clocks_mhz=(1410, 1260, 1095, 945, 780),
         solver_gap_limit=0.0,
         search_max_instructions=8,
         dive_max_instructions=8,
@@ -307,7 +308,20 @@ def test_the_trace_cache_serves_a_traced_workload_and_retraces_when_asked(tmp_pa
     # Another micro-batch count is the same trace; another sequence length is not.
     assert plan_workload(dataclasses.replace(work, microbatches=4), "a100-40gb").cached == entry
     assert cache_key(dataclasses.replace(work, seq_len=64), 4) != entry.name
-    assert plan_workload(work, "a100-40gb", cache=False).cached is None
+    # Asked not to use the cache, it traces (stopped there: the tracing itself is above).
+    import kareus.jobs.cache as cache_module
+
+    class Traced(Exception):
+        pass
+
+    def tracing(*_args, **_kwargs):
+        raise Traced
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cache_module, "trace", tracing)
+        with pytest.raises(Traced):
+            plan_workload(work, "a100-40gb", cache=False)
+        assert plan_workload(work, "a100-40gb").cached == entry  # (the cache was there)
     # A damaged entry is traced again and rewritten whole.
     (entry / "partitions.json").write_text("{not json")
     assert plan_workload(work, "a100-40gb").cached is None
