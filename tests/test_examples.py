@@ -53,6 +53,7 @@ def test_train_tiny_prints_explain_and_modelled_energy(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # (TP under torchrun is also run by the pipeline and FSDP + TP examples)
 @pytest.mark.timeout(300)
 def test_tensor_parallel_example_under_torchrun(tmp_path):
     out = _torchrun(2, "examples/train_tp.py", "--steps", "2", "--layers", "2", tmp_path=tmp_path)
