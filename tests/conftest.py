@@ -20,8 +20,7 @@ def _fresh_dynamo():
 
 def pytest_collection_modifyitems(config, items):
     # CI (CI=true) keeps within its time budget by leaving out the few tests marked slow
-    # (Inductor's code generation and cache across processes, the calibration fit), unless
-    # KAREUS_SLOW_TESTS=1; everywhere else they run.
+    # (docs/development.md lists them), unless KAREUS_SLOW_TESTS=1; everywhere else they run.
     slow = os.environ.get("CI") and os.environ.get("KAREUS_SLOW_TESTS") != "1"
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():

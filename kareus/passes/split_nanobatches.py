@@ -97,7 +97,8 @@ class SplitNanobatches(GraphPass):
         batch = batch_info(gm.graph, ctx.config.batch_dim or 0)
         # Decide on the graph as captured (whose metadata is complete), then rewrite.
         by_name = {n.name: n for n in gm.graph.nodes}
-        plans: list[tuple[str, tuple[str, ...], SplitPlan]] = []
+        plans: list[tuple[str, tuple[str, ...], SplitPlan, list[fx.Node]]] = []
+        expected = census(gm)
         for block in blockset.blocks:
             if block.name in blockset.mismatched:
                 blockset.skipped[block.name] = blockset.mismatched[block.name]
@@ -111,39 +112,29 @@ class SplitNanobatches(GraphPass):
             plan = find_split(gm.graph, block.nodes, batch, ctx.config.allow_random_split)
             if isinstance(plan, str):
                 blockset.skipped[block.name] = plan
-            elif ctx.config.nanobatches is None and not _splits_a_collective(
-                gm, block.nodes, plan, by_name
-            ):
+                continue
+            nodes = [by_name[n] for n in block.nodes]
+            once = shared_nodes(nodes, plan, by_name)
+            shared = set(once)
+            per_nanobatch = [n.name for n in nodes if n not in shared]
+            if ctx.config.nanobatches is None and not _communicates(gm, per_nanobatch, by_name):
                 blockset.skipped[block.name] = (
                     "its collectives act on nothing that carries the batch (a parameter's "
                     "all-gather, as SimpleFSDP issues them): both nanobatches would share them, "
                     "leaving nothing to overlap (Config.nanobatches=2 splits it anyway)"
                 )
             else:
-                plans.append((block.name, block.nodes, plan))
-        # A split block's collectives run once per nanobatch (but those on nothing that
-        # carries the batch, once): announce the count so the runner can tell a lost
-        # collective from a duplicated one.
-        expected = census(gm)
-        for _name, nodes, plan in plans:
-            once = shared_nodes([by_name[n] for n in nodes], plan, by_name)
-            expected.update(census(gm, (by_name[n] for n in nodes if by_name[n] not in once)))
+                plans.append((block.name, block.nodes, plan, once))
+                # its collectives run once per nanobatch, those it shares once: the count
+                # announced lets the runner tell a lost collective from a duplicated one
+                expected.update(census(gm, (by_name[n] for n in per_nanobatch)))
         joined: dict[str, fx.Node] = {}  # outputs of split blocks -> their joined node
         made: list[fx.Node] = []
-        for name, nodes, plan in plans:
-            made += rewrite_split(gm.graph, name, nodes, plan, joined)
+        for name, names, plan, once in plans:
+            made += rewrite_split(gm.graph, name, names, plan, joined, once)
             blockset.split.append(name)
         _erase_unused(gm.graph, made)
         return PassResult(gm, modified=bool(plans), collectives=expected)
-
-
-def _splits_a_collective(
-    gm: fx.GraphModule, names: Sequence[str], plan: SplitPlan, by_name: dict[str, fx.Node]
-) -> bool:
-    """Whether a collective of the block would run once per nanobatch (not shared by both)."""
-    nodes = [by_name[n] for n in names]
-    once = set(shared_nodes(nodes, plan, by_name))
-    return _communicates(gm, [n.name for n in nodes if n not in once], by_name)
 
 
 def _communicates(gm: fx.GraphModule, names: Sequence[str], by_name: dict[str, fx.Node]) -> bool:
@@ -302,6 +293,7 @@ def rewrite_split(
     names: Sequence[str],
     plan: SplitPlan,
     joined: dict[str, fx.Node] | None = None,
+    shared: Sequence[fx.Node] | None = None,
 ) -> list[fx.Node]:
     """Replace the block's nodes by one copy per nanobatch and join the outputs.
 
@@ -312,6 +304,8 @@ def rewrite_split(
         plan: from :func:`find_split` on the graph before any rewrite.
         joined: outputs of blocks rewritten earlier, by their old name, mapped to the nodes
             that replaced them; this block's are added.
+        shared: the block's nodes both nanobatches share (:func:`shared_nodes`, found before
+            any rewrite; None finds them here).
 
     Returns:
         The nodes the rewrite inserted that are not copies of the block's own nodes (sizes,
@@ -334,17 +328,17 @@ def rewrite_split(
     # as SimpleFSDP does, a weight's cast, positions' rotary tables) is the same in both
     # nanobatches: computed once, before them, and read by both (a collective on it would
     # otherwise move its data twice).
-    shared: dict[fx.Node, fx.Node] = {}
-    for node in shared_nodes(nodes, plan, by_name):
+    once: dict[fx.Node, fx.Node] = {}
+    for node in shared_nodes(nodes, plan, by_name) if shared is None else shared:
         with graph.inserting_after(cursor):
-            new = graph.node_copy(node, functools.partial(_lookup, shared))
+            new = graph.node_copy(node, functools.partial(_lookup, once))
         set_tag(new, NodeTag(block))
-        cursor = shared[node] = _named(graph, new, f"{node.name}_shared")
+        cursor = once[node] = _named(graph, new, f"{node.name}_shared")
     copies: list[dict[fx.Node, fx.Node]] = []
     bounds: tuple[tuple[Any, fx.Node], ...] = ((0, half), (half, rest))
     for nb, (start, length) in enumerate(bounds):
         env: dict[fx.Node, fx.Node] = {by_name[n]: (half, rest)[nb] for n in plan.batch_sizes}
-        env |= shared
+        env |= once
         for name, dim in plan.batch_inputs:
             source = by_name[name]
             parts = _joined_parts(source, dim)
@@ -361,7 +355,7 @@ def rewrite_split(
                 )
             env[source] = cursor
             made.append(cursor)
-        for node in (n for n in nodes if n not in shared):
+        for node in (n for n in nodes if n not in once):
             with graph.inserting_after(cursor):
                 new = graph.node_copy(node, functools.partial(_lookup, env))
             new.meta.pop("example_value", None)  # its shape is the whole batch's: stale

@@ -80,7 +80,6 @@ class FlowRelaxation:
     ) -> None:
         self.it = iteration
         self.options = options
-        tol = hull_tolerance
         self._static_per_ms = static_power_w * gpus / 1e3  # J per ms of iteration time
         self._per_stage = gpus_per_stage
         self._profiles = {g: sorted({o.profile for o in opts}) for g, opts in options.items()}
@@ -88,12 +87,13 @@ class FlowRelaxation:
         # group's hull before any profile is chosen
         self._ladders: dict[tuple[int, str], dict[str | None, _Ladder]] = {}
         for g, opts in options.items():
-            ladders: dict[str | None, _Ladder] = {
-                p: _Ladder(lower_hull([o for o in opts if o.profile == p]), gpus_per_stage, tol)
-                for p in self._profiles[g]
+            hulls: dict[str | None, list[Option]] = {
+                p: lower_hull([o for o in opts if o.profile == p]) for p in self._profiles[g]
             }
-            ladders[None] = _Ladder(lower_hull(opts), gpus_per_stage, tol)
-            self._ladders[g] = ladders
+            hulls[None] = lower_hull(opts)
+            self._ladders[g] = {
+                p: _Ladder(h, gpus_per_stage, hull_tolerance) for p, h in hulls.items()
+            }
         self._groups: dict[tuple[int, str], list[int]] = collections.defaultdict(list)
         for i, instr in enumerate(iteration.instructions):
             self._groups[instr.group].append(i)
