@@ -8,7 +8,7 @@ import pytest
 from kareus.planner.compose import Composer
 from kareus.planner.dag import Option, SwitchCost, Timing, gpipe, makespan, one_f_one_b
 from kareus.planner.flow import FlowRelaxation
-from kareus.planner.relax import Relaxation
+from kareus.planner.relax import Relaxation, recover_slack
 from kareus.testing import tradeoff_options
 
 
@@ -79,12 +79,39 @@ def test_on_a_models_options_the_flow_agrees_with_the_simplex_and_proves_its_pla
     simplex = Relaxation(it, comp.model_options, **kw)
     whole = FlowRelaxation(it, comp.model_options, hull_tolerance=0.0, **kw)
     flow = FlowRelaxation(it, comp.model_options, **kw)
+    better = 0
     for bound in _bounds(comp):
         want, got = simplex.at(bound), flow.at(bound)
         assert whole.at(bound).bound_j == pytest.approx(want.bound_j, rel=1e-4), bound
         assert want.bound_j * (1 - 5e-4) <= got.bound_j <= want.bound_j * (1 + 1e-6), bound
         t, e = comp.evaluate(got.choices)
         assert (bound is None or t <= bound + 1e-9) and got.bound_j <= e <= got.bound_j * 1.005
+        # Asked for a gap of zero, every plan is re-planned on the whole hulls: never worse,
+        # and the bound no lower.
+        again = flow.at(bound, 0.0)
+        t2, e2 = comp.evaluate(again.choices)
+        assert (bound is None or t2 <= bound + 1e-9) and e2 <= e and again.bound_j >= got.bound_j
+        better += e2 < e * (1 - 1e-6)
+    assert better  # on these nearly straight hulls, at some bounds the whole hull plans better
+
+
+def test_slack_goes_first_where_it_saves_most():
+    # A forward then a backward share 0.6 s of slack, room for one step: the backward's
+    # saves 20 J/s, the forward's 2 J/s. Taken in the DAG's order, the forward would take it.
+    it = one_f_one_b(1, 1)
+    fwd = [Option(1410, "a", 1.0, 10.0), Option(1200, "a", 1.5, 9.0)]
+    bwd = [Option(1410, "a", 1.0, 20.0), Option(1200, "a", 1.5, 10.0)]
+    allowed = [fwd if i.kind == "forward" else bwd for i in it.instructions]
+    choices = [row[0] for row in allowed]
+    recover_slack(it, choices, allowed, 2.6)
+    assert [c.freq_mhz for c in choices] == [
+        1410 if i.kind == "forward" else 1200 for i in it.instructions
+    ]
+    # with room for both, both move; with none, nothing does
+    for bound_s, moved in ((3.0, 2), (2.4, 0)):
+        choices = [row[0] for row in allowed]
+        recover_slack(it, choices, allowed, bound_s)
+        assert sum(c.freq_mhz == 1200 for c in choices) == moved
 
 
 def test_any_prices_prove_a_bound_below_every_plan():

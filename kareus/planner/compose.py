@@ -306,7 +306,7 @@ class Composer:
         if flows:
             if self._flow is None:
                 self._flow = FlowRelaxation(self.it, self.model_options, **kw)
-            first = self._flow.at(bound_s)
+            first = self._flow.at(bound_s, self.gap_limit)
             if first is None or not dives or self._proven(first):
                 return first
         if self._relaxation is None:

@@ -46,7 +46,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from kareus.errors import KareusError
-from kareus.planner.dag import Iteration, Option, makespan, slack, topology
+from kareus.planner.dag import Iteration, Option, makespan, plan_cost, slack, topology
 from kareus.planner.relax import BOUND_TOLERANCE, Relaxed, lower_hull, recover_slack
 
 TIME_UNITS_PER_MS = 1_000
@@ -81,7 +81,8 @@ class FlowRelaxation:
         self.it = iteration
         self.options = options
         self._static_per_ms = static_power_w * gpus / 1e3  # J per ms of iteration time
-        self._per_stage = gpus_per_stage
+        self._static_w, self._gpus, self._per_stage = static_power_w, gpus, gpus_per_stage
+        self._thinned = hull_tolerance > 0
         self._profiles = {g: sorted({o.profile for o in opts}) for g, opts in options.items()}
         # per group, a ladder per profile, and (None) one over every profile's options: a
         # group's hull before any profile is chosen
@@ -102,9 +103,20 @@ class FlowRelaxation:
         self._union: dict[tuple[int, str], str | None] = {g: None for g in self._groups}
         self._least_s = self._fastest(self._union)  # the least time any plan takes
         self._net = _Network(iteration)
+        self._wholes: dict[tuple[tuple[int, str], str | None], _Ladder] = {}
 
-    def at(self, bound_s: float | None) -> Relaxed | None:
-        """Return the bound and the plan within ``bound_s`` (any time: None); None if none fits."""
+    def at(self, bound_s: float | None, gap_limit: float | None = None) -> Relaxed | None:
+        """Return the bound and the plan within ``bound_s`` (any time: None); None if none fits.
+
+        Where the plan is more than ``gap_limit`` (a fraction of its energy) above the bound,
+        the flow on the picked profiles is solved again on their whole hulls (none of
+        their vertices thinned out) and the better plan, and bound, kept: the thinned
+        hulls' prices prove nearly as much, but where a hull is nearly straight over many
+        clocks its thinned schedule gives an instruction a few distant clocks to mix where
+        the whole one spreads the time over those between (on Llama 3.3 70B shapes at PP
+        16 x 64 with FSDP2 at DP 4, one Perseus point: 0.86 % above the bound thinned,
+        0.49 % whole).
+        """
         horizon_s = self._loose_s if bound_s is None else bound_s
         if self._least_s > horizon_s:
             return None
@@ -122,7 +134,21 @@ class FlowRelaxation:
         if any(len(self._profiles[g]) > 1 for g in self._groups):
             flow, bound = self._flow(pick, bound_s)
             bound_j = max(bound_j, bound)
-        bound_j *= 1 - BOUND_TOLERANCE
+        choices = self._plan(flow, pick, bound_s)
+        if gap_limit is not None and self._thinned:
+            energy = self._energy(choices)
+            if energy - bound_j > gap_limit * energy:
+                whole, bound = self._flow(pick, bound_s, whole=True)
+                bound_j = max(bound_j, bound)
+                again = self._plan(whole, pick, bound_s)
+                if self._energy(again) < energy:
+                    choices = again
+        return Relaxed(bound_j * (1 - BOUND_TOLERANCE), tuple(choices))
+
+    def _plan(
+        self, flow: _Flow, pick: Mapping[tuple[int, str], str | None], bound_s: float | None
+    ) -> list[Option]:
+        """Return the plan ``flow``'s schedule rounds to, slowed into the slack it leaves."""
         choices, schedule_s = flow.plan()
         allowed = [
             [o for o in self.options[i.group] if o.profile == pick[i.group]]
@@ -137,16 +163,40 @@ class FlowRelaxation:
         recover_slack(
             self.it, choices, allowed, within, self._static_per_ms * 1e3 / self._per_stage
         )
-        return Relaxed(bound_j, tuple(choices))
+        return choices
 
-    def _ladders_of(self, pick: Mapping[tuple[int, str], str | None]) -> list[_Ladder]:
+    def _energy(self, choices: Sequence[Option]) -> float:
+        return plan_cost(
+            self.it,
+            choices,
+            static_power_w=self._static_w,
+            gpus=self._gpus,
+            gpus_per_stage=self._per_stage,
+        )[1]
+
+    def _ladders_of(
+        self, pick: Mapping[tuple[int, str], str | None], *, whole: bool = False
+    ) -> list[_Ladder]:
+        if whole:
+            return [self._whole(i.group, pick[i.group]) for i in self.it.instructions]
         return [self._ladders[i.group][pick[i.group]] for i in self.it.instructions]
+
+    def _whole(self, group: tuple[int, str], profile: str | None) -> _Ladder:
+        """Return the ladder of ``group``'s ``profile``, every hull vertex an arc (built once)."""
+        key = (group, profile)
+        if key not in self._wholes:
+            self._wholes[key] = _Ladder(self._ladders[group][profile].options, self._per_stage, 0.0)
+        return self._wholes[key]
 
     def _fastest(self, pick: Mapping[tuple[int, str], str | None]) -> float:
         return makespan(self.it, [lad.options[0].time_s for lad in self._ladders_of(pick)])
 
     def _flow(
-        self, pick: Mapping[tuple[int, str], str | None], bound_s: float | None
+        self,
+        pick: Mapping[tuple[int, str], str | None],
+        bound_s: float | None,
+        *,
+        whole: bool = False,
     ) -> tuple[_Flow, float]:
         """Solve the flow on the picked hulls; return it and the bound its prices prove.
 
@@ -159,7 +209,7 @@ class FlowRelaxation:
         any non-negative prices (a bound over every profile, whichever were picked); a
         flow's balance makes the corrections vanish, its optimality the bound tight.
         """
-        flow = _Flow(self._net, self._ladders_of(pick), self._static_per_ms, bound_s)
+        flow = _Flow(self._net, self._ladders_of(pick, whole=whole), self._static_per_ms, bound_s)
         horizon_ms = (self._loose_s if bound_s is None else bound_s) * 1e3
         unbalanced = float(np.minimum(0.0, flow.out - flow.into).sum())
         bound_j = horizon_ms * (min(0.0, self._static_per_ms - flow.paid) + unbalanced)
