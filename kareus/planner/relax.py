@@ -409,11 +409,10 @@ def recover_slack(
 
     Rounding runs a mixed instruction at its fastest option; where the plan then leaves an
     instruction slack (its latest finish within ``bound_s`` minus its earliest finish), it
-    moves to a slower option of its profile that fits. Moves are taken best first: the one
-    saving the most energy per second of slack it uses (to the slower option of best such
-    rate, on a convex ladder the next one down), as the relaxation spends time where it
-    buys most. Slowing an instruction never gives another more slack, so a move that does
-    not fit now never will; one that fits at a lower rate than queued is queued again.
+    moves to a slower option of its profile that fits, best move first: the one saving most
+    energy per second of slack it uses (on a convex ladder, the next option down). Slowing
+    one never gives another more slack, so a move that does not fit now never will; one
+    that fits at a lower rate than it was queued at is queued again.
     (On Llama 3.3 70B shapes, PP 8 x 16 at DP 4 with FSDP2, passes over every instruction in
     topological order, a step each, left 10 of 40 solves more than 0.5 % above their bounds,
     the worst 0.62 %; best first, 2 of 36, the worst 0.49 %: ``python benchmarks/planner.py
@@ -457,11 +456,8 @@ def recover_slack(
                 best = (rate, o)
         return best
 
-    queue = []
-    for i in range(n):
-        rate, step = move(i)
-        if step is not None:
-            queue.append((-rate, position[i], i))
+    # (a move's rate is positive: it saves energy)
+    queue = [(-rate, position[i], i) for i, (rate, _o) in enumerate(map(move, range(n))) if rate]
     heapq.heapify(queue)
     while queue:
         queued, _k, i = heapq.heappop(queue)
