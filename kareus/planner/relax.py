@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kareus.errors import KareusError
-from kareus.planner.dag import Iteration, Option, finishes, makespan, plan_cost, topology
+from kareus.planner.dag import Iteration, Option, Timing, makespan, plan_cost, topology
 
 _log = logging.getLogger(__name__)
 
@@ -419,36 +419,23 @@ def recover_slack(
     --scale 8x16 --dp 4 --dp-mode fsdp``.)
     """
     n = len(choices)
-    topological, _preds, succs = topology(iteration)
-    position = {i: k for k, i in enumerate(topological)}
-
-    def slack() -> tuple[list[float], float]:
-        """Return each instruction's slack within ``bound_s``, and the plan's time."""
-        # plain loops: this runs after every move, thousands of times at 2,048 instructions
-        times = [c.time_s for c in choices]
-        finish = finishes(iteration, times)
-        start = [bound_s] * n  # latest start
-        for j in reversed(topological):
-            late = bound_s
-            for q in succs[j]:
-                if start[q] < late:
-                    late = start[q]
-            start[j] = late - times[j]
-        return [start[j] + times[j] - finish[j] for j in range(n)], max(finish, default=0.0)
-
-    room, now = slack()  # recomputed after each move only: a refusal changes nothing
+    position = {i: k for k, i in enumerate(topology(iteration)[0])}
+    # each move updates only the heads and tails it reaches (a full walk per move made this
+    # quadratic: 16 s of PP 16 x 128's planning)
+    timing = Timing(iteration, [c.time_s for c in choices])
 
     def move(i: int) -> tuple[float, Option | None]:
         """Return the best rate (J/s) of a slower option of ``i`` that fits, and that option."""
-        here = choices[i]
+        here, room = choices[i], timing.slack(i, bound_s)
+        spare = room - (bound_s - timing.makespan())  # what it may take within the plan's time
         best: tuple[float, Option | None] = (0.0, None)
         for o in allowed[i]:
             longer = o.time_s - here.time_s
             saving = here.dynamic_energy_j - o.dynamic_energy_j
-            if longer <= 0 or saving <= 0 or longer > room[i]:
+            if longer <= 0 or saving <= 0 or longer > room:
                 continue
             if static_per_s > 0:  # what the iteration lengthens by costs static power
-                saving -= static_per_s * max(0.0, longer - (room[i] - (bound_s - now)))
+                saving -= static_per_s * max(0.0, longer - spare)
                 if saving <= 0:
                     continue
             rate = saving / longer
@@ -468,7 +455,7 @@ def recover_slack(
             heapq.heappush(queue, (-rate, position[i], i))
             continue
         choices[i] = step
-        room, now = slack()
+        timing.set(i, step.time_s)
         rate, step = move(i)
         if step is not None:
             heapq.heappush(queue, (-rate, position[i], i))
