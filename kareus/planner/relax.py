@@ -420,8 +420,7 @@ def recover_slack(
     """
     n = len(choices)
     position = {i: k for k, i in enumerate(topology(iteration)[0])}
-    # each move updates only the heads and tails it reaches (a full walk per move made this
-    # quadratic: 16 s of PP 16 x 128's planning)
+    # each move updates only the heads and tails it reaches, not the whole DAG's
     timing = Timing(iteration, [c.time_s for c in choices])
 
     def move(i: int) -> tuple[float, Option | None]:
