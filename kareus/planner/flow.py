@@ -46,8 +46,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from kareus.errors import KareusError
-from kareus.planner.dag import Iteration, Option, makespan, plan_cost, slack, topology
-from kareus.planner.relax import BOUND_TOLERANCE, Relaxed, lower_hull, recover_slack
+from kareus.planner.dag import Iteration, Option, makespan, slack, topology
+from kareus.planner.relax import BOUND_TOLERANCE, Priced, Relaxed, lower_hull, recover_slack
 
 TIME_UNITS_PER_MS = 1_000
 """The flow's costs are times in integer microseconds (the composer's resolution)."""
@@ -61,7 +61,7 @@ the flow's arcs (:func:`thin`; relative to its energy). On Llama 3.3 70B shapes 
 2 cores) it cut planning from 137 to 106 s, gaps as before (0.38 % at most)."""
 
 
-class FlowRelaxation:
+class FlowRelaxation(Priced):
     """The relaxation of one composition, solved as a min-cost flow at any time bound.
 
     Takes the arguments of :class:`kareus.planner.relax.Relaxation` and answers
@@ -164,15 +164,6 @@ class FlowRelaxation:
             self.it, choices, allowed, within, self._static_per_ms * 1e3 / self._per_stage
         )
         return choices
-
-    def _energy(self, choices: Sequence[Option]) -> float:
-        return plan_cost(
-            self.it,
-            choices,
-            static_power_w=self._static_w,
-            gpus=self._gpus,
-            gpus_per_stage=self._per_stage,
-        )[1]
 
     def _ladders_of(
         self, pick: Mapping[tuple[int, str], str | None], *, whole: bool = False

@@ -87,7 +87,26 @@ def lower_hull(options: Sequence[Option]) -> list[Option]:
     return hull
 
 
-class Relaxation:
+class Priced:
+    """What both relaxations price a plan with: the iteration, static power and GPUs."""
+
+    it: Iteration
+    _static_w: float
+    _gpus: int
+    _per_stage: int
+
+    def _energy(self, choices: Sequence[Option]) -> float:
+        """Return a plan's energy, clock changes aside (the relaxations leave them out)."""
+        return plan_cost(
+            self.it,
+            choices,
+            static_power_w=self._static_w,
+            gpus=self._gpus,
+            gpus_per_stage=self._per_stage,
+        )[1]
+
+
+class Relaxation(Priced):
     """The relaxation of one composition, built once and solved at any time bound.
 
     Args:
@@ -246,15 +265,6 @@ class Relaxation:
             within = makespan(self.it, [c.time_s for c in choices])
         recover_slack(self.it, choices, allowed, within)
         return choices
-
-    def _energy(self, choices: Sequence[Option]) -> float:
-        return plan_cost(
-            self.it,
-            choices,
-            static_power_w=self._static_w,
-            gpus=self._gpus,
-            gpus_per_stage=self._per_stage,
-        )[1]
 
     def _dive(
         self,
