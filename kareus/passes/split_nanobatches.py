@@ -114,9 +114,9 @@ class SplitNanobatches(GraphPass):
                 blockset.skipped[block.name] = plan
                 continue
             nodes = [by_name[n] for n in block.nodes]
-            once = shared_nodes(nodes, plan, by_name)
-            shared = set(once)
-            per_nanobatch = [n.name for n in nodes if n not in shared]
+            shared = shared_nodes(nodes, plan, by_name)  # run once, read by both nanobatches
+            once = set(shared)
+            per_nanobatch = [n.name for n in nodes if n not in once]
             if ctx.config.nanobatches is None and not _communicates(gm, per_nanobatch, by_name):
                 blockset.skipped[block.name] = (
                     "its collectives act on nothing that carries the batch (a parameter's "
@@ -124,14 +124,14 @@ class SplitNanobatches(GraphPass):
                     "leaving nothing to overlap (Config.nanobatches=2 splits it anyway)"
                 )
             else:
-                plans.append((block.name, block.nodes, plan, once))
+                plans.append((block.name, block.nodes, plan, shared))
                 # its collectives run once per nanobatch, those it shares once: the count
                 # announced lets the runner tell a lost collective from a duplicated one
                 expected.update(census(gm, (by_name[n] for n in per_nanobatch)))
         joined: dict[str, fx.Node] = {}  # outputs of split blocks -> their joined node
         made: list[fx.Node] = []
-        for name, names, plan, once in plans:
-            made += rewrite_split(gm.graph, name, names, plan, joined, once)
+        for name, names, plan, shared in plans:
+            made += rewrite_split(gm.graph, name, names, plan, joined, shared)
             blockset.split.append(name)
         _erase_unused(gm.graph, made)
         return PassResult(gm, modified=bool(plans), collectives=expected)

@@ -78,10 +78,8 @@ class FlowRelaxation(Priced):
         gpus_per_stage: int,
         hull_tolerance: float = HULL_TOLERANCE,
     ) -> None:
-        self.it = iteration
-        self.options = options
+        super().__init__(iteration, options, static_power_w, gpus, gpus_per_stage)
         self._static_per_ms = static_power_w * gpus / 1e3  # J per ms of iteration time
-        self._static_w, self._gpus, self._per_stage = static_power_w, gpus, gpus_per_stage
         self._thinned = hull_tolerance > 0
         self._profiles = {g: sorted({o.profile for o in opts}) for g, opts in options.items()}
         # per group, a ladder per profile, and (None) one over every profile's options: a

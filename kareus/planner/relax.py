@@ -88,12 +88,19 @@ def lower_hull(options: Sequence[Option]) -> list[Option]:
 
 
 class Priced:
-    """What both relaxations price a plan with: the iteration, static power and GPUs."""
+    """What both relaxations are built from and price a plan with (their shared arguments)."""
 
-    it: Iteration
-    _static_w: float
-    _gpus: int
-    _per_stage: int
+    def __init__(
+        self,
+        iteration: Iteration,
+        options: Mapping[tuple[int, str], Sequence[Option]],
+        static_power_w: float,
+        gpus: int,
+        gpus_per_stage: int,
+    ) -> None:
+        self.it = iteration
+        self.options = options
+        self._static_w, self._gpus, self._per_stage = static_power_w, gpus, gpus_per_stage
 
     def _energy(self, choices: Sequence[Option]) -> float:
         """Return a plan's energy, clock changes aside (the relaxations leave them out)."""
@@ -131,9 +138,7 @@ class Relaxation(Priced):
     ) -> None:
         from ortools.linear_solver import pywraplp
 
-        self.it = iteration
-        self.options = options
-        self._static_w, self._gpus, self._per_stage = static_power_w, gpus, gpus_per_stage
+        super().__init__(iteration, options, static_power_w, gpus, gpus_per_stage)
         lp = pywraplp.Solver.CreateSolver("GLOP")
         if lp is None:  # pragma: no cover - GLOP ships with every OR-Tools wheel
             raise KareusError("OR-Tools' GLOP linear solver is not available")
