@@ -10,6 +10,7 @@ import torch.distributed as dist
 import kareus
 import kareus.passes.pipeline
 from kareus.errors import PassError
+from kareus.ir.partitions import Decision
 from kareus.passes.base import GraphPass, PassResult
 from kareus.passes.census import census, lost
 from kareus.testing import (
@@ -150,9 +151,9 @@ class _FSDPLayer(torch.nn.Module):
 
 
 class _FSDPNet(torch.nn.Module):
-    def __init__(self, tp):
+    def __init__(self, tp, layers=2):
         super().__init__()
-        self.layers = torch.nn.ModuleList(_FSDPLayer(16, tp) for _ in range(2))
+        self.layers = torch.nn.ModuleList(_FSDPLayer(16, tp) for _ in range(layers))
 
     def forward(self, x, target):
         for layer in self.layers:
@@ -194,6 +195,83 @@ def test_a_parameter_gathered_in_the_graph_is_shared_by_both_nanobatches():
         assert split == [] and set(skipped) == {"layers.0", "layers.1"}
         assert all("act on nothing that carries the batch" in r for r in skipped.values())
         assert_same_history(ref, got)
+
+
+def _positions(code):
+    """Each node's line in a graph's code."""
+    out = {}
+    for i, line in enumerate(code.splitlines()):
+        name = line.strip().split(" = ")[0]
+        if " = " in line and name.isidentifier():
+            out[name] = i
+    return out
+
+
+def _gathered_whole_runs(rank):
+    out = {}
+    for gpu in (None, "a100-40gb"):
+
+        def make():
+            torch.manual_seed(1)
+            return _FSDPNet(False, layers=3)
+
+        options = {"gpu": gpu} if gpu else {}
+        ref, got, _counts, region = _trained(make, _batches(False), strict=True, **options)
+        pset = region.findings["cut_partitions"]
+        codes = {kind: region.graphs[kind].final_code for kind in ("forward", "backward")}
+        decisions = dict(region.findings["decisions"])
+        split = region.findings["find_blocks"].split
+        out[gpu] = ref, got, pset, codes, decisions, split, region.findings.get("plan")
+    return out
+
+
+def test_a_gather_in_the_graph_overlaps_the_layer_before_where_layers_stay_whole():
+    """SimpleFSDP without tensor parallelism: no layer splits (its only collectives are on
+    its weight), but each layer's weight all-gather reads nothing the layer before computes,
+    and each weight gradient's reduce-scatter is read by nothing the layer after computes:
+    cut_partitions overlaps them with those layers (partitions of a block left whole), the
+    plan decides their clock, launch slot and SM share as for the split's, and the graphs
+    issue the gather during the layer before and wait for the reduce-scatter after the
+    layer after. Results are those of the model without kareus."""
+    for per_rank in run_ranks(_gathered_whole_runs):
+        for gpu, (ref, got, pset, codes, decisions, split, plan) in per_rank.items():
+            assert split == []
+            assert_same_history(ref, got)
+            whole = [p for p in pset.partitions if p.whole]
+            assert whole == pset.partitions
+            # 3 layers: the 2nd and 3rd layers' gathers during the layer before (forward),
+            # the 3rd and 2nd layers' reduce-scatters during the layer after (backward).
+            assert [(p.instruction, p.block) for p in whole] == [
+                ("forward", "layers.0"),
+                ("forward", "layers.1"),
+                ("backward", "layers.1"),
+                ("backward", "layers.0"),
+            ]
+            kinds = {p.instruction: pset.types[p.type_key].collective.kind for p in whole}
+            assert kinds == {"forward": "all_gather", "backward": "reduce_scatter"}
+            # One gather and one reduce-scatter, the first layer's, still overlap nothing.
+            assert [c.kind for c in pset.exposed["forward"]] == ["all_gather"]
+            assert [c.kind for c in pset.exposed["backward"]] == ["reduce_scatter"]
+            assert "overlap compute of a block left whole" in pset.to_text()
+            for part in whole:
+                at = _positions(codes[part.instruction])
+                issue, wait = part.collective
+                slot = decisions.get(part.type_key, Decision()).launch_slot
+                assert slot is not None, (gpu, decisions)
+                first = part.slots[slot].first
+                before = part.compute[: part.compute.index(first)]
+                # issued at the decided slot, waited for after the window's compute
+                assert all(at[n] < at[issue] for n in before), (part, codes[part.instruction])
+                assert at[issue] < at[first] and at[wait] > max(at[n] for n in part.compute)
+            if gpu is None:
+                continue
+            # Planned at compile time: each of these types got a decision of its own, and
+            # the overlap pays in the model: kareus's fastest plan beats Megatron-LM's
+            # (every collective alone).
+            keys = {p.type_key for p in whole}
+            assert keys <= set(decisions) and plan is not None
+            fastest = min(p.time_s for p in plan.frontier)
+            assert fastest < min(p.time_s for p in plan.baselines["megatron"])
 
 
 def _dropping_runs(rank):

@@ -342,3 +342,19 @@ def test_a_pytorch_that_numbers_backward_ops_otherwise_finds_blocks_by_data_flow
     assert blocks.split == flat_blocks.split == [f"layers.{i}" for i in range(4)]
     for kind in ("forward", "backward"):
         assert _sizes(blocks.spans[kind]) == _sizes(flat_blocks.spans[kind]), kind
+
+
+def test_the_outlining_check_gives_the_same_answer_under_a_fake_tensor_mode(changed_internals):
+    """A model traced under FakeTensorMode (tracing at scale, or a user's) with 16 or more
+    blocks asks whether outlining is sound while the mode is active: the check must run
+    its real tensors outside it (its comparison failed there: "Please convert all Tensors
+    to FakeTensors first")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import kareus._torch_internals as internals
+
+    outside = internals.outlining_problem()
+    changed_internals()  # clears the cached answer
+    with FakeTensorMode():
+        inside = internals.outlining_problem()
+    assert inside == outside

@@ -74,7 +74,7 @@ class Decisions(dict):  # type: ignore[type-arg]
     def to_text(self) -> str:
         """Render the decisions a line each (or what runs without any)."""
         if not self:
-            return "none given: a split block's collectives launch at their partitions' start"
+            return "none given: every partition's collective launches at the partition's start"
         return "\n".join(f"{k}: {v}" for k, v in self.items())
 
 

@@ -93,6 +93,9 @@ class Partition:
         compute: names of its compute nodes (views included), in order.
         slots: its launch slots, in order.
         collective: (issue node, wait node) of the collective it overlaps, or None.
+        whole: its compute is a run of a block left whole (between the block's own
+            collectives), and its collective another run's, issued early or waited for
+            late (``cut_partitions``'s windows); ``nanobatch`` and ``segment`` are then 0.
     """
 
     instruction: str
@@ -103,6 +106,7 @@ class Partition:
     compute: tuple[str, ...]
     slots: tuple[Slot, ...]
     collective: tuple[str, str] | None
+    whole: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,12 +292,22 @@ class PartitionSet:
                 )
             ]
             if rows
-            else ["no partitions: no split block holds a collective"]
+            else [
+                "no partitions: no split block holds a collective, and no collective can "
+                "overlap a block left whole"
+            ]
         )
         for instr in self.other:
             ops = self.outside(instr)
             flops = sum(o.flops for o in ops)
             lines.append(f"{instr}: {len(ops)} ops outside partitions ({flops / 1e9:.3f} GFLOP)")
+        for instr in dict.fromkeys(p.instruction for p in self.partitions if p.whole):
+            n = sum(1 for p in self.partitions if p.whole and p.instruction == instr)
+            lines.append(
+                f"{instr}: {n} collective(s) overlap compute of a block left whole (issued "
+                "before compute they do not read, or waited for after compute that does "
+                "not read them)"
+            )
         for instr, colls in self.exposed.items():
             if colls:
                 lines.append(f"{instr}: {len(colls)} collective(s) overlap no compute")

@@ -10,7 +10,13 @@ the nanobatch that runs first in the graph and Y the other, the skewed interleav
 
 overlaps every collective but the last with compute of the other nanobatch. Compute after a
 block's last collective (the residual add) joins the next block's first segment. Partitions
-with the same op-class sequence and collective share a type. The result is a
+with the same op-class sequence and collective share a type.
+
+A graph whose blocks all stay whole has no nanobatch to interleave, but a collective there
+may still need nothing its block's compute before it produces (a weight all-gathered in
+the graph) or be read by nothing until a later block (its gradient's reduce-scatter): such
+a collective is paired with the nearest run of a whole block's compute that lies between
+its input and its first reader (:func:`_overlap_whole_blocks`). The result is a
 :class:`~kareus.ir.partitions.PartitionSet` (plain data) under this pass's name in the region's
 findings; the graph does not change.
 """
@@ -258,10 +264,10 @@ def cut_graph(
     order = {n.name: i for i, n in enumerate(graph.nodes)}
     # Blocks run in reverse in the backward graph: follow this graph's order.
     chain.sort(key=lambda item: min(order[s.issue.name] for s in item[1][0][0] if s.issue))
-    if not chain:
-        pset.notes[kind] = "no split block with collectives: frequency planning only"
-    else:
+    if chain:
         _interleave(graph, kind, chain, pset, fuse)
+    elif not _overlap_whole_blocks(graph, kind, pset, spans, fuse):
+        pset.notes[kind] = "no split block with collectives: frequency planning only"
     rest, per_block, exposed, alone = outside_nodes(graph, kind, pset, spans, fuse)
     index = step_index(graph)
     pset.block_other[kind] = {
@@ -378,37 +384,148 @@ def _interleave(
             segs[nb].extend(block_segs)
             if i + 1 < len(chain):  # the residual tail joins the next block's first segment
                 chain[i + 1][1][nb][0][0].compute[:0] = tail
-    signatures: dict[tuple[Any, ...], str] = {
-        _signature(t.compute, t.collective): key for key, t in pset.types.items()
-    }
     for k in range(len(segs[x])):
         for nb, overlapped in ((x, segs[y][k - 1] if k else None), (y, segs[x][k])):
             seg = segs[nb][k]
-            compute = [n for n in seg.compute]
             coll = collective_cost(overlapped.issue) if overlapped and overlapped.issue else None
-            slots = _slots(compute, fuse)
-            costs = tuple(c for s in slots for c in s.ops)  # partition_costs, slots kept
-            sig = _signature(costs, coll)
-            if sig not in signatures:
-                key = f"{kind}.{sum(1 for t in pset.types.values() if t.instruction == kind)}"
-                signatures[sig] = key
-                pset.types[key] = PartitionType(
-                    key, kind, costs, tuple(s.label for s in slots), coll
-                )
+            key, slots = _type_of(pset, kind, seg.compute, coll, fuse)
             pset.partitions.append(
                 Partition(
                     kind,
                     seg.block,
                     nb,
                     seg.index,
-                    signatures[sig],
-                    tuple(n.name for n in compute),
+                    key,
+                    tuple(n.name for n in seg.compute),
                     slots,
                     (overlapped.issue.name, overlapped.wait.name)
                     if overlapped and overlapped.issue and overlapped.wait
                     else None,
                 )
             )
+
+
+def _type_of(
+    pset: PartitionSet, kind: str, compute: list[fx.Node], coll: CollectiveCost | None, fuse: bool
+) -> tuple[str, tuple[Slot, ...]]:
+    """Return the type of a partition of ``compute`` overlapping ``coll``, and its slots.
+
+    A partition whose ops and collective match a known type's is of that type; else a new
+    type is added, keyed by its instruction and number (``forward.2``).
+    """
+    slots = _slots(compute, fuse)
+    costs = tuple(c for s in slots for c in s.ops)  # partition_costs, slots kept
+    sig = _signature(costs, coll)
+    for key, t in pset.types.items():
+        if _signature(t.compute, t.collective) == sig:
+            return key, slots
+    key = f"{kind}.{sum(1 for t in pset.types.values() if t.instruction == kind)}"
+    pset.types[key] = PartitionType(key, kind, costs, tuple(s.label for s in slots), coll)
+    return key, slots
+
+
+def _overlap_whole_blocks(
+    graph: fx.Graph, kind: str, pset: PartitionSet, spans: dict[str, Any], fuse: bool
+) -> bool:
+    """Overlap collectives that run alone with compute of a whole block they need not wait for.
+
+    A collective that reads nothing the compute before it produces (a weight all-gathered
+    in the graph, as SimpleFSDP issues it before each use) can be issued earlier; one whose
+    result nothing reads until later (the weight gradient's reduce-scatter) can be waited
+    for later. Blocks left whole are cut at their own collectives into segments, as split
+    blocks are; a collective takes the nearest segment that lies wholly after its input is
+    ready and before its result is first read (reads through views and memory-bound ops
+    count where those are read in turn, since they can move), and the two form a partition
+    like the split's, with the same knobs (clock, launch slot, SM share). Segments without
+    a matmul hide next to nothing and take none. A segment overlaps one collective at
+    most, and none where a collective still left
+    alone runs inside it. Returns whether any partition was formed.
+    """
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    exposed = outside_nodes(graph, kind, pset, spans)[2]
+    windows: list[tuple[int, int, str, list[fx.Node]]] = []
+    for block, per_nb in spans.items():
+        if set(per_nb) != {None}:
+            continue
+        segs, tail = _segments(graph, per_nb[None], block, 0)
+        for compute in [s.compute for s in segs] + [tail]:
+            ran = [position[n] for n in compute if cost_of(n).op_class != "view"]
+            if ran and any(cost_of(n).op_class in ("gemm", "attention") for n in compute):
+                windows.append((min(ran), max(ran), block, compute))
+    movable, needed_at = _movable(graph), _needed_at(graph, position)
+    chosen: dict[fx.Node, int] = {}
+    for issue in exposed:
+        waits = [u for u in issue.users if cost_of(u).op_class == "collective_wait"]
+        if len(waits) != 1:
+            continue
+        ready = max((position[i] for i in issue.all_input_nodes if i not in movable), default=-1)
+        need, at = needed_at[waits[0]], position[issue]
+        fits = [
+            (max(lo - at, at - hi), i)
+            for i, (lo, hi, _b, _c) in enumerate(windows)
+            if ready < lo and hi < need and i not in chosen.values()
+        ]
+        readers = _readers(waits[0]) if fits else set()
+        fits = [f for f in fits if readers.isdisjoint(windows[f[1]][3])]
+        if fits:
+            chosen[issue] = min(fits)[1]
+    # A window inside which a collective still runs alone would overlap two: drop it, and
+    # again until none is left (dropping one leaves its collective alone where it ran).
+    while bad := {
+        c
+        for c, i in chosen.items()
+        if any(windows[i][0] < position[a] < windows[i][1] for a in exposed if a not in chosen)
+    }:
+        for c in bad:
+            del chosen[c]
+    for issue, i in sorted(chosen.items(), key=lambda item: windows[item[1]][0]):
+        _lo, _hi, block, compute = windows[i]
+        wait = next(u for u in issue.users if cost_of(u).op_class == "collective_wait")
+        key, slots = _type_of(pset, kind, compute, collective_cost(issue), fuse)
+        names = tuple(n.name for n in compute)
+        pset.partitions.append(
+            Partition(kind, block, 0, 0, key, names, slots, (issue.name, wait.name), whole=True)
+        )
+    return bool(chosen)
+
+
+def _cheap(node: fx.Node) -> bool:
+    return node.op == "call_function" and cost_of(node).op_class in ("view", "memory")
+
+
+def _movable(graph: fx.Graph) -> set[fx.Node]:
+    """Return the inputs, and the views and memory-bound ops of inputs alone."""
+    out: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op in ("placeholder", "get_attr") or (
+            _cheap(n) and all(i in out for i in n.all_input_nodes)
+        ):
+            out.add(n)
+    return out
+
+
+def _needed_at(graph: fx.Graph, position: dict[fx.Node, int]) -> dict[fx.Node, int]:
+    """Return where each node's value is first needed.
+
+    A view or memory-bound op that reads a value is needed where its own value is (it can
+    move later with it); any other reader, or the graph's output, needs it where it stands.
+    """
+    at: dict[fx.Node, int] = {}
+    for n in reversed(graph.nodes):
+        at[n] = min((at[u] if _cheap(u) else position[u] for u in n.users), default=len(position))
+    return at
+
+
+def _readers(node: fx.Node) -> set[fx.Node]:
+    """Return the views and memory-bound ops that read ``node``, directly or through others."""
+    out: set[fx.Node] = set()
+    todo = [u for u in node.users if _cheap(u)]
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo.extend(u for u in n.users if _cheap(u))
+    return out
 
 
 def _signature(costs: tuple[OpCost, ...], coll: CollectiveCost | None) -> tuple[Any, ...]:
