@@ -156,6 +156,31 @@ def assert_same_history(
             )
 
 
+def overlap_problems(region: Any) -> list[str]:
+    """Say where a compiled region's graphs do not overlap its partitions' collectives.
+
+    For each partition, its collective must be issued before the last of the partition's
+    compute and waited for after all of it, in the graph as it runs (empty: all are).
+    ``region``: one of ``kareus.explain(model).regions``.
+    """
+    problems = []
+    pset = region.findings["cut_partitions"]
+    for part in (p for p in pset.partitions if p.collective):
+        code = region.graphs[part.instruction].final_code
+        at = {}
+        for i, line in enumerate(code.splitlines()):
+            name, _, rest = line.strip().partition(" = ")
+            if rest and name.isidentifier():
+                at[name] = i
+        issue, wait = part.collective
+        ran = [at[n] for n in part.compute if n in at]
+        if not ran or not (at[issue] < max(ran) and at[wait] > max(ran)):
+            problems.append(
+                f"{part.instruction} {part.block}: {issue}/{wait} not around its compute"
+            )
+    return problems
+
+
 def _where(name: str, step: int, message: str) -> str:
     return f"gradient of {name} at step {step}: {message}"
 

@@ -304,6 +304,81 @@ def _second_iteration(model):
     return applied, iterations
 
 
+class _Replicated(nn.Module):
+    """SimpleFSDP's parametrization (torchtitan's ``ReplicateComputation``, without mixed
+    precision): the parameter is a DTensor sharded over the mesh; reading it all-gathers it,
+    and its gradient (Partial) is reduce-scattered back to the shard."""
+
+    def forward(self, p):
+        from torch.distributed.tensor import Partial, Replicate
+
+        return p.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+
+
+def simple_fsdp(model, mesh):
+    """Shard every parameter over ``mesh`` (dim 0) and gather it in the graph at its use."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.nn.utils import parametrize
+
+    for module in list(model.modules()):
+        for name, p in list(module.named_parameters(recurse=False)):
+            shard = nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]))
+            module.register_parameter(name, shard)
+            parametrize.register_parametrization(module, name, _Replicated(), unsafe=True)
+    return model
+
+
+def _simple_fsdp(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+
+    def make():
+        torch.manual_seed(0)
+        return simple_fsdp(Model(3), mesh)
+
+    holder = {}
+
+    def comp(model):
+        holder["c"] = kareus.compile(model, strict=True)
+        return holder["c"]
+
+    ref, got = compare_training(make, comp, batches(2, seed=10 * rank))
+    (region,) = kareus.explain(holder["c"]).regions
+    return ref, got, region
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_simple_fsdp_gathers_overlap_the_compute_before_them():
+    """torchtitan's SimpleFSDP (DTensor parameters gathered in the graph by a
+    parametrization), compiled whole on 2 gloo ranks: it trains as without kareus. No layer
+    splits (its collectives are on its weights alone), but every weight's all-gather but
+    the first is issued during the compute before it, and every weight gradient's
+    reduce-scatter but the last waited for after the compute after it."""
+    from kareus.testing import overlap_problems
+
+    for ref, got, region in run_ranks(_simple_fsdp):
+        assert_same_history(ref, got)
+        blocks = region.findings["find_blocks"]
+        assert blocks.split == [] and len(blocks.skipped) == 3
+        pset = region.findings["cut_partitions"]
+        kinds = {
+            kind: [
+                pset.types[p.type_key].collective.kind
+                for p in pset.partitions
+                if p.instruction == kind
+            ]
+            for kind in ("forward", "backward")
+        }
+        # 3 layers x 4 weights: 12 gathers, 12 reduce-scatters; one of each overlaps nothing
+        assert kinds == {"forward": ["all_gather"] * 11, "backward": ["reduce_scatter"] * 11}
+        assert all(p.whole for p in pset.partitions)
+        assert [c.kind for c in pset.exposed["forward"]] == ["all_gather"]
+        assert [c.kind for c in pset.exposed["backward"]] == ["reduce_scatter"]
+        assert overlap_problems(region) == []
+
+
 def _fsdp_tp(rank):
     from torch.distributed.device_mesh import init_device_mesh
 

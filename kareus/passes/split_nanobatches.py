@@ -121,7 +121,8 @@ class SplitNanobatches(GraphPass):
                 blockset.skipped[block.name] = (
                     "its collectives act on nothing that carries the batch (a parameter's "
                     "all-gather, as SimpleFSDP issues them): both nanobatches would share them, "
-                    "leaving nothing to overlap (Config.nanobatches=2 splits it anyway)"
+                    "leaving nothing to overlap within it; they can overlap the compute before or "
+                    "after them instead (Config.nanobatches=2 splits it anyway)"
                 )
             else:
                 plans.append((block.name, block.nodes, plan, shared))
