@@ -5,6 +5,8 @@ kareus did its work there (each layer's region split into nanobatches and its co
 partitioned), or says why not.
 """
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -328,7 +330,7 @@ def simple_fsdp(model, mesh):
     return model
 
 
-def _simple_fsdp(rank):
+def _simple_fsdp(rank, per_block):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,))
@@ -340,43 +342,54 @@ def _simple_fsdp(rank):
     holder = {}
 
     def comp(model):
+        if per_block:
+            holder["c"] = compile_blocks(model, strict=True)
+            return holder["c"]
         holder["c"] = kareus.compile(model, strict=True)
         return holder["c"]
 
     ref, got = compare_training(make, comp, batches(2, seed=10 * rank))
-    (region,) = kareus.explain(holder["c"]).regions
-    return ref, got, region
+    compiled = holder["c"].layers if per_block else [holder["c"]]
+    return ref, got, [region for c in compiled for region in kareus.explain(c).regions]
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_simple_fsdp_gathers_overlap_the_compute_before_them():
+@pytest.mark.parametrize("per_block", [False, True], ids=["whole", "per_block"])
+def test_simple_fsdp_gathers_overlap_the_compute_before_them(per_block):
     """torchtitan's SimpleFSDP (DTensor parameters gathered in the graph by a
-    parametrization), compiled whole on 2 gloo ranks: it trains as without kareus. No layer
-    splits (its collectives are on its weights alone), but every weight's all-gather but
-    the first is issued during the compute before it, and every weight gradient's
-    reduce-scatter but the last waited for after the compute after it."""
+    parametrization) on 2 gloo ranks, compiled whole or block by block (as torchtitan
+    does): it trains as without kareus. No layer splits (its collectives are on its
+    weights alone), but in each region every weight's all-gather but the first is issued
+    during the compute before it, and every weight gradient's reduce-scatter but the last
+    waited for after the compute after it."""
     from kareus.testing import overlap_problems
 
-    for ref, got, region in run_ranks(_simple_fsdp):
+    for ref, got, regions in run_ranks(functools.partial(_simple_fsdp, per_block=per_block)):
         assert_same_history(ref, got)
-        blocks = region.findings["find_blocks"]
-        assert blocks.split == [] and len(blocks.skipped) == 3
-        pset = region.findings["cut_partitions"]
-        kinds = {
-            kind: [
-                pset.types[p.type_key].collective.kind
-                for p in pset.partitions
-                if p.instruction == kind
-            ]
-            for kind in ("forward", "backward")
-        }
-        # 3 layers x 4 weights: 12 gathers, 12 reduce-scatters; one of each overlaps nothing
-        assert kinds == {"forward": ["all_gather"] * 11, "backward": ["reduce_scatter"] * 11}
-        assert all(p.whole for p in pset.partitions)
-        assert [c.kind for c in pset.exposed["forward"]] == ["all_gather"]
-        assert [c.kind for c in pset.exposed["backward"]] == ["reduce_scatter"]
-        assert overlap_problems(region) == []
+        assert [r.findings["find_blocks"].split for r in regions] == [[]] * len(regions)
+        # 3 layers x 4 weights: 12 gathers and 12 reduce-scatters in one region (whole), or
+        # 4 and 4 in each of 3 (per block); one of each per region overlaps nothing
+        per_region = 11 if not per_block else 3
+        assert len(regions) == (1 if not per_block else 3)
+        for region in regions:
+            pset = region.findings["cut_partitions"]
+            kinds = {
+                kind: [
+                    pset.types[p.type_key].collective.kind
+                    for p in pset.partitions
+                    if p.instruction == kind
+                ]
+                for kind in ("forward", "backward")
+            }
+            assert kinds == {
+                "forward": ["all_gather"] * per_region,
+                "backward": ["reduce_scatter"] * per_region,
+            }
+            assert all(p.whole for p in pset.partitions)
+            assert [c.kind for c in pset.exposed["forward"]] == ["all_gather"]
+            assert [c.kind for c in pset.exposed["backward"]] == ["reduce_scatter"]
+            assert overlap_problems(region) == []
 
 
 def _fsdp_tp(rank):

@@ -38,6 +38,9 @@ from kareus.passes.subgraphs import bodies
 from kareus.passes.tags import NodeTag, get_tag, set_tag
 
 _INDEXED = re.compile(r"^(?P<prefix>.+?)(?:\.(?P<dot>\d+)|\[(?P<br>\d+)\])$")
+_PARAMETRIZATION = re.compile(r"\.parametrizations\.\w+$")
+"""The list of a parametrized tensor's parametrizations (``torch.nn.utils.parametrize``, as
+SimpleFSDP gathers a weight): indexed, but not a list of layers."""
 _ROOT = re.compile(r"^L\[['\"]\w+['\"]\](?:\[\d+\])*\.?")
 _COMPUTE = ("call_function", "call_method", "call_module")
 _PLUMBING = frozenset({"getitem", "autograd_function_apply", "view_as"})
@@ -181,7 +184,7 @@ def _indexed_paths(node: fx.Node) -> list[tuple[str, str, int, str]]:
     out = []
     for path, typ in stack.values():
         m = _INDEXED.match(path)
-        if m:
+        if m and not _PARAMETRIZATION.search(m.group("prefix")):
             idx = int(m.group("dot") or m.group("br"))
             out.append((path, m.group("prefix"), idx, getattr(typ, "__name__", str(typ))))
     return out
