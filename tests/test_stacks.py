@@ -307,17 +307,25 @@ def _second_iteration(model):
 
 
 class _Replicated(nn.Module):
-    """SimpleFSDP's parametrization (torchtitan's ``ReplicateComputation``, without mixed
-    precision): the parameter is a DTensor sharded over the mesh; reading it all-gathers it,
-    and its gradient (Partial) is reduce-scattered back to the shard."""
+    """SimpleFSDP's parametrization (torchtitan's ``ReplicateComputation``): the parameter
+    is a DTensor sharded over the mesh; reading it all-gathers it, and its gradient
+    (Partial) is reduce-scattered back to the shard. With ``dtype`` (mixed precision), the
+    shard is cast before the gather (as SimpleFSDP's param_dtype) and the weight back after
+    (so that the test model computes in fp32): casts on both sides of both collectives."""
+
+    def __init__(self, dtype=None):
+        super().__init__()
+        self.dtype = dtype
 
     def forward(self, p):
         from torch.distributed.tensor import Partial, Replicate
 
-        return p.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+        cast = p if self.dtype is None else p.to(self.dtype)
+        full = cast.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+        return full if self.dtype is None else full.to(p.dtype)
 
 
-def simple_fsdp(model, mesh):
+def simple_fsdp(model, mesh, dtype=None):
     """Shard every parameter over ``mesh`` (dim 0) and gather it in the graph at its use."""
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.nn.utils import parametrize
@@ -326,18 +334,18 @@ def simple_fsdp(model, mesh):
         for name, p in list(module.named_parameters(recurse=False)):
             shard = nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]))
             module.register_parameter(name, shard)
-            parametrize.register_parametrization(module, name, _Replicated(), unsafe=True)
+            parametrize.register_parametrization(module, name, _Replicated(dtype), unsafe=True)
     return model
 
 
-def _simple_fsdp(rank, per_block):
+def _simple_fsdp(rank, per_block, dtype):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,))
 
     def make():
         torch.manual_seed(0)
-        return simple_fsdp(Model(3), mesh)
+        return simple_fsdp(Model(3), mesh, dtype)
 
     holder = {}
 
@@ -350,46 +358,58 @@ def _simple_fsdp(rank, per_block):
 
     ref, got = compare_training(make, comp, batches(2, seed=10 * rank))
     compiled = holder["c"].layers if per_block else [holder["c"]]
-    return ref, got, [region for c in compiled for region in kareus.explain(c).regions]
+    return ref, got, [_overlaps(region) for c in compiled for region in kareus.explain(c).regions]
+
+
+def _overlaps(region):
+    """What a region split, the collectives of its partitions and of none, per graph, and
+    where its graphs do not run them overlapped."""
+    from kareus.testing import overlap_problems
+
+    pset = region.findings["cut_partitions"]
+    kinds = {
+        kind: [
+            pset.types[p.type_key].collective.kind for p in pset.partitions if p.instruction == kind
+        ]
+        for kind in ("forward", "backward")
+    }
+    alone = {kind: [c.kind for c in colls] for kind, colls in pset.exposed.items()}
+    whole = all(p.whole for p in pset.partitions)
+    return region.findings["find_blocks"].split, kinds, alone, whole, overlap_problems(region)
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("per_block", [False, True], ids=["whole", "per_block"])
-def test_simple_fsdp_gathers_overlap_the_compute_before_them(per_block):
+@pytest.mark.parametrize(
+    "per_block, dtype",
+    [(False, None), (True, None), (False, torch.bfloat16)],
+    ids=["whole", "per_block", "whole_bf16_gathers"],
+)
+def test_simple_fsdp_gathers_overlap_the_compute_before_them(per_block, dtype):
     """torchtitan's SimpleFSDP (DTensor parameters gathered in the graph by a
     parametrization) on 2 gloo ranks, compiled whole or block by block (as torchtitan
     does): it trains as without kareus. No layer splits (its collectives are on its
     weights alone), but in each region every weight's all-gather but the first is issued
     during the compute before it, and every weight gradient's reduce-scatter but the last
-    waited for after the compute after it."""
-    from kareus.testing import overlap_problems
-
-    for ref, got, regions in run_ranks(functools.partial(_simple_fsdp, per_block=per_block)):
+    waited for after the compute after it; with mixed precision too (the casts around the
+    collectives stay out of the overlapped compute)."""
+    for ref, got, regions in run_ranks(
+        functools.partial(_simple_fsdp, per_block=per_block, dtype=dtype)
+    ):
         assert_same_history(ref, got)
-        assert [r.findings["find_blocks"].split for r in regions] == [[]] * len(regions)
         # 3 layers x 4 weights: 12 gathers and 12 reduce-scatters in one region (whole), or
         # 4 and 4 in each of 3 (per block); one of each per region overlaps nothing
         per_region = 11 if not per_block else 3
         assert len(regions) == (1 if not per_block else 3)
-        for region in regions:
-            pset = region.findings["cut_partitions"]
-            kinds = {
-                kind: [
-                    pset.types[p.type_key].collective.kind
-                    for p in pset.partitions
-                    if p.instruction == kind
-                ]
-                for kind in ("forward", "backward")
-            }
+        for split, kinds, alone, whole, problems in regions:
+            assert split == []
             assert kinds == {
                 "forward": ["all_gather"] * per_region,
                 "backward": ["reduce_scatter"] * per_region,
             }
-            assert all(p.whole for p in pset.partitions)
-            assert [c.kind for c in pset.exposed["forward"]] == ["all_gather"]
-            assert [c.kind for c in pset.exposed["backward"]] == ["reduce_scatter"]
-            assert overlap_problems(region) == []
+            assert whole
+            assert alone == {"forward": ["all_gather"], "backward": ["reduce_scatter"]}
+            assert problems == []
 
 
 def _fsdp_tp(rank):

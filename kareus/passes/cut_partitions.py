@@ -436,19 +436,22 @@ def _overlap_whole_blocks(
     blocks are; a collective takes the nearest segment that lies wholly after its input is
     ready and before its result is first read (reads through views and memory-bound ops
     count where those are read in turn, since they can move), and the two form a partition
-    like the split's, with the same knobs (clock, launch slot, SM share). Segments without
-    a matmul hide next to nothing and take none. A segment overlaps one collective at
-    most, and none where a collective still left
-    alone runs inside it. Returns whether any partition was formed.
+    like the split's, with the same knobs (clock, launch slot, SM share). A segment leaves
+    out the views and memory-bound ops that read a collective's result (they run after its
+    wait); segments without a matmul hide next to nothing and take none. A segment
+    overlaps one collective at most, and none where a collective still left alone runs
+    inside it. Returns whether any partition was formed.
     """
     position = {n: i for i, n in enumerate(graph.nodes)}
     exposed = outside_nodes(graph, kind, pset, spans)[2]
+    after = _after_waits(graph, exposed)
     windows: list[tuple[int, int, str, list[fx.Node]]] = []
     for block, per_nb in spans.items():
         if set(per_nb) != {None}:
             continue
         segs, tail = _segments(graph, per_nb[None], block, 0)
-        for compute in [s.compute for s in segs] + [tail]:
+        for run in [s.compute for s in segs] + [tail]:
+            compute = [n for n in run if n not in after]
             ran = [position[n] for n in compute if cost_of(n).op_class != "view"]
             if ran and any(cost_of(n).op_class in ("gemm", "attention") for n in compute):
                 windows.append((min(ran), max(ran), block, compute))
@@ -465,8 +468,6 @@ def _overlap_whole_blocks(
             for i, (lo, hi, _b, _c) in enumerate(windows)
             if ready < lo and hi < need and i not in chosen.values()
         ]
-        readers = _readers(waits[0]) if fits else set()
-        fits = [f for f in fits if readers.isdisjoint(windows[f[1]][3])]
         if fits:
             chosen[issue] = min(fits)[1]
     # A window inside which a collective still runs alone would overlap two: drop it, and
@@ -516,15 +517,18 @@ def _needed_at(graph: fx.Graph, position: dict[fx.Node, int]) -> dict[fx.Node, i
     return at
 
 
-def _readers(node: fx.Node) -> set[fx.Node]:
-    """Return the views and memory-bound ops that read ``node``, directly or through others."""
+def _after_waits(graph: fx.Graph, issues: list[fx.Node]) -> set[fx.Node]:
+    """Return the views and memory-bound ops that read the result of one of ``issues``.
+
+    Directly or through one another: a cast or copy of a collective's result (the gathered
+    weight's view, the reduced gradient's cast back to fp32) runs after its wait, so it
+    cannot sit in another collective's window that ends before that wait.
+    """
+    waits = {u for i in issues for u in i.users if cost_of(u).op_class == "collective_wait"}
     out: set[fx.Node] = set()
-    todo = [u for u in node.users if _cheap(u)]
-    while todo:
-        n = todo.pop()
-        if n not in out:
+    for n in graph.nodes:
+        if _cheap(n) and any(i in waits or i in out for i in n.all_input_nodes):
             out.add(n)
-            todo.extend(u for u in n.users if _cheap(u))
     return out
 
 
