@@ -10,7 +10,7 @@ import torch.distributed as dist
 import kareus
 import kareus.passes.pipeline
 from kareus.errors import PassError
-from kareus.ir.partitions import Decision
+from kareus.ir.partitions import Decision, PartitionSet
 from kareus.passes.base import GraphPass, PassResult
 from kareus.passes.census import census, lost
 from kareus.testing import (
@@ -253,6 +253,7 @@ def test_a_gather_in_the_graph_overlaps_the_layer_before_where_layers_stay_whole
             assert [c.kind for c in pset.exposed["forward"]] == ["all_gather"]
             assert [c.kind for c in pset.exposed["backward"]] == ["reduce_scatter"]
             assert "overlap compute of a block left whole" in pset.to_text()
+            assert PartitionSet.from_json(pset.to_json()).partitions == pset.partitions
             for part in whole:
                 at = _positions(codes[part.instruction])
                 issue, wait = part.collective

@@ -442,8 +442,10 @@ def _overlap_whole_blocks(
     overlaps one collective at most, and none where a collective still left alone runs
     inside it. Returns whether any partition was formed.
     """
-    position = {n: i for i, n in enumerate(graph.nodes)}
     exposed = outside_nodes(graph, kind, pset, spans)[2]
+    if not exposed:
+        return False
+    position = {n: i for i, n in enumerate(graph.nodes)}
     after = _after_waits(graph, exposed)
     windows: list[tuple[int, int, str, list[fx.Node]]] = []
     for block, per_nb in spans.items():
