@@ -5,8 +5,16 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Traces cached by the tests stay in the test run (and reach the processes it starts).
-os.environ["KAREUS_CACHE_DIR"] = tempfile.mkdtemp(prefix="kareus-test-cache-")
+# Traces cached by the tests stay in the test run (and reach the processes it starts),
+# shared by its workers (pytest-xdist's run id): a workload traced by a test on one worker
+# is not traced again on the other (entries are written atomically).
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+if _RUN:
+    _CACHE = os.path.join(tempfile.gettempdir(), f"kareus-test-cache-{_RUN}")
+    os.makedirs(_CACHE, exist_ok=True)
+    os.environ["KAREUS_CACHE_DIR"] = _CACHE
+else:
+    os.environ["KAREUS_CACHE_DIR"] = tempfile.mkdtemp(prefix="kareus-test-cache-")
 
 
 @pytest.fixture(autouse=True)

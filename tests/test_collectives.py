@@ -208,21 +208,19 @@ def _positions(code):
 
 
 def _gathered_whole_runs(rank):
-    out = {}
-    for gpu in (None, "a100-40gb"):
+    """Three SimpleFSDP-style layers planned at compile time for an A100 (without a plan,
+    the default decisions: test_stacks.py's SimpleFSDP tests)."""
 
-        def make():
-            torch.manual_seed(1)
-            return _FSDPNet(False, layers=3)
+    def make():
+        torch.manual_seed(1)
+        return _FSDPNet(False, layers=3)
 
-        options = {"gpu": gpu} if gpu else {}
-        ref, got, _counts, region = _trained(make, _batches(False), strict=True, **options)
-        pset = region.findings["cut_partitions"]
-        codes = {kind: region.graphs[kind].final_code for kind in ("forward", "backward")}
-        decisions = dict(region.findings["decisions"])
-        split = region.findings["find_blocks"].split
-        out[gpu] = ref, got, pset, codes, decisions, split, region.findings.get("plan")
-    return out
+    ref, got, _counts, region = _trained(make, _batches(False), strict=True, gpu="a100-40gb")
+    pset = region.findings["cut_partitions"]
+    codes = {kind: region.graphs[kind].final_code for kind in ("forward", "backward")}
+    decisions = dict(region.findings["decisions"])
+    split = region.findings["find_blocks"].split
+    return ref, got, pset, codes, decisions, split, region.findings.get("plan")
 
 
 def test_a_gather_in_the_graph_overlaps_the_layer_before_where_layers_stay_whole():
@@ -233,46 +231,43 @@ def test_a_gather_in_the_graph_overlaps_the_layer_before_where_layers_stay_whole
     plan decides their clock, launch slot and SM share as for the split's, and the graphs
     issue the gather during the layer before and wait for the reduce-scatter after the
     layer after. Results are those of the model without kareus."""
-    for per_rank in run_ranks(_gathered_whole_runs):
-        for gpu, (ref, got, pset, codes, decisions, split, plan) in per_rank.items():
-            assert split == []
-            assert_same_history(ref, got)
-            whole = [p for p in pset.partitions if p.whole]
-            assert whole == pset.partitions
-            # 3 layers: the 2nd and 3rd layers' gathers during the layer before (forward),
-            # the 3rd and 2nd layers' reduce-scatters during the layer after (backward).
-            assert [(p.instruction, p.block) for p in whole] == [
-                ("forward", "layers.0"),
-                ("forward", "layers.1"),
-                ("backward", "layers.1"),
-                ("backward", "layers.0"),
-            ]
-            kinds = {p.instruction: pset.types[p.type_key].collective.kind for p in whole}
-            assert kinds == {"forward": "all_gather", "backward": "reduce_scatter"}
-            # One gather and one reduce-scatter, the first layer's, still overlap nothing.
-            assert [c.kind for c in pset.exposed["forward"]] == ["all_gather"]
-            assert [c.kind for c in pset.exposed["backward"]] == ["reduce_scatter"]
-            assert "overlap compute of a block left whole" in pset.to_text()
-            assert PartitionSet.from_json(pset.to_json()).partitions == pset.partitions
-            for part in whole:
-                at = _positions(codes[part.instruction])
-                issue, wait = part.collective
-                slot = decisions.get(part.type_key, Decision()).launch_slot
-                assert slot is not None, (gpu, decisions)
-                first = part.slots[slot].first
-                before = part.compute[: part.compute.index(first)]
-                # issued at the decided slot, waited for after the window's compute
-                assert all(at[n] < at[issue] for n in before), (part, codes[part.instruction])
-                assert at[issue] < at[first] and at[wait] > max(at[n] for n in part.compute)
-            if gpu is None:
-                continue
-            # Planned at compile time: each of these types got a decision of its own, and
-            # the overlap pays in the model: kareus's fastest plan beats Megatron-LM's
-            # (every collective alone).
-            keys = {p.type_key for p in whole}
-            assert keys <= set(decisions) and plan is not None
-            fastest = min(p.time_s for p in plan.frontier)
-            assert fastest < min(p.time_s for p in plan.baselines["megatron"])
+    for ref, got, pset, codes, decisions, split, plan in run_ranks(_gathered_whole_runs):
+        assert split == []
+        assert_same_history(ref, got)
+        whole = [p for p in pset.partitions if p.whole]
+        assert whole == pset.partitions
+        # 3 layers: the 2nd and 3rd layers' gathers during the layer before (forward),
+        # the 3rd and 2nd layers' reduce-scatters during the layer after (backward).
+        assert [(p.instruction, p.block) for p in whole] == [
+            ("forward", "layers.0"),
+            ("forward", "layers.1"),
+            ("backward", "layers.1"),
+            ("backward", "layers.0"),
+        ]
+        kinds = {p.instruction: pset.types[p.type_key].collective.kind for p in whole}
+        assert kinds == {"forward": "all_gather", "backward": "reduce_scatter"}
+        # One gather and one reduce-scatter, the first layer's, still overlap nothing.
+        assert [c.kind for c in pset.exposed["forward"]] == ["all_gather"]
+        assert [c.kind for c in pset.exposed["backward"]] == ["reduce_scatter"]
+        assert "overlap compute of a block left whole" in pset.to_text()
+        assert PartitionSet.from_json(pset.to_json()).partitions == pset.partitions
+        for part in whole:
+            at = _positions(codes[part.instruction])
+            issue, wait = part.collective
+            slot = decisions.get(part.type_key, Decision()).launch_slot
+            assert slot is not None, decisions
+            first = part.slots[slot].first
+            before = part.compute[: part.compute.index(first)]
+            # issued at the decided slot, waited for after the window's compute
+            assert all(at[n] < at[issue] for n in before), (part, codes[part.instruction])
+            assert at[issue] < at[first] and at[wait] > max(at[n] for n in part.compute)
+        # Planned at compile time: each of these types got a decision of its own, and
+        # the overlap pays in the model: kareus's fastest plan beats Megatron-LM's
+        # (every collective alone).
+        keys = {p.type_key for p in whole}
+        assert keys <= set(decisions) and plan is not None
+        fastest = min(p.time_s for p in plan.frontier)
+        assert fastest < min(p.time_s for p in plan.baselines["megatron"])
 
 
 def _dropping_runs(rank):

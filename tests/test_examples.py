@@ -53,7 +53,7 @@ def test_train_tiny_prints_explain_and_modelled_energy(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow  # (TP under torchrun is also run by the pipeline and FSDP + TP examples)
+@pytest.mark.slow  # (TP under torchrun is also run by the pipeline example)
 @pytest.mark.timeout(300)
 def test_tensor_parallel_example_under_torchrun(tmp_path):
     out = _torchrun(2, "examples/train_tp.py", "--steps", "2", "--layers", "2", tmp_path=tmp_path)
@@ -110,6 +110,7 @@ def _port():
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # (the same layout, in process: test_stacks.py's FSDP2 + TP tests)
 @pytest.mark.timeout(300)
 def test_fsdp_tp_example_splits_every_block_compiled_on_its_own(tmp_path):
     """torchtitan's layout (TP on "tp", compile per block, FSDP2 on "dp"; 4 ranks): the two
