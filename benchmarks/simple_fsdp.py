@@ -26,10 +26,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.nn.utils import parametrize
+
+from kareus.ir.partitions import PartitionSet
+from kareus.ir.plan_file import FrontierPoint
 
 
 class Gathered(torch.nn.Module):
@@ -49,10 +53,10 @@ class Gathered(torch.nn.Module):
         return full.chunk(self.size, 0)[0].clone()
 
 
-def shard_layers(model: torch.nn.Module, group: dist.ProcessGroup) -> int:
-    """Gather every decoder layer's linear weight in the graph; return how many."""
+def shard_layers(layers: Iterable[torch.nn.Module], group: dist.ProcessGroup) -> int:
+    """Gather every linear weight of ``layers`` in the graph; return how many."""
     count = 0
-    for layer in model.layers:
+    for layer in layers:
         for module in layer.modules():
             if isinstance(module, torch.nn.Linear):
                 parametrize.register_parametrization(module, "weight", Gathered(group), unsafe=True)
@@ -60,8 +64,8 @@ def shard_layers(model: torch.nn.Module, group: dist.ProcessGroup) -> int:
     return count
 
 
-def trace(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    """Trace one forward and backward; return the region's partition set and notes."""
+def trace(args: argparse.Namespace) -> PartitionSet:
+    """Trace one forward and backward; return the region's partition set."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -81,7 +85,9 @@ def trace(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                 model = Llama(cfg)
             finally:
                 torch.set_default_dtype(default)
-            gathered = shard_layers(model, dist.group.WORLD)
+            world = dist.group.WORLD
+            assert world is not None  # (initialised above)
+            gathered = shard_layers(model.layers, world)
             ids = torch.zeros((args.microbatch_size, args.seq_len), dtype=torch.long)
             compiled = kareus.compile(
                 model, disable_passes=("schedule_overlap", "insert_clock_switches")
@@ -93,10 +99,11 @@ def trace(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     assert backend is not None
     (region,) = [r for r in backend.regions if "cut_partitions" in r.findings]
     print(f"{gathered} weights gathered in the graph per pass ({args.layers} layers)")
-    return region.findings["cut_partitions"], region.notes
+    pset: PartitionSet = region.findings["cut_partitions"]
+    return pset
 
 
-def points(front):  # type: ignore[no-untyped-def]
+def points(front: Sequence[FrontierPoint]) -> list[tuple[float, float]]:
     """(time, energy) of each point of a frontier."""
     return [(p.time_s, p.energy_j) for p in front]
 
@@ -117,7 +124,7 @@ def main() -> None:
     from kareus.planner.pareto import iso_time_energy_reduction
 
     start = time.perf_counter()
-    pset, _notes = trace(args)
+    pset = trace(args)
     traced = time.perf_counter() - start
     print(pset.to_text())
     spec = gpu(args.gpu)

@@ -166,12 +166,7 @@ def overlap_problems(region: Any) -> list[str]:
     problems = []
     pset = region.findings["cut_partitions"]
     for part in (p for p in pset.partitions if p.collective):
-        code = region.graphs[part.instruction].final_code
-        at = {}
-        for i, line in enumerate(code.splitlines()):
-            name, _, rest = line.strip().partition(" = ")
-            if rest and name.isidentifier():
-                at[name] = i
+        at = node_lines(region.graphs[part.instruction].final_code)
         issue, wait = part.collective
         ran = [at[n] for n in part.compute if n in at]
         if not ran or not (at[issue] < max(ran) and at[wait] > max(ran)):
@@ -179,6 +174,16 @@ def overlap_problems(region: Any) -> list[str]:
                 f"{part.instruction} {part.block}: {issue}/{wait} not around its compute"
             )
     return problems
+
+
+def node_lines(code: str) -> dict[str, int]:
+    """Return the line of each node's assignment in a graph's code (its place in the order)."""
+    at = {}
+    for i, line in enumerate(code.splitlines()):
+        name, _, rest = line.strip().partition(" = ")
+        if rest and name.isidentifier():
+            at[name] = i
+    return at
 
 
 def _where(name: str, step: int, message: str) -> str:

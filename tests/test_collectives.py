@@ -18,6 +18,7 @@ from kareus.testing import (
     InplaceTPNet,
     assert_same_history,
     compare_training,
+    node_lines,
     run_ranks,
 )
 
@@ -197,16 +198,6 @@ def test_a_parameter_gathered_in_the_graph_is_shared_by_both_nanobatches():
         assert_same_history(ref, got)
 
 
-def _positions(code):
-    """Each node's line in a graph's code."""
-    out = {}
-    for i, line in enumerate(code.splitlines()):
-        name = line.strip().split(" = ")[0]
-        if " = " in line and name.isidentifier():
-            out[name] = i
-    return out
-
-
 def _gathered_whole_runs(rank):
     """Three SimpleFSDP-style layers planned at compile time for an A100 (without a plan,
     the default decisions: test_stacks.py's SimpleFSDP tests)."""
@@ -252,7 +243,7 @@ def test_a_gather_in_the_graph_overlaps_the_layer_before_where_layers_stay_whole
         assert "overlap compute of a block left whole" in pset.to_text()
         assert PartitionSet.from_json(pset.to_json()).partitions == pset.partitions
         for part in whole:
-            at = _positions(codes[part.instruction])
+            at = node_lines(codes[part.instruction])
             issue, wait = part.collective
             slot = decisions.get(part.type_key, Decision()).launch_slot
             assert slot is not None, decisions
