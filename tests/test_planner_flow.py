@@ -322,3 +322,58 @@ def test_a_thinned_hull_prices_the_flow_but_the_bound_and_plan_use_every_option(
     hulls += [lower_hull([o for o in os if o.profile == p]) for os in opts.values() for p in "ab"]
     arcs = {o.freq_mhz for h in hulls for o in thin(h, 0.05)}
     assert used - arcs  # the plan ran clocks the thinned arcs did not have
+
+
+# A relaxation's program that GLOP's presolve ended ABNORMAL from its basis and from scratch
+# with either simplex (a replay of measured CPU profiles: tiny-16l, TP 2, full recompute;
+# kareus plan failed with "the composition's relaxation ended with GLOP status 4").
+_ABNORMAL_PROGRAM = (
+    "H4sICB/NEWsAA21vZGVsLnBiAMWZaXAcxRWAp/fQ7sqydRhjaQFbrDGWZcnW3LOyHRl8yDa+ANkGbBAreeRbq9NH"
+    "jCVbGGOICcHhPs0fSsAfqigKwx9NiaKgKP5wFoeTShWBVFJUoiSVFDkqlemHVprdnZbmTSeS/njlfu9N9+vvm55Z"
+    "RYVSYfQnvjSW+Tj2f5VCdfnxqrqaykUtqdaDR1NdexYtbkt196w6vH8PKr4n3RGvG40faSjNfLDj43nxXb17U4cg"
+    "Y5nrFSpyM9pT7emWVE/rvrFLZCfkXaI9XZs+YnYdSnXEa10z5v6Y0ZbuyllzresaXMPpAiZs0Vj4+PwnXPB4/Pj0"
+    "K8cTLjbOeal66xurKt75W9Xuh4ffpRMjTfHy3JIj/fZAoLuOOSIyRyTmiMwcUZgjKnNEY47ozBGDOZKMV7iOBLvF"
+    "OvaQyB6S2EMye0hhDzE7YTJ3yWTuksncJZO5SyZzl0z23Ji7ZDJ3yWTuksncJZO9SyZ7l0z2LpnsXTLZu2Tau1ST"
+    "N9RQsT5qiXPeeZnaNvNYXXPmTtFc5xr96bKmty89NMPKjRbdoy9Xv/dRYyQr2r6t2LXzblt29B8vqzt3m8NDdvQs"
+    "O3rsrsIIP//lW/8cHiy28sLF/NuWHS5c/tNTF0LLafViGj52D7LLu8UXzf/r848+Xmjlx7uvdbDv8y0/lL07BGsV"
+    "J+vjv7/+Q9mJoQ/yot1r7xj5x/uXlnzb4Iz+sY9u0Yl1bUUtT38xlBvt3pcdA4nN+u9/2wDrtKPHTi9GXwo/1OPF"
+    "//l8KD9edN2mA18uiD3w/eg2iVm76la+t+CNS43KbGu0fNY2TYqvhMJXQuErofCVcPhKOHwlJL4SEl8Zha+MwldG"
+    "4Suj8JWR+MpIfGUcvjISXwWFr4LCV0Hhq+DwVXD4Kkh8FSS+KgpfFYWvisJXReGrIvFVkfiqOHxVJL4aCl8Nha+G"
+    "wlfD4avh8NWQ+GpIfHUUvjoKXx2Fr47CV0fiqyPx1XH46kh8DRS+BgpfA4WvgcPXwOFrIPE1kPgmUfgmUfgmUfgm"
+    "Ufgmkfgmkfgmcfgms7fJrbwDX/vROuvdzS3cwW92uPvkHQCPh7N74yC4mIZPtlgHwjnxYv7XSNkMl0C8sztuCQ6I"
+    "cxPcF+yg2F6wOFk7HRhnh7tXd3A8Hs6+IThAzg53746D5BIId6LsluBAOTfB3RUHy8U0wbm/bhdwwAwXQNIs4WiW"
+    "cDRLOJolJM0SkmYJS7OEpVnG0SzjaJZxNMs4mmUszTKWZhlJs4ylWcHRrOBoVnA0K0iaFSTNCpZmBUuziqNZxdGs"
+    "4mhWcTSrWJpVLM0qkubs97zETse+jn5IlKR6e9LNrc11mZ8qQQoLJBAM1Vdlgib7N7HFQ2HRLhwKF0Si9ZWT1jtR"
+    "mllZReZDXj3JrhcrjFcvqalduqyufv1o8lCmyCvlxb9OfdNhCeuOfv/ZsU5LKKpZ9tqbe61XAyPps9ZBS6hp+Obj"
+    "zYetV9aor78etscLznx97mSnlVjr4eKyffFguHpJfXnuZcfWsMJDGcUuEyioqS/JreJpEiqdRKR26QST8FJGo2Wi"
+    "dgvZZc4QD3V0u07hjKtESVZUTTfqt+WWGxzeuO+H7f1WR7z077tOnbIGvyLzOof7rI63exb++ZMBazDxlwV99Pd4"
+    "eMO5Xw1YTZ3f/ebOTaetpvCnv/vX6tPedsagqxFEibMpSVqGyApfGZHaFAyoGh8nInUnENRdOPGSTU0JhAyXbA+e"
+    "iRT1WNHVyfrlK1b+pGFqPRMV8CxZz9k/FTxb7s8zEQSJrFjJyYIOntkt5PNMpIQXzrxm1Q03rl6zdl3j9HgmgiDC"
+    "qhv4miKBIOTG1ZxlRPBszVo+TiQwJbjOn2eSDJ41+vNMoqjHZs1bv2HjTZs2b5lazyQ4SsLrN3D2TwPPNvrzTAJB"
+    "Ijdt4mQBToCo3UI+zyRKeGHx/K3bbr7l1qbtO6bHMxkEEbZu42uKDIKQm2/hLCOBZ7c28XEigynB7f48k+GpKbTD"
+    "n2cyRT1WUrnzttvv2LX7zqn1TIajJLzzNs7+6eDZ7f48k0GQyB27OFmAEyBqt5DPM4USXlh67V3Nd6daWveY0+OZ"
+    "AoIIdzXzNUUBQcjdKc4y8H4RaGnl40QBU4J7/HmmwFNTyPTnmUJRj5Ul2vbu23/g4KGp9UyBoyTctpezfwZ4ts+f"
+    "ZwoIEtl/gI8FFU6AqN1CPs9USnjh7AWH29MdnV3dPdPjmQqCCIfbOZsCgpB0B2cZeL8IdHbxcaKCKcFuf56p8NQU"
+    "6vHnmUpRj11xXe+Ro8eO//TE1HqmwlES7j3C2b8keHbUn2caCBI5dpyPBQ1OgKjdQnaZcx480yjhs+YsvOdkX/8p"
+    "cpoMkHvJ9LimgSTCPSc5GwOSkL7+Cco0eihDJQkHaEsmKLTSQyF4iAoOEBdcvKTD2RC61y19wMv+UuZLrrz+DLmP"
+    "nCX3k3PkAfIg+R9656WXVJhwmE6Br5c6uFNw1q0ZHuahU2fCEdoEPjh0Kk04Cp1kFzrvYXt0Cn3Z3EU/I+fJQ+Tn"
+    "5GHyC/IIufD/UNDLuhT4Op1OhrNBYA+siLOQBhrStnCiAx4FH/GpoQ5HR+iCXw11qkBJedUvyaPkMfI4eYI8SZ6a"
+    "Yg0N+GNJmE6Br5cGnD0Fj/nU0AB7IrQJfHAYMmgIneTT0KDgl1Usfpo8Q54lz5HnyQvkInlxmjQ0wB6BToazQWAP"
+    "rIizkA4a0rZwogMeBS/61NCAl5TQi27peU9uI/256UlqQGBGfCw7M/chT9nwd42iq3xmw7e1M6/2mQ3fQc26xmc2"
+    "vFkXz/OZDe8LJfN9ZsP7Qmmlz2z47qjsWp/Z8EY8O+EzG57zr1jgK1uEP00H5lznMxtYu3Khz2xgbe71PrOBtfJF"
+    "PrOBtYoqn9nAWmxxfna18F/CAK21YzsAAA=="
+)
+
+
+def test_a_program_glop_ends_abnormally_on_is_solved_without_presolve():
+    import base64
+    import gzip
+
+    from ortools.linear_solver import linear_solver_pb2, pywraplp
+
+    from kareus.planner.relax import solve_afresh
+
+    model = linear_solver_pb2.MPModelProto()
+    model.ParseFromString(gzip.decompress(base64.b64decode(_ABNORMAL_PROGRAM)))
+    status, _solver = solve_afresh(model)
+    assert status == pywraplp.Solver.INFEASIBLE  # proven, not abandoned
