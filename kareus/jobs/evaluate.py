@@ -459,18 +459,20 @@ def evaluate_clock_plans(
         gpus=parallel.gpus,
         gpus_per_stage=parallel.gpus_per_stage,
     )
-    position = {
-        instr: (rank, p) for rank, order in enumerate(orders) for p, instr in enumerate(order)
+    position = {  # (data parallelism's traffic tags some of the iteration's instructions)
+        (i.stage, i.kind, i.microbatch): (rank, p)
+        for rank, order in enumerate(orders)
+        for p, i in enumerate(order)
     }
     out = []
     for plan in plans:
         choices: list[Option] = []
         for instr in iteration.instructions:
             if instr.kind == STEP:  # at the clock the rank's last instruction leaves
-                choices.append(by_clock[instr.group][plan.freqs_mhz[instr.stage][-1]])
+                choices.append(by_clock[instr.key][plan.freqs_mhz[instr.stage][-1]])
                 continue
-            rank, p = position[instr]
-            choices.append(by_clock[instr.group][plan.freqs_mhz[rank][p]])
+            rank, p = position[instr.stage, instr.kind, instr.microbatch]
+            choices.append(by_clock[instr.key][plan.freqs_mhz[rank][p]])
         time_s, energy_j = composer.evaluate(choices)
         per_column = energy_j / parallel.gpus_per_stage
         out.append(PlanCost(plan.plan_id, time_s, energy_j, per_column))

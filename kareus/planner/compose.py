@@ -33,6 +33,7 @@ from kareus.planner.dag import (
     SwitchCost,
     Timing,
     change_energy,
+    group_profiles,
     makespan,
     plan_cost,
     switches,
@@ -164,8 +165,8 @@ class Composer:
         self.it = iteration
         self.options = {g: tuple(o) for g, o in options.items()}
         for instr in iteration.instructions:
-            if not self.options.get(instr.group):
-                raise KareusError(f"no options for stage {instr.stage} {instr.kind}")
+            if not self.options.get(instr.key):
+                raise KareusError(f"no options for stage {instr.stage} {instr.key[1]}")
         # For the relaxations, each option dominated within its profile (another is no
         # slower and no more energy-hungry) is dropped: without clock changes it can only
         # tie. CP-SAT prices changes, and a dominated option at the clock of its neighbours
@@ -191,16 +192,19 @@ class Composer:
         # the energy of a clock change before each instruction, on all GPUs of its stage
         # (empty when changes are free)
         self._change_j = [
-            change_energy(self.switch, self.options[i.group], static_power_w) * gpus_per_stage
+            change_energy(self.switch, self.options[i.key], static_power_w) * gpus_per_stage
             for i in (iteration.instructions if self.switch is not None else ())
         ]
         self._by_clock = {
             g: {(o.profile, o.freq_mhz): o for o in opts} for g, opts in self.options.items()
         }
 
-    def option(self, group: tuple[int, str], profile: str, freq_mhz: float) -> Option | None:
-        """Return ``group``'s option of ``profile`` at ``freq_mhz`` (None: it has none)."""
-        return self._by_clock[group].get((profile, freq_mhz))
+    def option(self, key: tuple[int, str], profile: str, freq_mhz: float) -> Option | None:
+        """Return ``key``'s option of ``profile`` at ``freq_mhz`` (None: it has none).
+
+        ``key``: the :attr:`~kareus.planner.dag.Instruction.key` of the instructions.
+        """
+        return self._by_clock[key].get((profile, freq_mhz))
 
     def evaluate(self, choices: Sequence[Option]) -> tuple[float, float]:
         """Return (iteration time, energy of all GPUs) of one choice per instruction."""
@@ -369,8 +373,8 @@ class Composer:
                 if choices[a].freq_mhz == choices[b].freq_mhz:
                     continue
                 for i, j in ((b, a), (a, b)):
-                    group = self.it.instructions[i].group
-                    alt = self.option(group, choices[i].profile, choices[j].freq_mhz)
+                    key = self.it.instructions[i].key
+                    alt = self.option(key, choices[i].profile, choices[j].freq_mhz)
                     if alt is None:
                         continue
                     margin = 1e-9 * abs(best[0])
@@ -471,7 +475,7 @@ class Composer:
         meets the bound (and its bound proves nothing).
         """
         self.searches += 1
-        opts = [self.search_options[i.group] for i in self.it.instructions]
+        opts = [self.search_options[i.key] for i in self.it.instructions]
         bound_us = None if bound_s is None else math.floor(bound_s * 1e6)
         # each energy term of the objective is rounded to the nearest microjoule
         rounding_j = 0.5e-6 * (len(opts) + len(self.it.switch_pairs()))
@@ -574,8 +578,8 @@ class Composer:
         m = cp_model.CpModel()
         horizon = sum(max(d) for d in us) + 1
         x = [[m.new_bool_var(f"x{i}_{k}") for k in range(len(us[i]))] for i in range(len(us))]
-        groups = sorted({i.group for i in self.it.instructions})
-        profiles = {g: sorted({o.profile for o in self.search_options[g]}) for g in groups}
+        profiles = group_profiles(self.it, self.search_options)
+        groups = sorted(profiles)
         y = {g: {p: m.new_bool_var(f"y{g}_{p}") for p in profiles[g]} for g in groups}
         for g in groups:
             m.add_exactly_one(y[g].values())
@@ -630,7 +634,7 @@ class Composer:
     def fastest_choice(self) -> Solution:
         """Every instruction's fastest option (least energy among equals): a feasible start."""
         choices = tuple(
-            min(self.options[i.group], key=lambda o: (o.time_s, o.dynamic_energy_j))
+            min(self.options[i.key], key=lambda o: (o.time_s, o.dynamic_energy_j))
             for i in self.it.instructions
         )
         time_s, energy_j = self.evaluate(choices)
@@ -642,12 +646,12 @@ class Composer:
         The simple plans a user could pick by hand (one locked clock for the job, one
         overlap setting); the frontier is built never to lose to any of them.
         """
-        groups = sorted({i.group for i in self.it.instructions})
-        by_key = {g: {(o.freq_mhz, o.profile): o for o in self.options[g]} for g in groups}
+        keys = sorted({i.key for i in self.it.instructions})
+        by_key = {g: {(o.freq_mhz, o.profile): o for o in self.options[g]} for g in keys}
         common = set.intersection(*(set(k) for k in by_key.values()))
         out = []
         for key in sorted(common):
-            choices = tuple(by_key[i.group][key] for i in self.it.instructions)
+            choices = tuple(by_key[i.key][key] for i in self.it.instructions)
             time_s, energy_j = self.evaluate(choices)
             out.append(Solution(choices, time_s, energy_j, "UNIFORM"))
         return out
@@ -743,12 +747,12 @@ class Composer:
     def brute_force(self, bound_s: float | None = None) -> tuple[float, float] | None:
         """Least (energy, time) under ``bound_s`` by enumeration (small instances only)."""
         best: tuple[float, float] | None = None
-        groups = sorted({i.group for i in self.it.instructions})
-        profiles = {g: sorted({o.profile for o in self.options[g]}) for g in groups}
+        profiles = group_profiles(self.it, self.options)
+        groups = sorted(profiles)
         for combo in itertools.product(*(profiles[g] for g in groups)):
             chosen = dict(zip(groups, combo, strict=True))
             per_instr = [
-                [o for o in self.options[i.group] if o.profile == chosen[i.group]]
+                [o for o in self.options[i.key] if o.profile == chosen[i.group]]
                 for i in self.it.instructions
             ]
             for choices in itertools.product(*per_instr):

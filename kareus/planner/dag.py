@@ -11,7 +11,7 @@ import dataclasses
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kareus.errors import KareusError
 
@@ -33,11 +33,22 @@ class Instruction:
     stage: int
     kind: str  # "forward" or "backward"
     microbatch: int
+    traffic: str = ""  # what it carries beside its graph that others of its group do not
 
     @property
     def group(self) -> tuple[int, str]:
         """Instructions of one group share a compiled graph, hence a profile."""
         return self.stage, self.kind
+
+    @property
+    def key(self) -> tuple[int, str]:
+        """Instructions of one key share options: their group's, or with ``traffic`` beside.
+
+        Data parallelism's collectives (FSDP2's all-gathers under a pipeline schedule) run
+        beside some instructions of a group and not others: each such set is a key of its
+        own, its options priced with the traffic, its profile still the group's.
+        """
+        return self.stage, self.kind + self.traffic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +285,19 @@ def change_energy(switch: SwitchCost | None, options: Sequence[Option], static_w
 def switches(iteration: Iteration, choices: Sequence[Option]) -> list[int]:
     """Return the instructions that start with a clock change (wrap-around included)."""
     return [b for a, b in iteration.switch_pairs() if choices[a].freq_mhz != choices[b].freq_mhz]
+
+
+def group_profiles(
+    iteration: Iteration, options: Mapping[tuple[int, str], Sequence[Option]]
+) -> dict[tuple[int, str], list[str]]:
+    """Return each group's profiles (sorted): those its instructions' options run, every key's."""
+    keys: dict[tuple[int, str], set[tuple[int, str]]] = {}
+    for i in iteration.instructions:
+        keys.setdefault(i.group, set()).add(i.key)
+    return {
+        g: sorted({o.profile for k in group_keys for o in options[k]})
+        for g, group_keys in keys.items()
+    }
 
 
 def makespan(iteration: Iteration, durations: Sequence[float]) -> float:

@@ -195,6 +195,12 @@ class Pricing:
     network: Evaluator
     static_power_w: float
     sm_share: int  # the SMs NCCL's default communicator takes
+    # What each (compute, collective, link, clock) was priced at: pipeline stages alike
+    # (the middle ones of a model) run the same compute beside the same traffic, and a
+    # step prices its last backward's traffic at one clock for each clock of its own.
+    _priced: dict[tuple[Any, ...], Estimate] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def evaluator(self, across: bool) -> Evaluator:
         """Return the evaluator whose link carries a group within a node or across nodes."""
@@ -208,9 +214,8 @@ class Pricing:
             return 0.0, 0.0
         if not ops:
             return self.alone(coll, across, freq)
-        knobs = Knobs(freq, self.sm_share, launch_slot=0)
-        with_comm = self.evaluator(across).partition(PartitionWork(ops, coll), knobs)
-        without = self.local.ops(ops, freq)
+        with_comm = self._estimate(ops, coll, across, freq)
+        without = self._estimate(ops, None, False, freq)
         return (
             with_comm.time_s - without.time_s,
             self._dynamic(with_comm) - self._dynamic(without),
@@ -220,9 +225,22 @@ class Pricing:
         """(time, dynamic energy) of ``coll`` with nothing beside it."""
         if coll.bytes <= 0 or coll.world_size <= 1:
             return 0.0, 0.0
-        knobs = Knobs(freq, self.sm_share, launch_slot=None)
-        est = self.evaluator(across).partition(PartitionWork((), coll), knobs)
+        est = self._estimate((), coll, across, freq)
         return est.time_s, self._dynamic(est)
+
+    def _estimate(
+        self, ops: tuple[OpCost, ...], coll: CollectiveCost | None, across: bool, freq: float
+    ) -> Estimate:
+        """Return the hardware model's estimate of ``ops`` beside ``coll`` (launched with them)."""
+        key = (ops, coll, across, freq)
+        if key not in self._priced:
+            if coll is None:
+                est = self.local.ops(ops, freq)
+            else:
+                knobs = Knobs(freq, self.sm_share, launch_slot=0 if ops else None)
+                est = self.evaluator(across).partition(PartitionWork(ops, coll), knobs)
+            self._priced[key] = est
+        return self._priced[key]
 
     def _dynamic(self, est: Estimate) -> float:
         return est.energy_j - self.static_power_w * est.time_s
@@ -485,20 +503,20 @@ def blind_gain(
             f"without the data-parallel traffic ({err})"
         }
 
-    def same(group: tuple[int, str], profile: str, freq_mhz: float) -> Option:
-        opt = aware.option(group, profile, freq_mhz)  # the blind option, with the traffic
-        assert opt is not None, (group, profile, freq_mhz)
+    def same(key: tuple[int, str], profile: str, freq_mhz: float) -> Option:
+        opt = aware.option(key, profile, freq_mhz)  # the blind option, with the traffic
+        assert opt is not None, (key, profile, freq_mhz)
         return opt
 
     choices = [
-        same(instr.group, picked.choices[j].profile, picked.choices[j].freq_mhz)
+        same(instr.key, picked.choices[j].profile, picked.choices[j].freq_mhz)
         for j, instr in enumerate(aware.it.instructions)
         if instr.kind != STEP
     ]
     # Blind to the step, the runtime leaves it at the clock of the rank's last instruction.
     for order in aware.it.orders:
         step = aware.it.instructions[order[-1]]
-        choices.append(same(step.group, STEP, choices[order[-2]].freq_mhz))
+        choices.append(same(step.key, STEP, choices[order[-2]].freq_mhz))
     time_s, energy_j = aware.evaluate(choices)
     # searched from the blind plan: the search starts where planning blind left off
     found = aware.solve(bound_s=time_s, hint=Solution(tuple(choices), time_s, energy_j, "BLIND"))

@@ -81,22 +81,29 @@ class FlowRelaxation(Priced):
         super().__init__(iteration, options, static_power_w, gpus, gpus_per_stage)
         self._static_per_ms = static_power_w * gpus / 1e3  # J per ms of iteration time
         self._thinned = hull_tolerance > 0
-        self._profiles = {g: sorted({o.profile for o in opts}) for g, opts in options.items()}
-        # per group, a ladder per profile, and (None) one over every profile's options: a
-        # group's hull before any profile is chosen
-        self._ladders: dict[tuple[int, str], dict[str | None, _Ladder]] = {}
-        for g, opts in options.items():
-            hulls: dict[str | None, list[Option]] = {
-                p: lower_hull([o for o in opts if o.profile == p]) for p in self._profiles[g]
-            }
-            hulls[None] = lower_hull(opts)
-            self._ladders[g] = {
-                p: _Ladder(h, gpus_per_stage, hull_tolerance) for p, h in hulls.items()
-            }
-        self._groups: dict[tuple[int, str], list[int]] = collections.defaultdict(list)
+        # per group, its instructions by key (:attr:`~kareus.planner.dag.Instruction.key`)
+        self._groups: dict[tuple[int, str], dict[tuple[int, str], list[int]]] = {}
         for i, instr in enumerate(iteration.instructions):
-            self._groups[instr.group].append(i)
-        slowest = [max(o.time_s for o in options[i.group]) for i in iteration.instructions]
+            self._groups.setdefault(instr.group, {}).setdefault(instr.key, []).append(i)
+        # a group runs a profile every key of it has
+        self._profiles = {
+            g: sorted(set.intersection(*({o.profile for o in options[k]} for k in keys)))
+            for g, keys in self._groups.items()
+        }
+        # per key, a ladder per profile, and (None) one over every profile's options: a
+        # key's hull before any profile is chosen
+        self._ladders: dict[tuple[int, str], dict[str | None, _Ladder]] = {}
+        for g, keys in self._groups.items():
+            for k in keys:
+                opts = options[k]
+                hulls: dict[str | None, list[Option]] = {
+                    p: lower_hull([o for o in opts if o.profile == p]) for p in self._profiles[g]
+                }
+                hulls[None] = lower_hull(opts)
+                self._ladders[k] = {
+                    p: _Ladder(h, gpus_per_stage, hull_tolerance) for p, h in hulls.items()
+                }
+        slowest = [max(o.time_s for o in options[i.key]) for i in iteration.instructions]
         self._loose_s = makespan(iteration, slowest) * (1 + 1e-6)  # "any time"
         self._union: dict[tuple[int, str], str | None] = {g: None for g in self._groups}
         self._least_s = self._fastest(self._union)  # the least time any plan takes
@@ -149,7 +156,7 @@ class FlowRelaxation(Priced):
         """Return the plan ``flow``'s schedule rounds to, slowed into the slack it leaves."""
         choices, schedule_s = flow.plan()
         allowed = [
-            [o for o in self.options[i.group] if o.profile == pick[i.group]]
+            [o for o in self.options[i.key] if o.profile == pick[i.group]]
             for i in self.it.instructions
         ]
         if bound_s is not None:
@@ -167,15 +174,15 @@ class FlowRelaxation(Priced):
         self, pick: Mapping[tuple[int, str], str | None], *, whole: bool = False
     ) -> list[_Ladder]:
         if whole:
-            return [self._whole(i.group, pick[i.group]) for i in self.it.instructions]
-        return [self._ladders[i.group][pick[i.group]] for i in self.it.instructions]
+            return [self._whole(i.key, pick[i.group]) for i in self.it.instructions]
+        return [self._ladders[i.key][pick[i.group]] for i in self.it.instructions]
 
-    def _whole(self, group: tuple[int, str], profile: str | None) -> _Ladder:
-        """Return the ladder of ``group``'s ``profile``, every hull vertex an arc (built once)."""
-        key = (group, profile)
-        if key not in self._wholes:
-            self._wholes[key] = _Ladder(self._ladders[group][profile].options, self._per_stage, 0.0)
-        return self._wholes[key]
+    def _whole(self, key: tuple[int, str], profile: str | None) -> _Ladder:
+        """Return the ladder of ``key``'s ``profile``, every hull vertex an arc (built once)."""
+        if (key, profile) not in self._wholes:
+            ladder = _Ladder(self._ladders[key][profile].options, self._per_stage, 0.0)
+            self._wholes[key, profile] = ladder
+        return self._wholes[key, profile]
 
     def _fastest(self, pick: Mapping[tuple[int, str], str | None]) -> float:
         return makespan(self.it, [lad.options[0].time_s for lad in self._ladders_of(pick)])
@@ -212,16 +219,19 @@ class FlowRelaxation(Priced):
 
         ``fastest``: among the profiles that run the group's fastest option.
         """
-        ladders = self._ladders[group]
-        least = ladders[None].options[0].time_s
-        profiles = [
-            p for p in self._profiles[group] if not fastest or ladders[p].options[0].time_s <= least
-        ]
+        ladders = [self._ladders[k] for k in self._groups[group]]
+
+        def runs_fastest(p: str) -> bool:
+            return all(lad[p].options[0].time_s <= lad[None].options[0].time_s for lad in ladders)
+
+        profiles = [p for p in self._profiles[group] if not fastest or runs_fastest(p)]
         return min(profiles, key=lambda p: self._cost(group, p, out))
 
     def _cost(self, group: tuple[int, str], profile: str, out: np.ndarray) -> float:
         """Return the least the group's instructions cost on ``profile``, time priced at ``out``."""
-        return self._ladders[group][profile].cost(out[self._groups[group]])
+        return sum(
+            self._ladders[k][profile].cost(out[idx]) for k, idx in self._groups[group].items()
+        )
 
 
 def thin(hull: Sequence[Option], tolerance: float) -> list[Option]:

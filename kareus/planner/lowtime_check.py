@@ -59,7 +59,7 @@ def lowtime_frontier(
     dag = nx.DiGraph()
     dag.add_node(0, op=DummyOperation())
     for i, instr in enumerate(iteration.instructions, start=1):
-        dag.add_node(i, op=Operation(spec=specs[instr.group]))
+        dag.add_node(i, op=Operation(spec=specs[instr.key]))
     dag.add_node(n + 1, op=DummyOperation())
     has_pred = {b for _a, b in iteration.edges}
     has_succ = {a for a, _b in iteration.edges}
@@ -79,7 +79,7 @@ def lowtime_frontier(
     points = []
     for k, _result in enumerate(PhillipsDessouky(dag).run()):
         choices = [
-            by_freq[instr.group][dag.nodes[i]["op"].assigned_knob]
+            by_freq[instr.key][dag.nodes[i]["op"].assigned_knob]
             for i, instr in enumerate(iteration.instructions, start=1)
         ]
         points.append(composer.evaluate(choices))

@@ -39,7 +39,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kareus.errors import KareusError
-from kareus.planner.dag import Iteration, Option, Timing, makespan, plan_cost, topology
+from kareus.planner.dag import (
+    Iteration,
+    Option,
+    Timing,
+    group_profiles,
+    makespan,
+    plan_cost,
+    topology,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -148,16 +156,20 @@ class Relaxation(Priced):
         self._infeasible = pywraplp.Solver.INFEASIBLE
         self._abnormal = pywraplp.Solver.ABNORMAL
         infinity = lp.infinity()
-        groups = sorted({i.group for i in iteration.instructions})
-        hulls: dict[tuple[int, str], dict[str, list[Option]]] = {}
         self._y: dict[tuple[int, str], dict[str, Any]] = {}
-        for g in groups:
-            names = sorted({o.profile for o in options[g]})
-            hulls[g] = {p: lower_hull([o for o in options[g] if o.profile == p]) for p in names}
+        for g, names in sorted(group_profiles(iteration, options).items()):
             self._y[g] = {p: lp.NumVar(0.0, 1.0, f"y{g}{p}") for p in names}
             one = lp.Constraint(1.0, 1.0)
             for v in self._y[g].values():
                 one.SetCoefficient(v, 1.0)
+        # each key's hull of each of its group's profiles (empty: the key cannot run it)
+        hulls: dict[tuple[int, str], dict[str, list[Option]]] = {}
+        for ins in iteration.instructions:
+            if ins.key not in hulls:
+                opts = options[ins.key]
+                hulls[ins.key] = {
+                    p: lower_hull([o for o in opts if o.profile == p]) for p in self._y[ins.group]
+                }
         objective = lp.Objective()
         self._t = lp.NumVar(0.0, infinity, "T")
         objective.SetCoefficient(self._t, static_power_w * gpus / _MS)
@@ -171,7 +183,7 @@ class Relaxation(Priced):
             duration.SetCoefficient(end[i], 1.0)
             duration.SetCoefficient(start[i], -1.0)
             row = []
-            for p, hull in hulls[instr.group].items():
+            for p, hull in hulls[instr.key].items():
                 share = lp.Constraint(0.0, 0.0)  # the profile's weight is the group's
                 share.SetCoefficient(self._y[instr.group][p], -1.0)
                 for k, o in enumerate(hull):
@@ -198,7 +210,7 @@ class Relaxation(Priced):
         # restarted (at 2,048 instructions: 67,875 iterations, 23 s, against 10,686, 4 s).
         self._loose_ms = (
             makespan(
-                iteration, [max(o.time_s for o in options[i.group]) for i in iteration.instructions]
+                iteration, [max(o.time_s for o in options[i.key]) for i in iteration.instructions]
             )
             * _MS
             * (1 + 1e-6)
@@ -230,7 +242,7 @@ class Relaxation(Priced):
                     return Relaxed(bound_j, None)
                 rounded = second[1]
             allowed = [
-                [o for o in self.options[i.group] if o.profile == heaviest[i.group]]
+                [o for o in self.options[i.key] if o.profile == heaviest[i.group]]
                 for i in self.it.instructions
             ]
             choices = self._rounded(rounded, allowed, bound_s)
