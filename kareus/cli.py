@@ -169,6 +169,14 @@ def _data_parallel_options(p: argparse.ArgumentParser) -> None:
         help="GPUs an NVLink domain joins: data-parallel groups wider than a node use the "
         "GPU's network (default 8)",
     )
+    p.add_argument(
+        "--reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="FSDP2's reshard_after_forward for the layers: resharded after the forward and "
+        "gathered again for the backward (FSDP2's default), or kept (torchtitan's choice "
+        "under pipeline parallelism: gathered once per iteration)",
+    )
 
 
 def _search_options(p: argparse.ArgumentParser) -> None:
@@ -707,6 +715,7 @@ def _workload(args: argparse.Namespace) -> Any:
         dp=_dp_degree(args),
         dp_mode=args.dp_mode,
         gpus_per_node=args.gpus_per_node,
+        reshard_after_forward=args.reshard_after_forward,
         virtual_stages=(
             args.virtual_stages
             if args.virtual_stages is not None

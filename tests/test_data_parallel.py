@@ -1,8 +1,11 @@
 """Data parallelism in the plan: DDP, FSDP2 and HSDP traffic priced where hooks issue it."""
 
+import collections
 import json
 
 import pytest
+import torch
+from torch import nn
 
 from kareus.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from kareus.compiler.apply_plan import check_data_parallel
@@ -11,6 +14,7 @@ from kareus.hardware import Emulator, gpu
 from kareus.ir.costs import CollectiveCost
 from kareus.ir.plan_file import Plan
 from kareus.jobs.trace import Workload
+from kareus.planner.dag import one_f_one_b
 from kareus.planner.data_parallel import (
     DataParallel,
     Pricing,
@@ -20,27 +24,164 @@ from kareus.planner.data_parallel import (
     traffic,
 )
 from kareus.planner.iteration import Parallelism, PlannerSettings, plan_for_gpu
-from kareus.testing import megatron_partition_set
+from kareus.testing import megatron_partition_set, run_ranks
 
 SPEC = gpu("a100-40gb")
 WEIGHTS = StageWeights(layers=4, per_layer=25e6, other=10e6)
 
 
 def test_each_mode_carries_what_its_hooks_issue():
-    assert traffic(DataParallel(1), WEIGHTS).per_iteration == ()
-    ddp = traffic(DataParallel(4, "ddp", stride=8), WEIGHTS)
-    assert ddp.per_forward == ddp.per_backward == ()
-    [(reduce, across)] = ddp.per_iteration
-    assert reduce == CollectiveCost("all_reduce", 110e6 * 2, 4, "dp gradients") and across
-    fsdp = traffic(DataParallel(4, "fsdp", stride=2), WEIGHTS)  # 4 x 2 GPUs: one node
-    assert [c.kind for c, _x in fsdp.per_forward] == ["all_gather"]
-    assert [c.kind for c, _x in fsdp.per_backward] == ["all_gather", "reduce_scatter"]
-    assert not any(x for _c, x in fsdp.per_forward + fsdp.per_backward)
+    kinds = ("forward", "backward", "forward", "backward")
+    none = traffic(DataParallel(1), WEIGHTS, kinds)
+    assert none.per_instruction == ((),) * 4 and none.after == ()
+    # DDP: the buckets all-reduced beside the last backward, the last bucket after it
+    ddp = traffic(DataParallel(4, "ddp", stride=8), WEIGHTS, kinds)
+    assert ddp.per_instruction[:3] == ((),) * 3
+    [(beside,)] = ddp.per_instruction[3:]
+    [after] = ddp.after
+    assert beside.alone == 0 and after.alone == 1 and beside.across and after.across
+    assert beside.coll.bytes + after.coll.bytes == pytest.approx(110e6 * 2)
+    assert after.coll.bytes == 25 * 2**20 and after.coll.kind == "all_reduce"
+    # FSDP2 alone (4 x 2 GPUs: one node): every forward gathers the root and the layers,
+    # every backward the layers again, and reduce-scatters all it computed
+    fsdp = traffic(DataParallel(4, "fsdp", stride=2), WEIGHTS, kinds)
+    forward, backward = fsdp.per_instruction[:2]
+    assert fsdp.per_instruction[2:] == (forward, backward) and fsdp.after == ()
+    assert [c.coll.name for c in forward] == ["dp gather layers", "dp gather root"]
+    assert [c.coll.name for c in backward] == [
+        "dp gather layers", "dp scatter layers", "dp scatter root",
+    ]  # fmt: skip
+    assert [c.alone for c in backward] == [0.25, 0.25, 1.0]  # one layer's of four; the root's
+    assert not any(c.across for c in forward + backward)
     assert fsdp.optimizer_params == pytest.approx(110e6 / 4)  # each rank updates its shard
-    hsdp = traffic(DataParallel(8, "hsdp", stride=2), WEIGHTS)  # shards of 4 in a node
-    *_local, (replicate, across) = hsdp.per_backward
-    assert replicate == CollectiveCost("all_reduce", 110e6 * 2 / 4, 2, "dp gradient shards")
-    assert across and not any(x for _c, x in hsdp.per_backward[:2])
+    hsdp = traffic(DataParallel(8, "hsdp", stride=2), WEIGHTS, kinds)  # shards of 4 in a node
+    replicate = [c for c in hsdp.per_instruction[1] if c.coll.kind == "all_reduce"]
+    assert [c.coll for c in replicate] == [
+        CollectiveCost("all_reduce", 100e6 * 2 / 4, 2, "dp reduce layers"),
+        CollectiveCost("all_reduce", 10e6 * 2 / 4, 2, "dp reduce root"),
+    ]
+    assert all(c.across for c in replicate)
+
+
+class _FsdpStage(nn.Module):
+    """A stage as FSDP2 wraps one: two layers sharded each, a root parameter of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(16))  # the root's (embedding, head, norm)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x):
+        x = x * self.scale
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _fsdp_issues(rank, pp, reshard_after_forward):
+    """Train a stage under FSDP2 (DP 2; under Schedule1F1B with PP 2) as users do; return
+    its pipeline rank, the actions it ran and the collectives each issued in iteration 2."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    mesh = init_device_mesh("cpu", (pp, 2), mesh_dim_names=("pp", "dp"))
+    pp_rank = mesh["pp"].get_local_rank()
+    torch.manual_seed(pp_rank)
+    model = _FsdpStage()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh["dp"])
+    actions, issued = [("setup", 0)], []
+    gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
+
+    def gathered(*args, **kwargs):  # FSDP2's all-gathers and reduce-scatters come here
+        issued.append((actions[-1], "all_gather", (args or [kwargs["output_tensor"]])[0].numel()))
+        return gather(*args, **kwargs)
+
+    def scattered(*args, **kwargs):
+        full = args[1] if len(args) > 1 else kwargs["input"]
+        issued.append((actions[-1], "reduce_scatter", full.numel()))
+        return scatter(*args, **kwargs)
+
+    dist.all_gather_single, dist.reduce_scatter_single = gathered, scattered
+    micro = 4
+
+    def labelled(fn, label):
+        def run(*args, **kwargs):
+            actions.append(label(*args))
+            return fn(*args, **kwargs)
+
+        return run
+
+    def loss_fn(out, target):
+        return ((out - target) ** 2).mean()
+
+    if pp > 1:
+        stage = PipelineStage(model, pp_rank, pp, torch.device("cpu"), group=mesh["pp"].get_group())
+        schedule = Schedule1F1B(stage, n_microbatches=micro, loss_fn=loss_fn)
+        stage.forward_one_chunk = labelled(stage.forward_one_chunk, lambda m, *_: ("forward", m))
+        stage.backward_one_chunk = labelled(stage.backward_one_chunk, lambda m, *_: ("backward", m))
+        stage.perform_reduce_grad = labelled(stage.perform_reduce_grad, lambda *_: ("after", 0))
+    for _iteration in range(2):
+        actions[:] = [("setup", 0)]  # (the stage's shape inference, in the first)
+        issued.clear()
+        x, target = torch.randn(micro * 2, 16), torch.randn(micro * 2, 16)
+        if pp == 1:  # gradient accumulation, FSDP2 as it comes
+            for m, (xm, tm) in enumerate(zip(x.chunk(micro), target.chunk(micro), strict=True)):
+                actions.append(("forward", m))
+                loss = loss_fn(model(xm), tm)
+                actions.append(("backward", m))
+                loss.backward()
+        elif pp_rank == 0:
+            schedule.step(x, target=target)
+        else:
+            schedule.step(target=target)
+    return pp_rank, actions[1:], issued
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("pp", "reshard"),
+    [(2, True), (2, False), (1, True)],
+    ids=["pipelined", "pipelined-kept-after-forward", "gradient-accumulation"],
+)
+def test_fsdp2_traffic_is_what_torch_issues(pp, reshard):
+    """FSDP2 on 2 ranks, alone or under ``torch.distributed.pipelining``'s 1F1B on 2 stages:
+    each instruction carries, in kareus's traffic, exactly the collectives torch issued in
+    it (kinds and sizes), and what runs after the last backward likewise. Under the
+    pipeline schedule a stage gathers before a backward only after a forward, and
+    reduce-scatters once, after its last backward."""
+    layer, root = 16 * 16 + 16, 16
+    weights = StageWeights(layers=2, per_layer=layer, other=root)
+    iteration = one_f_one_b(pp, 4)
+    layout = DataParallel(2, "fsdp", stride=1, reshard_after_forward=reshard)
+
+    def counted(carried):
+        out = collections.Counter()
+        for c in carried:
+            size, count = (layer, 2) if c.coll.name.endswith("layers") else (root, 1)
+            assert c.coll.bytes == size * count * layout.param_bytes, c
+            out[c.coll.kind, size] += count
+        return out
+
+    for stage, actions, issued in run_ranks(_fsdp_issues, pp, reshard, world=2 * pp):
+        order = [iteration.instructions[i] for i in iteration.orders[stage]]
+        assert actions[: len(order)] == [(i.kind, i.microbatch) for i in order]
+        kinds = [i.kind for i in order]
+        tr = traffic(layout, weights, kinds, pipelined=pp > 1)
+        by_action = collections.defaultdict(collections.Counter)
+        for action, kind, size in issued:
+            by_action[action][kind, size] += 1
+        for instr, carried in zip(order, tr.per_instruction, strict=True):
+            assert by_action.pop((instr.kind, instr.microbatch), {}) == counted(carried), instr
+        assert by_action.pop(("after", 0), {}) == counted(tr.after)
+        assert not by_action
+        gathers = sum(1 for carried in tr.per_instruction if carried)
+        if pp > 1:  # the first forward, and after it one forward or backward per micro-batch
+            assert gathers == (5 if reshard else 1)
 
 
 @pytest.mark.parametrize(
@@ -70,8 +211,8 @@ def test_traffic_across_nodes_costs_more_and_compute_hides_more_at_lower_clocks(
     pricing = _pricing()
 
     def added(weights, freq):
-        tr = traffic(DataParallel(4, "fsdp", stride=8), weights)
-        return per_instruction_cost(tr.per_backward, ops, tr.units, pricing, freq)[0]
+        tr = traffic(DataParallel(4, "fsdp", stride=8), weights)  # forward, backward
+        return per_instruction_cost(tr.per_instruction[1], ops, pricing, freq)[0]
 
     # Traffic the compute outlasts adds only what it takes from the compute (its SMs)...
     light = added(WEIGHTS, 1410)
@@ -112,6 +253,11 @@ def test_the_data_parallel_iteration_is_slower_by_its_exposed_communication(plan
     assert megatron["none"] < megatron[1] < megatron[4] < megatron["fsdp"]
     record = plans[4].data_parallel
     assert record["degree"] == 4 and record["mode"] == "ddp"
+    # FSDP2 under the pipeline schedule: the layers gathered before 5 of 8 instructions
+    # (the first forward, then each backward after a forward), the root once; every
+    # gradient reduce-scattered once, after the last backward
+    for stage in plans["fsdp"].data_parallel["stages"]:
+        assert stage["bytes"] == pytest.approx((5 * 100e6 + 10e6 + 110e6) * 2)
     for stage in record["stages"]:
         assert 0 < stage["added_s"] < stage["alone_s"]  # part hidden behind the backward
     # Each rank's step has a clock in the schedule (the runtime sets it after its last

@@ -61,6 +61,8 @@ class Workload:
             layers' forward, collectives included); ``selective`` (the attention core only).
         layers_per_stage: decoder layers of each pipeline stage (say ``(15, 13)``; the first
             stage also holds the embedding, the last the head and loss); None splits evenly.
+        dp, dp_mode, gpus_per_node, reshard_after_forward: the data-parallel layout
+            (:class:`~kareus.planner.data_parallel.DataParallel`); ``dp`` None: none.
     """
 
     model: str | LlamaConfig
@@ -78,6 +80,7 @@ class Workload:
     dp: int | None = None
     dp_mode: str = "ddp"
     gpus_per_node: int = 8
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         from kareus.planner.dag import SCHEDULES
@@ -144,7 +147,13 @@ class Workload:
                 "and context-parallel collectives on NVLink"
             )
         try:
-            return DataParallel(self.dp, self.dp_mode, self.gpus_per_node, self.tp * self.cp)
+            return DataParallel(
+                self.dp,
+                self.dp_mode,
+                self.gpus_per_node,
+                self.tp * self.cp,
+                reshard_after_forward=self.reshard_after_forward,
+            )
         except KareusError as err:
             raise ValueError(str(err)) from None
 

@@ -5,30 +5,41 @@ adds to it the communication its data-parallel groups carry, issued where PyTorc
 issue it, on a stream of its own beside the compute:
 
 - **DDP**: the gradients are all-reduced once per iteration, in buckets (25 MiB by default)
-  while the last micro-batch's backward runs; the last bucket, and whatever the backward
-  did not hide, is exposed after it. Then the optimizer step.
-- **FSDP2** (``fully_shard``, resharding after forward): each layer's parameters are
-  all-gathered before its forward and again before its backward, and its gradients
-  reduce-scattered after its backward, in every micro-batch. FSDP2 prefetches the next
-  layer's all-gather while a layer computes, so one layer's all-gather (the first) and one
-  reduce-scatter (the last) are exposed per instruction, the rest hidden as far as the
-  compute lasts. The optimizer step updates each rank's shard.
-- **HSDP**: FSDP2 within a node (the shard group), and the gradient shards all-reduced
-  across nodes (the replicate group) after each backward.
+  while the last micro-batch's backward runs (``no_sync`` before it, as
+  ``torch.distributed.pipelining`` does); the last bucket after it. Then the optimizer step.
+- **FSDP2** (``fully_shard`` on each layer and on the stage's module, the *root*: embedding,
+  head, final norm): a parameter group is all-gathered before a forward or backward that
+  finds it sharded. The layers are resharded after each forward (``reshard_after_forward``,
+  FSDP2's default; torchtitan keeps them under pipelining), the root never. Alone, each
+  backward reshards everything and reduce-scatters its gradients, so every micro-batch
+  gathers and reduce-scatters. Under a ``torch.distributed.pipelining`` schedule the
+  stage keeps parameters and gradients through every backward and reduce-scatters once,
+  after the last (``perform_reduce_grad``): a stage gathers its layers before its first
+  forward and before each forward or backward that follows a forward, and no more. Which
+  instruction carries what is stepped through FSDP2's states along each stage's order
+  (:func:`traffic`; checked against what torch issues, ``tests/test_data_parallel.py``).
+  FSDP2 prefetches the next layer's all-gather while a layer computes, so one layer's
+  all-gather and one reduce-scatter (and the root's) run alone, the rest beside the
+  instruction's compute, as far as it lasts. The optimizer step updates each rank's shard.
+- **HSDP**: FSDP2 within a node (the shard group), and each reduce-scatter's shards
+  all-reduced across nodes (the replicate group) after it.
 
 This prices what hooks issue as they issue it: kareus does not choose their launch point
 or SM share (NCCL's defaults). A collective's time comes from the hardware model with the
 link its group crosses: NVLink where the group lies within a node, else the node's network
 (``GPUSpec.network``). Communication hidden behind compute still costs: the emulator prices
 the compute beside it (SMs it takes, the contention for memory, the power of its kernel), so
-each micro-batch instruction's options grow by what the traffic adds at their clock, and
-the composer chooses clocks knowing what is exposed. What happens once per iteration (DDP's
-all-reduce, the optimizer step) is a *step* instruction after each pipeline rank's last
-backward, with a clock of its own: the exposed end of the gradient all-reduce waits on the
-network and the optimizer on memory, so a low clock there costs little time and saves
-power. kareus's runtime sets the step's clock where the rank's last backward graph ends
-(:mod:`kareus.runtime.switcher`); the baselines leave the step at the maximum clock, as
-Megatron-LM and Perseus (whose plans cover the pipeline's compute only) do.
+the options of each instruction that carries traffic grow by what it adds at their clock
+(such instructions are a key of their own, :attr:`~kareus.planner.dag.Instruction.key`,
+their profile still their group's), and the composer chooses clocks knowing what is
+exposed. What runs once per iteration after the last backward (DDP's last bucket, FSDP2's
+reduce-scatters under a pipeline schedule, the optimizer step) is a *step* instruction
+after each pipeline rank's last backward, with a clock of its own: the exposed gradient
+communication waits on the network and the optimizer on memory, so a low clock there
+costs little time and saves power. kareus's runtime sets the step's clock where the
+rank's last backward graph ends (:mod:`kareus.runtime.switcher`); the baselines leave the
+step at the maximum clock, as Megatron-LM and Perseus (whose plans cover the pipeline's
+compute only) do.
 
 The planner stays free of graphs: the parameters each stage holds come from the workload
 (:class:`StageWeights`), the compute from the partition sets.
@@ -37,9 +48,7 @@ The planner stays free of graphs: the parameters each stage holds come from the 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kareus.errors import KareusError
@@ -47,7 +56,7 @@ from kareus.hardware import Emulator, GPUSpec
 from kareus.ir.costs import CollectiveCost, Estimate, Evaluator, Knobs, OpCost, PartitionWork
 from kareus.ir.partitions import PartitionSet
 from kareus.planner.compose import Composer, Solution
-from kareus.planner.dag import STEP, Iteration, Option, with_steps
+from kareus.planner.dag import STEP, Instruction, Iteration, Option, with_steps
 from kareus.planner.select import select
 
 MODES = ("ddp", "fsdp", "hsdp")
@@ -97,6 +106,9 @@ class DataParallel:
             Megatron-LM and torch's device meshes order ranks: data parallel outside them).
         param_bytes: bytes of a parameter and of its gradient as communicated (bf16: 2).
         bucket_bytes: DDP's gradient bucket (``bucket_cap_mb``, 25 MiB by default).
+        reshard_after_forward: FSDP2's ``reshard_after_forward`` for the layers (its
+            default True: gathered again before the backward; torchtitan passes False
+            under pipeline parallelism: gathered once per iteration).
     """
 
     degree: int = 1
@@ -105,6 +117,7 @@ class DataParallel:
     stride: int = 1
     param_bytes: float = 2.0
     bucket_bytes: float = 25 * 2**20
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -145,46 +158,140 @@ class DataParallel:
         where = "across nodes" if self.crosses_nodes(self.degree) else "within a node"
         if self.mode == "hsdp" and self.degree > 1:
             where = f"shards of {self.shard_size} within a node, replicated across nodes"
+        if self.mode != "ddp" and not self.reshard_after_forward:
+            where += "; layers kept from forward to backward"
         return f"{self.mode.upper()} over {self.degree} replica(s) ({where})"
 
 
 @dataclasses.dataclass(frozen=True)
+class Carried:
+    """A collective an instruction carries beside its compute.
+
+    Attributes:
+        coll: the collective (its bytes: all it moves in the instruction).
+        across: its group spans nodes.
+        alone: the share no compute hides (FSDP2 prefetches the next layer's all-gather
+            while a layer computes: the first layer's runs alone, and the last layer's
+            reduce-scatter), run alone at the instruction's clock; the rest beside its
+            compute. 1: all alone.
+    """
+
+    coll: CollectiveCost
+    across: bool
+    alone: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
 class Traffic:
-    """What one stage's data-parallel groups carry per instruction and per iteration."""
+    """What one stage's data-parallel groups carry in one iteration.
 
-    per_forward: tuple[tuple[CollectiveCost, bool], ...]  # (collective, across nodes)
-    per_backward: tuple[tuple[CollectiveCost, bool], ...]
-    per_iteration: tuple[tuple[CollectiveCost, bool], ...]
-    units: int  # layers the per-instruction traffic is spread over (one exposed, rest hidden)
-    optimizer_params: float  # parameters this GPU updates
+    Attributes:
+        per_instruction: what each of the stage's instructions carries, in the order the
+            stage runs them.
+        after: what runs alone after the stage's last backward, before the optimizer step
+            (at the step's clock).
+        optimizer_params: parameters this GPU updates.
+    """
 
-    def bytes_moved(self, microbatches: int) -> float:
-        """Bytes the collectives of one iteration of ``microbatches`` micro-batches move."""
-        per_microbatch = sum(c.bytes for c, _x in self.per_forward + self.per_backward)
-        return per_microbatch * microbatches + sum(c.bytes for c, _x in self.per_iteration)
+    per_instruction: tuple[tuple[Carried, ...], ...]
+    after: tuple[Carried, ...]
+    optimizer_params: float
+
+    @property
+    def bytes(self) -> float:
+        """Bytes the stage's collectives move in one iteration."""
+        return sum(c.coll.bytes for cs in (*self.per_instruction, self.after) for c in cs)
 
 
-def traffic(dp: DataParallel, weights: StageWeights) -> Traffic:
-    """Return what ``weights``' stage communicates under ``dp``."""
-    full = weights.total * dp.param_bytes
-    units = weights.layers + (1 if weights.other else 0)
+def traffic(
+    dp: DataParallel,
+    weights: StageWeights,
+    kinds: Sequence[str] = ("forward", "backward"),
+    *,
+    pipelined: bool = False,
+) -> Traffic:
+    """Return what ``weights``' stage communicates under ``dp``, running ``kinds`` in order.
+
+    ``pipelined``: the stage runs under a ``torch.distributed.pipelining`` schedule, which
+    has FSDP2 keep each layer's parameters and gradients through every backward of the
+    iteration (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``)
+    and reduce-scatter them once, after the last (``perform_reduce_grad``); DDP syncs in
+    the last backward alone (``no_sync`` before it) either way.
+    """
+    none: list[tuple[Carried, ...]] = [() for _ in kinds]
     if dp.degree == 1:
-        return Traffic((), (), (), units, weights.total)
-    if dp.mode == "ddp":
-        across = dp.crosses_nodes(dp.degree)
-        reduce = ((CollectiveCost("all_reduce", full, dp.degree, "dp gradients"), across),)
-        return Traffic((), (), reduce, units, weights.total)
+        return Traffic(tuple(none), (), weights.total)
+    if dp.mode != "ddp":
+        return _fsdp_traffic(dp, weights, kinds, pipelined)
+    # DDP: the gradients' buckets are all-reduced as the last backward produces them, all
+    # but the last beside its compute; the last after it.
+    reduce = CollectiveCost("all_reduce", weights.total * dp.param_bytes, dp.degree, "dp grads")
+    across = dp.crosses_nodes(dp.degree)
+    last = min(1.0, dp.bucket_bytes / reduce.bytes) if reduce.bytes else 1.0
+    backwards = [j for j, kind in enumerate(kinds) if kind == "backward"]
+    if backwards and last < 1:
+        none[backwards[-1]] = (Carried(_scaled(reduce, 1 - last), across, 0.0),)
+    return Traffic(tuple(none), (Carried(_scaled(reduce, last), across),), weights.total)
+
+
+def _fsdp_traffic(
+    dp: DataParallel, weights: StageWeights, kinds: Sequence[str], pipelined: bool
+) -> Traffic:
+    """FSDP2's (HSDP's) collectives, stepped through its parameter groups' states.
+
+    Two groups: the layers (one ``fully_shard`` each, all alike) and the root (the stage's
+    module: embedding, head, final norm), which FSDP2 does not reshard after forward. A
+    group gathers before a forward or backward where it is sharded; after a forward, the
+    layers are resharded (``reshard_after_forward``); after a backward, both, and their
+    gradients reduce-scattered (and, under HSDP, the shards all-reduced across the
+    replicas), unless ``pipelined``: then all at once after the last backward.
+    """
     shard = dp.shard_size
     across = dp.crosses_nodes(shard)
-    gather = (CollectiveCost("all_gather", full, shard, "dp parameters"), across)
-    scatter = (CollectiveCost("reduce_scatter", full, shard, "dp gradients"), across)
-    backward = [gather, scatter]
     replicas = dp.degree // shard
-    if replicas > 1:  # HSDP: each shard's gradients across the replicas
-        backward.append(
-            (CollectiveCost("all_reduce", full / shard, replicas, "dp gradient shards"), True)
-        )
-    return Traffic((gather,), tuple(backward), (), units, weights.total / shard)
+    groups = [  # (name, parameters, layers, resharded after forward)
+        (
+            "layers",
+            weights.layers * weights.per_layer,
+            max(weights.layers, 1),
+            dp.reshard_after_forward,
+        ),
+        ("root", weights.other, 1, False),
+    ]
+    groups = [g for g in groups if g[1] > 0]
+
+    def gather(name: str, params: float, units: int) -> Carried:
+        coll = CollectiveCost("all_gather", params * dp.param_bytes, shard, f"dp gather {name}")
+        return Carried(coll, across, 1 / units)
+
+    def reduce(name: str, params: float, alone: float) -> list[Carried]:
+        full = params * dp.param_bytes
+        out = [
+            Carried(
+                CollectiveCost("reduce_scatter", full, shard, f"dp scatter {name}"), across, alone
+            )
+        ]
+        if replicas > 1:  # HSDP: each shard's gradients across the replicas
+            coll = CollectiveCost("all_reduce", full / shard, replicas, f"dp reduce {name}")
+            out.append(Carried(coll, True, alone))
+        return out
+
+    sharded = {name: True for name, *_ in groups}
+    per: list[tuple[Carried, ...]] = []
+    for kind in kinds:
+        carried: list[Carried] = []
+        for name, params, units, after_forward in groups:
+            if sharded[name]:
+                carried.append(gather(name, params, units))
+                sharded[name] = False
+            if kind == "forward":
+                sharded[name] = after_forward
+            elif kind == "backward" and not pipelined:  # the last layer's (root: all) alone
+                carried += reduce(name, params, 1 / units)
+                sharded[name] = True
+        per.append(tuple(carried))
+    after = [c for name, params, *_ in groups if pipelined for c in reduce(name, params, 1.0)]
+    return Traffic(tuple(per), tuple(after), weights.total / shard)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,60 +367,43 @@ def instruction_ops(pset: PartitionSet, kind: str) -> tuple[OpCost, ...]:
 
 
 def per_instruction_cost(
-    colls: Sequence[tuple[CollectiveCost, bool]],
-    ops: tuple[OpCost, ...],
-    units: int,
-    pricing: Pricing,
-    freq: float,
+    carried: Sequence[Carried], ops: tuple[OpCost, ...], pricing: Pricing, freq: float
 ) -> tuple[float, float]:
-    """(time, dynamic energy) an instruction's data-parallel traffic adds at ``freq``.
+    """(time, dynamic energy) the collectives ``carried`` add to ``ops`` at ``freq``.
 
-    Of each collective (the sum over ``units`` layers), one layer's share runs alone (the
-    first all-gather, the last reduce-scatter: nothing to hide them behind) and the rest
-    beside the instruction's compute.
+    Of each, its ``alone`` share runs alone and the rest beside the instruction's compute.
     """
     t = e = 0.0
-    for coll, across in colls:
-        one = 1.0 / max(units, 1)
-        dt, de = pricing.alone(_scaled(coll, one), across, freq)
-        bt, be = pricing.beside(ops, _scaled(coll, 1 - one), across, freq)
+    for c in carried:
+        dt, de = pricing.alone(_scaled(c.coll, c.alone), c.across, freq)
+        bt, be = pricing.beside(ops, _scaled(c.coll, 1 - c.alone), c.across, freq)
         t, e = t + dt + bt, e + de + be
     return t, e
 
 
 def step_cost(
-    tr: Traffic,
-    dp: DataParallel,
-    last_backward: tuple[OpCost, ...],
-    pricing: Pricing,
-    fmax: float,
-    freq: float | None = None,
+    tr: Traffic, pricing: Pricing, freq: float
 ) -> tuple[tuple[float, float], tuple[float, float]]:
-    """(time, dynamic energy) of one stage's once-per-iteration communication and optimizer.
+    """(time, dynamic energy) after a stage's last backward: its communication, its optimizer.
 
-    DDP's all-reduce: all buckets but the last beside the last backward's compute (at the
-    maximum clock: the backward's own clock is chosen apart, and this is the most its
-    traffic can cost it), the last bucket after it, at the step's clock ``freq`` (default
-    the maximum); then the optimizer step over the parameters this GPU updates, at ``freq``.
+    Both at the step's ``freq``; the optimizer updates the parameters this GPU holds.
     """
-    freq = fmax if freq is None else freq
     t = e = 0.0
-    for coll, across in tr.per_iteration:
-        last = min(1.0, dp.bucket_bytes / coll.bytes) if coll.bytes else 1.0
-        dt, de = pricing.alone(_scaled(coll, last), across, freq)
-        bt, be = pricing.beside(last_backward, _scaled(coll, 1 - last), across, fmax)
-        t, e = t + dt + bt, e + de + be
+    for c in tr.after:
+        dt, de = pricing.alone(c.coll, c.across, freq)
+        t, e = t + dt, e + de
     n = tr.optimizer_params
     adam = OpCost("memory", ADAM_FLOPS_PER_PARAM * n, ADAM_BYTES_PER_PARAM * n, "fp32", "adamw")
     est = pricing.local.ops((adam,), freq)
     return (t, e), (est.time_s, est.energy_j - pricing.static_power_w * est.time_s)
 
 
-def alone_time(tr: Traffic, pricing: Pricing, fmax: float, microbatches: int) -> float:
+def alone_time(tr: Traffic, pricing: Pricing, fmax: float) -> float:
     """Seconds one iteration's data-parallel collectives take alone, at the maximum clock."""
-    per_microbatch = sum(pricing.alone(c, x, fmax)[0] for c, x in tr.per_forward + tr.per_backward)
-    return per_microbatch * microbatches + sum(
-        pricing.alone(c, x, fmax)[0] for c, x in tr.per_iteration
+    return sum(
+        pricing.alone(c.coll, c.across, fmax)[0]
+        for cs in (*tr.per_instruction, tr.after)
+        for c in cs
     )
 
 
@@ -368,105 +458,101 @@ def add_data_parallel(
     fmax: float | None = None,
     originals: tuple[Sequence[PartitionSet] | None, str] = (None, ""),
 ) -> tuple[Iteration, dict[str, Any]]:
-    """Add the data-parallel traffic to ``options`` (in place) and a step per rank.
+    """Add the data-parallel traffic to the iteration and ``options`` (in place), and steps.
 
-    The per-micro-batch traffic is priced at each clock of ``freqs``, beside the compute of
-    the graphs each option runs: ``originals`` (the original graphs' sets, and the profile
-    of the options that run them) or ``stages``. The step is priced at each of ``freqs``
-    and ``fmax`` (the GPU's maximum clock; default the highest of ``freqs``), once beside
-    each graph family's last backward (profiles :data:`STEP` and :data:`STEP_ORIGINAL`).
+    Each instruction that carries traffic (:func:`traffic`, in the order its stage runs
+    them; a pipeline of more than one stage runs under ``torch.distributed.pipelining``)
+    is tagged with it: its key's options are its group's with the traffic priced at each
+    clock of ``freqs``, beside the compute of the graphs each option runs: ``originals``
+    (the original graphs' sets, and the profile of the options that run them) or
+    ``stages``. The step is priced at each of ``freqs`` and ``fmax`` (the GPU's maximum
+    clock; default the highest of ``freqs``), once per graph family (profiles :data:`STEP`
+    and :data:`STEP_ORIGINAL`, alike: the baselines' composers keep the latter).
 
-    Returns the iteration with its steps, and the record the plan keeps: per stage, the
-    bytes one iteration moves and, at the maximum clock, the seconds its collectives take
-    alone, the seconds they add to the split graphs' instructions (the rest is hidden
-    behind compute), and the optimizer step's.
+    Returns the iteration with its tags and steps, and the record the plan keeps: per
+    stage, the bytes one iteration moves and, at the maximum clock, the seconds its
+    collectives take alone, the seconds they add to the split graphs' instructions (the
+    rest is hidden behind compute), and the optimizer step's.
     """
     weights = list(dpp.weights)
     weights = weights if len(weights) == len(stages) else weights[:1] * len(stages)
-    microbatches = sum(1 for i in iteration.instructions if i.stage == 0 and i.kind == "forward")
     fmax = max(freqs) if fmax is None else fmax
     step_freqs = sorted({*freqs, fmax}, reverse=True)
     original_sets, original_profile = originals
-    # profile -> stage -> clock -> (time, dynamic energy) of the stage's share of the step
-    steps: dict[str, dict[int, dict[float, tuple[float, float]]]] = {STEP: {}, STEP_ORIGINAL: {}}
+    instrs = list(iteration.instructions)
+    runs = {si: [i for order in iteration.orders for i in order if instrs[i].stage == si]
+            for si in range(len(stages))}  # fmt: skip
+    # stage -> clock -> (time, dynamic energy) of the stage's share of the step
+    steps: dict[int, dict[float, tuple[float, float]]] = {}
     per_stage = []
     for si, pset in enumerate(stages):
-        graphs = {STEP: pset, STEP_ORIGINAL: original_sets[si] if original_sets else None}
-        tr = traffic(dpp.layout, weights[si])
-        for profile, graph in graphs.items():
-            if graph is None:
-                continue
-            original = profile == STEP_ORIGINAL
-            picks = functools.partial(operator.eq if original else operator.ne, original_profile)
-            added_here = _add_traffic(si, graph, tr, dpp.pricing, options, freqs, picks)
-            last_backward = instruction_ops(graph, "backward")
-            parts = {
-                f: step_cost(tr, dpp.layout, last_backward, dpp.pricing, fmax, f)
-                for f in step_freqs
+        order = runs[si]
+        kinds = [instrs[i].kind for i in order]
+        tr = traffic(dpp.layout, weights[si], kinds, pipelined=len(stages) > 1)
+        graphs = {True: original_sets[si] if original_sets else pset, False: pset}
+        added = 0.0  # at the maximum clock, to the split graphs' instructions
+        for i, carried in zip(order, tr.per_instruction, strict=True):
+            if carried:
+                instrs[i] = dataclasses.replace(instrs[i], traffic=_tag(carried))
+                _carry(instrs[i], carried, graphs, original_profile, dpp.pricing, options)
+                ops = instruction_ops(pset, instrs[i].kind)
+                added += per_instruction_cost(carried, ops, dpp.pricing, fmax)[0]
+        parts = {f: step_cost(tr, dpp.pricing, f) for f in step_freqs}
+        steps[si] = {f: (c[0] + o[0], c[1] + o[1]) for f, (c, o) in parts.items()}
+        comm, optimizer = parts[fmax]
+        per_stage.append(
+            {
+                "parameters": weights[si].total,
+                "bytes": tr.bytes,
+                "alone_s": alone_time(tr, dpp.pricing, fmax),
+                "added_s": added + comm[0],
+                "optimizer_s": optimizer[0],
             }
-            steps[profile][si] = {f: (c[0] + o[0], c[1] + o[1]) for f, (c, o) in parts.items()}
-            comm, optimizer = parts[fmax]
-            if profile == STEP:
-                at_fmax = added_here.get(fmax, added_here[max(added_here)])
-                per_stage.append(
-                    {
-                        "parameters": weights[si].total,
-                        "bytes": tr.bytes_moved(microbatches),
-                        "alone_s": alone_time(tr, dpp.pricing, fmax, microbatches),
-                        "added_s": at_fmax * microbatches + comm[0],
-                        "optimizer_s": optimizer[0],
-                    }
-                )
-    iteration, ranks = with_steps(iteration)
+        )
+    tagged = dataclasses.replace(iteration, instructions=tuple(instrs))
+    tagged, ranks = with_steps(tagged)
     for rank, rank_stages in ranks.items():
         options[(rank, STEP)] = [
             Option(
                 f,
                 profile,
-                sum(by[s][f][0] for s in rank_stages),
-                sum(by[s][f][1] for s in rank_stages),
+                sum(steps[s][f][0] for s in rank_stages),
+                sum(steps[s][f][1] for s in rank_stages),
             )
-            for profile, by in steps.items()
-            if by
+            for profile in ((STEP, STEP_ORIGINAL) if original_sets else (STEP,))
             for f in step_freqs
         ]
     dp = dpp.layout
     summary = {"degree": dp.degree, "mode": dp.mode, "gpus_per_node": dp.gpus_per_node}
-    return iteration, {**summary, "describe": dp.describe(), "stages": per_stage}
+    return tagged, {**summary, "describe": dp.describe(), "stages": per_stage}
 
 
-def _add_traffic(
-    si: int,
-    pset: PartitionSet,
-    tr: Traffic,
+def _tag(carried: Sequence[Carried]) -> str:
+    """Return the tag of the instructions that carry ``carried`` (``+dp gather layers``)."""
+    return "+" + "+".join(c.coll.name for c in carried)
+
+
+def _carry(
+    instr: Instruction,
+    carried: Sequence[Carried],
+    graphs: Mapping[bool, PartitionSet],
+    original_profile: str,
     pricing: Pricing,
     options: dict[tuple[int, str], list[Option]],
-    freqs: Sequence[float],
-    picks: Callable[[str], bool],
-) -> dict[float, float]:
-    """Add stage ``si``'s per-micro-batch traffic, beside ``pset``'s compute, to its options.
+) -> None:
+    """Give ``instr``'s key its group's options with ``carried`` beside them (once per key).
 
-    ``picks(profile)`` says which options run ``pset``. Returns the seconds added to one
-    forward and one backward, by clock.
+    ``graphs``: the graphs an option runs, by whether its profile is ``original_profile``.
     """
-    added: dict[float, float] = dict.fromkeys(freqs, 0.0)
-    for kind, colls in (("forward", tr.per_forward), ("backward", tr.per_backward)):
-        ops = instruction_ops(pset, kind)
-        extra = {f: per_instruction_cost(colls, ops, tr.units, pricing, f) for f in freqs}
-        options[(si, kind)] = [
-            Option(
-                o.freq_mhz,
-                o.profile,
-                o.time_s + extra[o.freq_mhz][0],
-                o.dynamic_energy_j + extra[o.freq_mhz][1],
-            )
-            if picks(o.profile)
-            else o
-            for o in options[(si, kind)]
-        ]
-        for f in freqs:
-            added[f] += extra[f][0]
-    return added
+    if instr.key in options:
+        return
+    ops = {original: instruction_ops(g, instr.kind) for original, g in graphs.items()}
+    with_traffic = []
+    for o in options[instr.group]:
+        original = o.profile == original_profile
+        dt, de = per_instruction_cost(carried, ops[original], pricing, o.freq_mhz)
+        with_traffic.append(Option(o.freq_mhz, o.profile, o.time_s + dt, o.dynamic_energy_j + de))
+    options[instr.key] = with_traffic
 
 
 def blind_gain(
