@@ -347,13 +347,15 @@ def test_bad_data_parallel_input_is_a_clear_error(args, message, capsys, tmp_pat
 def test_plan_with_dp_records_it_and_reports_it(tmp_path, capsys):
     args = ["plan", "--model", "tiny-4l", "--tp", "2", "--microbatch-size", "4"]
     args += ["--seq-len", "32", "--world-size", "8", "--dp-mode", "fsdp", "--clocks", "1410,1050"]
-    args += ["--out", str(tmp_path)]
+    args += ["--no-reshard-after-forward", "--out", str(tmp_path)]
     assert main([*args, "--quiet"]) == EXIT_OK
     plan = Plan.load(tmp_path / "plan.json")
     assert plan.data_parallel["degree"] == 4 and plan.workload["dp"] == 4
+    assert plan.workload["reshard_after_forward"] is False
     assert json.loads((tmp_path / "plan.json").read_text())["data_parallel"]["mode"] == "fsdp"
     report = (tmp_path / "report.md").read_text()
-    assert "## Data parallelism" in report and "FSDP over 4 replica(s) (within a node)" in report
+    assert "## Data parallelism" in report
+    assert "FSDP over 4 replica(s) (within a node; layers kept from forward to backward)" in report
     # what planning with the traffic in view saved over a plan blind to it, run with it
     # (the tiny model's split graphs are slower than its original ones: no blind plan meets
     # Megatron-LM's time, and the report says so)
