@@ -377,3 +377,58 @@ def test_a_program_glop_ends_abnormally_on_is_solved_without_presolve():
     model.ParseFromString(gzip.decompress(base64.b64decode(_ABNORMAL_PROGRAM)))
     status, _solver = solve_afresh(model)
     assert status == pywraplp.Solver.INFEASIBLE  # proven, not abandoned
+
+
+def test_instructions_with_traffic_of_their_own_keep_their_groups_profile():
+    """Data-parallel traffic beside some instructions of a group (FSDP2's gathers before a
+    stage's first forward and after a forward) gives them options of their own, a key, not
+    a profile of their own: the group runs one compiled graph. With the tagged instructions
+    favouring another profile than the rest, CP-SAT's plans equal the brute force's, the
+    simplex's and the flow's bounds lie below them, the flow's plans within its bound, and
+    every plan runs one profile per group."""
+    import dataclasses
+
+    from kareus.planner.dag import chain
+
+    base = chain(3)
+    tagged = {("forward", 0), ("backward", 1)}
+    it = dataclasses.replace(
+        base,
+        instructions=tuple(
+            dataclasses.replace(i, traffic="+dp gather") if (i.kind, i.microbatch) in tagged else i
+            for i in base.instructions
+        ),
+    )
+    assert (
+        len({i.key for i in it.instructions}) == 4 and len({i.group for i in it.instructions}) == 2
+    )
+    opts = {}
+    for i in it.instructions:  # beside traffic, profile "a" costs more than "b" does
+        worse = 1.3 if i.traffic else 1.0
+        opts[i.key] = [
+            Option(o.freq_mhz, o.profile, o.time_s, o.dynamic_energy_j * worse)
+            if o.profile == "a"
+            else o
+            for o in _options(i.group)
+        ]
+    comp = Composer(it, opts, static_power_w=20.0, gpus=1)
+    kw = {"static_power_w": 20.0, "gpus": 1, "gpus_per_stage": 1}
+    simplex = Relaxation(it, comp.model_options, **kw)
+    flow = FlowRelaxation(it, comp.model_options, **kw)
+    for bound in _bounds(comp):
+        best_j, _t = comp.brute_force(bound)
+        solved = comp.solve(bound_s=bound)
+        assert solved.energy_j == pytest.approx(best_j, rel=1e-6), bound
+        for relaxed in (simplex.at(bound), flow.at(bound)):
+            assert relaxed is not None and relaxed.bound_j <= best_j * (1 + 1e-9), bound
+        planned = flow.at(bound).choices
+        for choices in (solved.choices, planned):
+            by_group = {}
+            for i, c in zip(it.instructions, choices, strict=True):
+                assert c in opts[i.key]  # each instruction runs an option of its key
+                by_group.setdefault(i.group, set()).add(c.profile)
+            assert all(len(p) == 1 for p in by_group.values()), by_group
+        assert comp.evaluate(planned)[1] >= flow.at(bound).bound_j
+    # Alone, the untagged instructions would run "a" (less energy at every clock); the
+    # tagged ones pull their whole group to "b".
+    assert {c.profile for c in comp.solve().choices} == {"b"}
