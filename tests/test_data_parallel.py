@@ -63,7 +63,7 @@ def test_each_mode_carries_what_its_hooks_issue():
     assert all(c.across for c in replicate)
 
 
-class _FsdpStage(nn.Module):
+class _Stage(nn.Module):
     """A stage as FSDP2 wraps one: two layers sharded each, a root parameter of its own."""
 
     def __init__(self):
@@ -78,34 +78,54 @@ class _FsdpStage(nn.Module):
         return x
 
 
-def _fsdp_issues(rank, pp, reshard_after_forward):
-    """Train a stage under FSDP2 (DP 2; under Schedule1F1B with PP 2) as users do; return
-    its pipeline rank, the actions it ran and the collectives each issued in iteration 2."""
+def _wrapped(mode, mesh, reshard_after_forward):
+    """The stage as users wrap it: each layer and the root ``fully_shard``-ed, or DDP."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _Stage()
+    if mode == "ddp":
+        return DistributedDataParallel(model, process_group=mesh.get_group())
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return fully_shard(model, mesh=mesh)
+
+
+def _issued_by_torch(rank, mode, pp, reshard_after_forward):
+    """Train a stage under FSDP2 or HSDP (DP 2, HSDP 2 x 2) or DDP (DP 2), alone or under
+    ``Schedule1F1B`` with PP 2, as users do; return its pipeline rank, the actions it ran
+    and the data-parallel collectives each issued in iteration 2."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    mesh = init_device_mesh("cpu", (pp, 2), mesh_dim_names=("pp", "dp"))
+    dims = ("replicate", "shard") if mode == "hsdp" else ("dp",)
+    mesh = init_device_mesh("cpu", (pp, *(2 for _ in dims)), mesh_dim_names=("pp", *dims))
     pp_rank = mesh["pp"].get_local_rank()
     torch.manual_seed(pp_rank)
-    model = _FsdpStage()
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh["dp"])
+    model = _wrapped(mode, mesh[dims], reshard_after_forward)
     actions, issued = [("setup", 0)], []
-    gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
 
-    def gathered(*args, **kwargs):  # FSDP2's all-gathers and reduce-scatters come here
-        issued.append((actions[-1], "all_gather", (args or [kwargs["output_tensor"]])[0].numel()))
-        return gather(*args, **kwargs)
+    def recorded(fn, kind, tensor):  # FSDP2's collectives come through these
+        def run(*args, **kwargs):
+            issued.append((actions[-1], kind, tensor(args, kwargs).numel()))
+            return fn(*args, **kwargs)
 
-    def scattered(*args, **kwargs):
-        full = args[1] if len(args) > 1 else kwargs["input"]
-        issued.append((actions[-1], "reduce_scatter", full.numel()))
-        return scatter(*args, **kwargs)
+        return run
 
-    dist.all_gather_single, dist.reduce_scatter_single = gathered, scattered
+    dist.all_gather_single = recorded(
+        dist.all_gather_single, "all_gather", lambda a, k: a[0] if a else k["output_tensor"]
+    )
+    dist.reduce_scatter_single = recorded(
+        dist.reduce_scatter_single,
+        "reduce_scatter",
+        lambda a, k: a[1] if len(a) > 1 else k["input"],
+    )
+    dist.all_reduce = recorded(dist.all_reduce, "all_reduce", lambda a, k: a[0])
+    if mode == "ddp":  # the reducer's default all-reduce, as a Python hook: recorded above
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        model.register_comm_hook(mesh["dp"].get_group(), allreduce_hook)
     micro = 4
 
     def labelled(fn, label):
@@ -144,30 +164,47 @@ def _fsdp_issues(rank, pp, reshard_after_forward):
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("pp", "reshard"),
-    [(2, True), (2, False), (1, True)],
-    ids=["pipelined", "pipelined-kept-after-forward", "gradient-accumulation"],
+    ("mode", "pp", "reshard"),
+    [
+        ("fsdp", 2, True),
+        ("fsdp", 2, False),
+        ("fsdp", 1, True),
+        ("hsdp", 2, True),
+        ("ddp", 2, True),
+    ],
+    ids=[
+        "fsdp-pipelined",
+        "fsdp-pipelined-kept-after-forward",
+        "fsdp-gradient-accumulation",
+        "hsdp-pipelined",
+        "ddp-pipelined",
+    ],
 )
-def test_fsdp2_traffic_is_what_torch_issues(pp, reshard):
-    """FSDP2 on 2 ranks, alone or under ``torch.distributed.pipelining``'s 1F1B on 2 stages:
-    each instruction carries, in kareus's traffic, exactly the collectives torch issued in
-    it (kinds and sizes), and what runs after the last backward likewise. Under the
-    pipeline schedule a stage gathers before a backward only after a forward, and
-    reduce-scatters once, after its last backward."""
+def test_data_parallel_traffic_is_what_torch_issues(mode, pp, reshard):
+    """FSDP2 on 2 ranks (HSDP on 2 x 2, DDP on 2), alone or under
+    ``torch.distributed.pipelining``'s 1F1B on 2 stages: each instruction carries, in
+    kareus's traffic, exactly the collectives torch issued in it (kinds and sizes), and what
+    runs after the last backward likewise. Under the pipeline schedule a stage gathers
+    before a backward only after a forward, and reduce-scatters (HSDP: and all-reduces the
+    shards) once, after its last backward; DDP all-reduces every gradient in the last
+    backward (kareus runs its last bucket after it)."""
     layer, root = 16 * 16 + 16, 16
     weights = StageWeights(layers=2, per_layer=layer, other=root)
     iteration = one_f_one_b(pp, 4)
-    layout = DataParallel(2, "fsdp", stride=1, reshard_after_forward=reshard)
+    degree = 4 if mode == "hsdp" else 2
+    layout = DataParallel(degree, mode, 2, stride=1, reshard_after_forward=reshard)
 
     def counted(carried):
         out = collections.Counter()
         for c in carried:
             size, count = (layer, 2) if c.coll.name.endswith("layers") else (root, 1)
+            size //= 2 if c.coll.kind == "all_reduce" else 1  # HSDP: the shard's
             assert c.coll.bytes == size * count * layout.param_bytes, c
             out[c.coll.kind, size] += count
         return out
 
-    for stage, actions, issued in run_ranks(_fsdp_issues, pp, reshard, world=2 * pp):
+    world = degree * pp
+    for stage, actions, issued in run_ranks(_issued_by_torch, mode, pp, reshard, world=world):
         order = [iteration.instructions[i] for i in iteration.orders[stage]]
         assert actions[: len(order)] == [(i.kind, i.microbatch) for i in order]
         kinds = [i.kind for i in order]
@@ -175,6 +212,14 @@ def test_fsdp2_traffic_is_what_torch_issues(pp, reshard):
         by_action = collections.defaultdict(collections.Counter)
         for action, kind, size in issued:
             by_action[action][kind, size] += 1
+        if mode == "ddp":  # every bucket all-reduced in the last backward, none elsewhere
+            [(last, counts)] = by_action.items()
+            assert last == (order[-1].kind, order[-1].microbatch) == ("backward", 3)
+            assert sum(n * size for (_kind, size), n in counts.items()) == 2 * layer + root
+            ours = tr.per_instruction[-1] + tr.after
+            assert not any(tr.per_instruction[:-1])
+            assert sum(c.coll.bytes for c in ours) == pytest.approx((2 * layer + root) * 2)
+            continue
         for instr, carried in zip(order, tr.per_instruction, strict=True):
             assert by_action.pop((instr.kind, instr.microbatch), {}) == counted(carried), instr
         assert by_action.pop(("after", 0), {}) == counted(tr.after)
