@@ -119,6 +119,38 @@ def test_a_layer_cut_by_a_graph_break_is_not_taken_for_a_block():
         assert not bs.whole_region and bs.split == []
 
 
+def test_compiled_autograd_trains_the_same_and_its_graph_says_why_it_has_no_blocks():
+    """Compiled autograd (``torch._dynamo.compiled_autograd``) with kareus as its compiler:
+    the model compiled whole is split as without it and trains the same; compiled
+    autograd's backward graph records ops without their modules, so it has no layers to
+    split, and kareus says that (not that the model has none)."""
+    from torch._dynamo import compiled_autograd
+
+    from kareus.passes.find_blocks import COMPILED_AUTOGRAD
+
+    made = []
+
+    def backward_compiler(gm):
+        made.append(kareus.compile(gm))
+        return made[-1]
+
+    def comp(model):
+        made.append(kareus.compile(model, nanobatches=2))
+        return made[-1]
+
+    ref = train(_seeded(Model, 3), batches(2))  # eager, autograd as it comes
+    with compiled_autograd._enable(backward_compiler):
+        got = train(comp(_seeded(Model, 3)), batches(2))
+    assert_same_history(ref, got, bitwise_loss=False)
+    forward, *backwards = made
+    [region] = kareus.explain(forward).regions
+    assert region.findings["find_blocks"].split == ["layers.0", "layers.1", "layers.2"]
+    assert backwards
+    for compiled in backwards:
+        for region in kareus.explain(compiled).regions:
+            assert region.findings["find_blocks"].to_text() == COMPILED_AUTOGRAD
+
+
 def _seeded(cls, *args):
     torch.manual_seed(0)
     return cls(*args)

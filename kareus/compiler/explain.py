@@ -61,7 +61,9 @@ class Report:
         return "\n\n".join(parts)
 
 
-_INTERNAL = frozenset({"region_index", "region_code", "clock_stage", "plan_stage", "planned"})
+_INTERNAL = frozenset(
+    {"region_index", "region_code", "compiled_autograd", "clock_stage", "plan_stage", "planned"}
+)
 """Findings the passes share for their own bookkeeping; the report shows what they lead to."""
 
 

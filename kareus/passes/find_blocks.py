@@ -156,7 +156,11 @@ class FindBlocks(GraphPass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         """Record the blocks (Dynamo graph) or their spans (AOT graphs); never rewrites."""
         if ctx.graph == "dynamo":
-            blockset = find_blocks(gm.graph, ctx.findings.get("region_code"))
+            blockset = find_blocks(
+                gm.graph,
+                ctx.findings.get("region_code"),
+                compiled_autograd=bool(ctx.findings.get("compiled_autograd")),
+            )
             for b in blockset.blocks:
                 nodes = set(b.nodes)
                 for node in gm.graph.nodes:
@@ -188,6 +192,15 @@ def _indexed_paths(node: fx.Node) -> list[tuple[str, str, int, str]]:
             idx = int(m.group("dot") or m.group("br"))
             out.append((path, m.group("prefix"), idx, getattr(typ, "__name__", str(typ))))
     return out
+
+
+COMPILED_AUTOGRAD = (
+    "no layer blocks in compiled autograd's backward graph: it records the autograd graph's "
+    "ops without the modules that ran them, so kareus cannot tell the layers apart to split "
+    "them or overlap their collectives; it runs as captured (with the gradient all-reduces "
+    "DDP's python reducer puts here)"
+)
+"""Why compiled autograd's graph (``torch._dynamo.compiled_autograd``) has no blocks."""
 
 
 def _why_none(compute: list[fx.Node]) -> str:
@@ -227,7 +240,9 @@ def _signature(node: fx.Node) -> tuple[str, str]:
     return node.op, name
 
 
-def find_blocks(graph: fx.Graph, region_code: str | None = None) -> BlockSet:
+def find_blocks(
+    graph: fx.Graph, region_code: str | None = None, *, compiled_autograd: bool = False
+) -> BlockSet:
     """Find the repeated blocks of a Dynamo graph (pure: does not change the graph).
 
     Args:
@@ -235,6 +250,8 @@ def find_blocks(graph: fx.Graph, region_code: str | None = None) -> BlockSet:
         region_code: the qualified name of the code Dynamo traced (``Layer.forward``); a
             region that is one call of a module's ``forward`` and holds no family is one
             block of that module's type.
+        compiled_autograd: the graph is compiled autograd's backward (its ops carry no
+            module stack: when none is found, the reason says so).
 
     Returns:
         The blocks in graph order, with structurally odd ones listed in ``mismatched``.
@@ -269,7 +286,7 @@ def find_blocks(graph: fx.Graph, region_code: str | None = None) -> BlockSet:
     ]
     blockset = BlockSet(blocks=blocks)
     if not blocks:
-        blockset.why_none = _why_none(compute)
+        blockset.why_none = COMPILED_AUTOGRAD if compiled_autograd else _why_none(compute)
         if not blockset.why_none:
             return _region_block(compute, region_code) or blockset
     # 3. Structural equality within a family (autograd plumbing aside: Dynamo inlines an
