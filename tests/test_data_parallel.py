@@ -1,7 +1,9 @@
 """Data parallelism in the plan: DDP, FSDP2 and HSDP traffic priced where hooks issue it."""
 
 import collections
+import functools
 import json
+import re
 
 import pytest
 import torch
@@ -14,12 +16,13 @@ from kareus.hardware import Emulator, gpu
 from kareus.ir.costs import CollectiveCost
 from kareus.ir.plan_file import Plan
 from kareus.jobs.trace import Workload
-from kareus.planner.dag import one_f_one_b
+from kareus.planner.dag import schedule_iteration
 from kareus.planner.data_parallel import (
     DataParallel,
     Pricing,
     StageWeights,
     instruction_ops,
+    iteration_traffic,
     per_instruction_cost,
     traffic,
 )
@@ -91,20 +94,25 @@ def _wrapped(mode, mesh, reshard_after_forward):
     return fully_shard(model, mesh=mesh)
 
 
-def _issued_by_torch(rank, mode, pp, reshard_after_forward):
+def _issued_by_torch(rank, mode, pp, reshard_after_forward, schedule="1F1B"):
     """Train a stage under FSDP2 or HSDP (DP 2, HSDP 2 x 2) or DDP (DP 2), alone or under
-    ``Schedule1F1B`` with PP 2, as users do; return its pipeline rank, the actions it ran
-    and the data-parallel collectives each issued in iteration 2."""
+    ``torch.distributed.pipelining``'s ``schedule`` with PP 2 (Interleaved1F1B: two stages
+    per rank), as users do; return each action the rank ran, ``(stage, kind,
+    micro-batch)``, and the data-parallel collectives each issued, in iteration 2."""
     import torch.distributed as dist
+    from torch.distributed import pipelining
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     dims = ("replicate", "shard") if mode == "hsdp" else ("dp",)
     mesh = init_device_mesh("cpu", (pp, *(2 for _ in dims)), mesh_dim_names=("pp", *dims))
     pp_rank = mesh["pp"].get_local_rank()
-    torch.manual_seed(pp_rank)
-    model = _wrapped(mode, mesh[dims], reshard_after_forward)
-    actions, issued = [("setup", 0)], []
+    virtual = 2 if schedule == "Interleaved1F1B" else 1
+    stage_ids = [pp_rank + v * pp for v in range(virtual)]
+    models = []
+    for stage_id in stage_ids:
+        torch.manual_seed(stage_id)
+        models.append(_wrapped(mode, mesh[dims], reshard_after_forward))
+    actions, issued = [("setup", 0, 0)], []
 
     def recorded(fn, kind, tensor):  # FSDP2's collectives come through these
         def run(*args, **kwargs):
@@ -125,7 +133,8 @@ def _issued_by_torch(rank, mode, pp, reshard_after_forward):
     if mode == "ddp":  # the reducer's default all-reduce, as a Python hook: recorded above
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        model.register_comm_hook(mesh["dp"].get_group(), allreduce_hook)
+        for model in models:
+            model.register_comm_hook(mesh["dp"].get_group(), allreduce_hook)
     micro = 4
 
     def labelled(fn, label):
@@ -139,38 +148,55 @@ def _issued_by_torch(rank, mode, pp, reshard_after_forward):
         return ((out - target) ** 2).mean()
 
     if pp > 1:
-        stage = PipelineStage(model, pp_rank, pp, torch.device("cpu"), group=mesh["pp"].get_group())
-        schedule = Schedule1F1B(stage, n_microbatches=micro, loss_fn=loss_fn)
-        stage.forward_one_chunk = labelled(stage.forward_one_chunk, lambda m, *_: ("forward", m))
-        stage.backward_one_chunk = labelled(stage.backward_one_chunk, lambda m, *_: ("backward", m))
-        stage.perform_reduce_grad = labelled(stage.perform_reduce_grad, lambda *_: ("after", 0))
+        stages = []
+        for stage_id, model in zip(stage_ids, models, strict=True):
+            stage = pipelining.PipelineStage(
+                model, stage_id, pp * virtual, torch.device("cpu"), group=mesh["pp"].get_group()
+            )
+            stage.forward_one_chunk = labelled(
+                stage.forward_one_chunk,
+                functools.partial(lambda s, m, *_: (s, "forward", m), stage_id),
+            )
+            stage.backward_one_chunk = labelled(
+                stage.backward_one_chunk,
+                functools.partial(lambda s, m, *_: (s, "backward", m), stage_id),
+            )
+            stage.perform_reduce_grad = labelled(
+                stage.perform_reduce_grad,
+                functools.partial(lambda s, *_: (s, "after", 0), stage_id),
+            )
+            stages.append(stage)
+        kind = getattr(pipelining, f"Schedule{schedule}")
+        runner = kind(stages if virtual > 1 else stages[0], n_microbatches=micro, loss_fn=loss_fn)
     for _iteration in range(2):
-        actions[:] = [("setup", 0)]  # (the stage's shape inference, in the first)
+        actions[:] = [("setup", 0, 0)]  # (the stage's shape inference, in the first)
         issued.clear()
         x, target = torch.randn(micro * 2, 16), torch.randn(micro * 2, 16)
         if pp == 1:  # gradient accumulation, FSDP2 as it comes
             for m, (xm, tm) in enumerate(zip(x.chunk(micro), target.chunk(micro), strict=True)):
-                actions.append(("forward", m))
-                loss = loss_fn(model(xm), tm)
-                actions.append(("backward", m))
+                actions.append((0, "forward", m))
+                loss = loss_fn(models[0](xm), tm)
+                actions.append((0, "backward", m))
                 loss.backward()
         elif pp_rank == 0:
-            schedule.step(x, target=target)
+            runner.step(x, target=target)
         else:
-            schedule.step(target=target)
-    return pp_rank, actions[1:], issued
+            runner.step(target=target)
+    return actions[1:], issued
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("mode", "pp", "reshard"),
+    ("mode", "pp", "reshard", "schedule"),
     [
-        ("fsdp", 2, True),
-        ("fsdp", 2, False),
-        ("fsdp", 1, True),
-        ("hsdp", 2, True),
-        ("ddp", 2, True),
+        ("fsdp", 2, True, "1F1B"),
+        ("fsdp", 2, False, "1F1B"),
+        ("fsdp", 1, True, "1F1B"),
+        ("hsdp", 2, True, "1F1B"),
+        ("ddp", 2, True, "1F1B"),
+        ("fsdp", 2, True, "GPipe"),
+        ("fsdp", 2, True, "Interleaved1F1B"),
     ],
     ids=[
         "fsdp-pipelined",
@@ -178,55 +204,89 @@ def _issued_by_torch(rank, mode, pp, reshard_after_forward):
         "fsdp-gradient-accumulation",
         "hsdp-pipelined",
         "ddp-pipelined",
+        "fsdp-gpipe",
+        "fsdp-interleaved",
     ],
 )
-def test_data_parallel_traffic_is_what_torch_issues(mode, pp, reshard):
+def test_data_parallel_traffic_is_what_torch_issues(mode, pp, reshard, schedule):
     """FSDP2 on 2 ranks (HSDP on 2 x 2, DDP on 2), alone or under
-    ``torch.distributed.pipelining``'s 1F1B on 2 stages: each instruction carries, in
-    kareus's traffic, exactly the collectives torch issued in it (kinds and sizes), and what
-    runs after the last backward likewise. Under the pipeline schedule a stage gathers
-    before a backward only after a forward, and reduce-scatters (HSDP: and all-reduces the
-    shards) once, after its last backward; DDP all-reduces every gradient in the last
-    backward (kareus runs its last bucket after it)."""
+    ``torch.distributed.pipelining``'s schedules on 2 ranks (1F1B, GPipe, interleaved 1F1B
+    with two stages a rank): each instruction carries, in kareus's traffic, exactly the
+    collectives torch issued in it (kinds and sizes), and what runs after each stage's last
+    backward likewise. Under a pipeline schedule a stage gathers before a backward only
+    after a forward, and reduce-scatters (HSDP: and all-reduces the shards) once, after its
+    last backward; DDP all-reduces every gradient in the last backward (kareus runs its last
+    bucket after it)."""
     layer, root = 16 * 16 + 16, 16
     weights = StageWeights(layers=2, per_layer=layer, other=root)
-    iteration = one_f_one_b(pp, 4)
+    virtual = 2 if schedule == "Interleaved1F1B" else 1
+    iteration = schedule_iteration(schedule, pp, 4, virtual)
     degree = 4 if mode == "hsdp" else 2
     layout = DataParallel(degree, mode, 2, stride=1, reshard_after_forward=reshard)
 
     def counted(carried):
         out = collections.Counter()
         for c in carried:
-            size, count = (layer, 2) if c.coll.name.endswith("layers") else (root, 1)
+            size, count = (layer, 2) if "layers" in c.coll.name else (root, 1)
             size //= 2 if c.coll.kind == "all_reduce" else 1  # HSDP: the shard's
             assert c.coll.bytes == size * count * layout.param_bytes, c
             out[c.coll.kind, size] += count
         return out
 
+    placed = iteration_traffic(iteration, layout, [weights] * (pp * virtual))
+    # what kareus places where, by the torch action that issues it: another stage's traffic
+    # carried by an instruction of its rank ("... of 2") is that stage's first gathers,
+    # which torch's runtime schedule issues as the iteration starts, or its reduce step's
+    expected = collections.defaultdict(collections.Counter)
+    for i, carried in placed.carried.items():
+        instr = iteration.instructions[i]
+        for c in carried:
+            moved = re.search(r" of (\d+)$", c.coll.name)
+            at = (instr.stage, instr.kind, instr.microbatch)
+            if moved:
+                gather = c.coll.kind == "all_gather"
+                at = ("setup", instr.stage, 0) if gather else (int(moved[1]), "after", 0)
+            expected[at] += counted([c]) if mode != "ddp" else collections.Counter()
+    for stage, after in enumerate(placed.after):
+        if after and mode != "ddp":
+            expected[stage, "after", 0] += counted(after)
     world = degree * pp
-    for stage, actions, issued in run_ranks(_issued_by_torch, mode, pp, reshard, world=world):
-        order = [iteration.instructions[i] for i in iteration.orders[stage]]
-        assert actions[: len(order)] == [(i.kind, i.microbatch) for i in order]
-        kinds = [i.kind for i in order]
-        tr = traffic(layout, weights, kinds, pipelined=pp > 1)
+    for rank, (actions, issued) in enumerate(
+        run_ranks(_issued_by_torch, mode, pp, reshard, schedule, world=world)
+    ):
+        pp_rank = rank // degree
+        ran = [iteration.instructions[i] for i in iteration.orders[pp_rank]]
+        assert [a for a in actions if a[1] != "after"] == [
+            (i.stage, i.kind, i.microbatch) for i in ran
+        ]
         by_action = collections.defaultdict(collections.Counter)
         for action, kind, size in issued:
             by_action[action][kind, size] += 1
-        if mode == "ddp":  # every bucket all-reduced in the last backward, none elsewhere
-            [(last, counts)] = by_action.items()
-            assert last == (order[-1].kind, order[-1].microbatch) == ("backward", 3)
-            assert sum(n * size for (_kind, size), n in counts.items()) == 2 * layer + root
-            ours = tr.per_instruction[-1] + tr.after
-            assert not any(tr.per_instruction[:-1])
-            assert sum(c.coll.bytes for c in ours) == pytest.approx((2 * layer + root) * 2)
+        stages = sorted({i.stage for i in ran})
+        if mode == "ddp":  # every bucket all-reduced in the stage's last backward, alone
+            for stage in stages:
+                last = placed.runs[stage][-1]
+                counts = by_action.pop((stage, "backward", 3))
+                assert sum(n * size for (_kind, size), n in counts.items()) == 2 * layer + root
+                ours = placed.carried.get(last, ()) + placed.after[stage]  # (one bucket: after)
+                assert set(placed.carried) <= {placed.runs[s][-1] for s in range(pp)}
+                assert sum(c.coll.bytes for c in ours) == pytest.approx((2 * layer + root) * 2)
+            assert not by_action
             continue
-        for instr, carried in zip(order, tr.per_instruction, strict=True):
-            assert by_action.pop((instr.kind, instr.microbatch), {}) == counted(carried), instr
-        assert by_action.pop(("after", 0), {}) == counted(tr.after)
-        assert not by_action
-        gathers = sum(1 for carried in tr.per_instruction if carried)
-        if pp > 1:  # the first forward, and after it one forward or backward per micro-batch
-            assert gathers == (5 if reshard else 1)
+        mine = {a: n for a, n in expected.items() if a[0] in stages and n}
+        if virtual > 1:  # the rank's first stage's first gathers too, as the iteration starts
+            first = iteration.instructions[iteration.orders[pp_rank][0]]
+            head = mine.pop((first.stage, first.kind, first.microbatch))
+            mine["setup", 0, 0] = head + expected.get(("setup", first.stage, 0), head - head)
+        assert {a: n for a, n in by_action.items() if n} == mine
+        for stage in stages:
+            gathers = sum(1 for carried in placed.stages[stage].per_instruction if carried)
+            if pp > 1 and virtual == 1:  # the first forward, then a forward or backward a
+                assert gathers == (5 if reshard else 1)  # micro-batch after a forward
+    if virtual > 1:  # a rank's other stage ends first: its tail runs before the next backward
+        assert any(
+            re.search(r" of \d+$", c.coll.name) for cs in placed.carried.values() for c in cs
+        )
 
 
 @pytest.mark.parametrize(
@@ -236,6 +296,7 @@ def test_data_parallel_traffic_is_what_torch_issues(mode, pp, reshard):
         (dict(degree=6, mode="hsdp", stride=2), "must be a multiple of 4"),
         (dict(degree=2, mode="zero3"), "kareus plans ddp, fsdp, hsdp"),
         (dict(degree=0), "must all be at least 1"),
+        (dict(degree=2, reshard_after_forward=False), "is FSDP2's: DDP keeps every parameter"),
     ],
 )
 def test_layouts_kareus_cannot_plan_are_refused_by_name(layout, message):
@@ -381,6 +442,7 @@ def test_stage_weights_count_a_llama_by_its_shapes():
         (["--dp", "2", "--world-size", "64"], "make 4 replicas, not 2"),
         (["--dp", "2", "--dp-mode", "hsdp"], "no shard group within a node"),
         (["--dp", "2", "--gpus-per-node", "4"], "do not fit in a node of 4 GPUs"),
+        (["--dp", "2", "--no-reshard-after-forward"], "is FSDP2's: DDP keeps every parameter"),
     ],
 )
 def test_bad_data_parallel_input_is_a_clear_error(args, message, capsys, tmp_path):

@@ -277,11 +277,12 @@ def data_parallel_lines(plan: Plan) -> list[str]:
         f"{dp['describe']}, {dp['gpus_per_node']} GPUs per node; **modelled** at the maximum "
         "clock. *alone*: the iteration's data-parallel collectives run by themselves; "
         "*added*: what they add to the stage's instructions, beside compute as PyTorch's hooks "
-        "issue them (kareus prices them, it does not move them); the rest is hidden. The "
-        "once-per-iteration part (DDP's exposed all-reduce, the optimizer step) is each "
-        f"rank's *step*, at a clock of its own ({_step_clocks(plan)}; the baselines keep it "
-        "at the maximum); what is added to each micro-batch (FSDP) is priced at every "
-        "clock, so the clocks chosen account for it.",
+        "issue them (kareus prices them, it does not move them); the rest is hidden. What "
+        "runs after a rank's last backward (DDP's last bucket, FSDP's reduce-scatters under "
+        "a pipeline schedule, the optimizer step) is its *step*, at a clock of its own "
+        f"({_step_clocks(plan)}; the baselines keep it at the maximum); what is added to "
+        "the instructions that carry traffic (FSDP's gathers, DDP's buckets beside the "
+        "last backward) is priced at every clock, so the clocks chosen account for it.",
         "",
         _md_table(header, rows),
         "",

@@ -17,7 +17,10 @@ issue it, on a stream of its own beside the compute:
   after the last (``perform_reduce_grad``): a stage gathers its layers before its first
   forward and before each forward or backward that follows a forward, and no more. Which
   instruction carries what is stepped through FSDP2's states along each stage's order
-  (:func:`traffic`; checked against what torch issues, ``tests/test_data_parallel.py``).
+  (:func:`traffic`) and placed on the rank's order (:func:`iteration_traffic`: a rank of
+  several stages gathers them all as the iteration starts, and reduces a stage's gradients
+  when its last backward ends); checked against what torch issues under 1F1B, GPipe and
+  interleaved 1F1B (``tests/test_data_parallel.py``).
   FSDP2 prefetches the next layer's all-gather while a layer computes, so one layer's
   all-gather and one reduce-scatter (and the root's) run alone, the rest beside the
   instruction's compute, as far as it lasts. The optimizer step updates each rank's shard.
@@ -48,6 +51,7 @@ The planner stays free of graphs: the parameters each stage holds come from the 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -126,6 +130,11 @@ class DataParallel:
             raise KareusError(
                 f"data-parallel degree {self.degree}, {self.gpus_per_node} GPUs per node and "
                 f"stride {self.stride} must all be at least 1"
+            )
+        if self.mode == "ddp" and not self.reshard_after_forward:
+            raise KareusError(
+                "reshard_after_forward=False (--no-reshard-after-forward) is FSDP2's: DDP "
+                "keeps every parameter whole; use --dp-mode fsdp or hsdp, or drop it"
             )
         if self.mode == "hsdp" and self.degree > 1:
             shard = self.shard_size
@@ -303,8 +312,8 @@ class Pricing:
     static_power_w: float
     sm_share: int  # the SMs NCCL's default communicator takes
     # What each (compute, collective, link, clock) was priced at: pipeline stages alike
-    # (the middle ones of a model) run the same compute beside the same traffic, and a
-    # step prices its last backward's traffic at one clock for each clock of its own.
+    # (the middle ones of a model) run the same compute beside the same traffic, and the
+    # options of every profile of one graph at one clock share it.
     _priced: dict[tuple[Any, ...], Estimate] = dataclasses.field(
         default_factory=dict, compare=False, repr=False
     )
@@ -479,34 +488,34 @@ def add_data_parallel(
     fmax = max(freqs) if fmax is None else fmax
     step_freqs = sorted({*freqs, fmax}, reverse=True)
     original_sets, original_profile = originals
+    placed = iteration_traffic(iteration, dpp.layout, weights)
     instrs = list(iteration.instructions)
-    runs = {si: [i for order in iteration.orders for i in order if instrs[i].stage == si]
-            for si in range(len(stages))}  # fmt: skip
-    # stage -> clock -> (time, dynamic energy) of the stage's share of the step
+    for i, carried in sorted(placed.carried.items()):
+        si = instrs[i].stage
+        graphs = {True: original_sets[si] if original_sets else stages[si], False: stages[si]}
+        instrs[i] = dataclasses.replace(instrs[i], traffic=_tag(carried))
+        _carry(instrs[i], carried, graphs, original_profile, dpp.pricing, options)
+    # stage -> clock -> (time, dynamic energy) of the stage's share of its rank's step
     steps: dict[int, dict[float, tuple[float, float]]] = {}
     per_stage = []
-    for si, pset in enumerate(stages):
-        order = runs[si]
-        kinds = [instrs[i].kind for i in order]
-        tr = traffic(dpp.layout, weights[si], kinds, pipelined=len(stages) > 1)
-        graphs = {True: original_sets[si] if original_sets else pset, False: pset}
-        added = 0.0  # at the maximum clock, to the split graphs' instructions
-        for i, carried in zip(order, tr.per_instruction, strict=True):
-            if carried:
-                instrs[i] = dataclasses.replace(instrs[i], traffic=_tag(carried))
-                _carry(instrs[i], carried, graphs, original_profile, dpp.pricing, options)
-                ops = instruction_ops(pset, instrs[i].kind)
-                added += per_instruction_cost(carried, ops, dpp.pricing, fmax)[0]
-        parts = {f: step_cost(tr, dpp.pricing, f) for f in step_freqs}
+    for si, (pset, tr) in enumerate(zip(stages, placed.stages, strict=True)):
+        in_step = dataclasses.replace(tr, after=placed.after[si])
+        parts = {f: step_cost(in_step, dpp.pricing, f) for f in step_freqs}
         steps[si] = {f: (c[0] + o[0], c[1] + o[1]) for f, (c, o) in parts.items()}
-        comm, optimizer = parts[fmax]
+        # at the maximum clock, to the split graphs' instructions (the tail wherever it runs)
+        own = [instrs[i] for i in placed.runs[si]]
+        added = sum(
+            per_instruction_cost(carried, instruction_ops(pset, instr.kind), dpp.pricing, fmax)[0]
+            for instr, carried in zip(own, tr.per_instruction, strict=True)
+        )
+        added += step_cost(tr, dpp.pricing, fmax)[0][0]
         per_stage.append(
             {
                 "parameters": weights[si].total,
                 "bytes": tr.bytes,
                 "alone_s": alone_time(tr, dpp.pricing, fmax),
-                "added_s": added + comm[0],
-                "optimizer_s": optimizer[0],
+                "added_s": added,
+                "optimizer_s": parts[fmax][1][0],
             }
         )
     tagged = dataclasses.replace(iteration, instructions=tuple(instrs))
@@ -525,6 +534,72 @@ def add_data_parallel(
     dp = dpp.layout
     summary = {"degree": dp.degree, "mode": dp.mode, "gpus_per_node": dp.gpus_per_node}
     return tagged, {**summary, "describe": dp.describe(), "stages": per_stage}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacedTraffic:
+    """Each stage's traffic, placed on the iteration's instructions where torch issues it.
+
+    Attributes:
+        stages: each stage's :class:`Traffic` (:func:`traffic`, along the stage's order).
+        runs: each stage's instructions (indices into the iteration), in the order it runs them.
+        carried: what each instruction that carries traffic carries (its own stage's, and
+            the tail of a stage whose last backward it follows on its rank).
+        after: per stage, the tail that runs in its rank's step (the stage's last backward
+            ends its rank's order); empty where the tail runs before a later instruction.
+    """
+
+    stages: tuple[Traffic, ...]
+    runs: tuple[tuple[int, ...], ...]
+    carried: dict[int, tuple[Carried, ...]]
+    after: tuple[tuple[Carried, ...], ...]
+
+
+def iteration_traffic(
+    iteration: Iteration, dp: DataParallel, weights: Sequence[StageWeights]
+) -> PlacedTraffic:
+    """Place each stage's data-parallel traffic (``weights``: one per stage) on ``iteration``.
+
+    A pipeline of more than one stage runs under ``torch.distributed.pipelining``. Its
+    schedules reduce a stage's gradients as soon as its last backward ends
+    (``perform_reduce_grad``); FSDP2's final callback then has the compute stream wait for
+    them. So where another stage on the same rank runs after it (interleaved 1F1B), the
+    tail runs alone before that stage's next instruction, at its clock; else in the step.
+    A rank of several stages (torch's runtime schedules, which keep up to three stages
+    unsharded) gathers every stage's parameters when the iteration starts, asynchronously:
+    the first gathers of its stages but the first run beside the rank's first instruction.
+    """
+    instrs = iteration.instructions
+    stages = range(len(weights))
+    runs = tuple(tuple(i for o in iteration.orders for i in o if instrs[i].stage == si)
+                 for si in stages)  # fmt: skip
+    traffics = tuple(
+        traffic(dp, weights[si], [instrs[i].kind for i in runs[si]], pipelined=len(weights) > 1)
+        for si in stages
+    )
+    carried: dict[int, list[Carried]] = {}
+    after: list[tuple[Carried, ...]] = []
+    following = {a: b for o in iteration.orders for a, b in itertools.pairwise(o)}
+    first = {i: o[0] for o in iteration.orders for i in o}  # each instruction's rank's first
+    for si, tr in enumerate(traffics):
+        for k, (i, own) in enumerate(zip(runs[si], tr.per_instruction, strict=True)):
+            if k == 0 and own and first[i] != i:  # prefetched as the rank starts
+                carried.setdefault(first[i], []).extend(_of(c, si, alone=0.0) for c in own)
+            elif own:
+                carried.setdefault(i, []).extend(own)
+        later = following.get(runs[si][-1]) if runs[si] else None
+        if later is None or not tr.after:
+            after.append(tr.after)
+            continue
+        after.append(())
+        carried.setdefault(later, []).extend(_of(c, si) for c in tr.after)
+    return PlacedTraffic(traffics, runs, {i: tuple(c) for i, c in carried.items()}, tuple(after))
+
+
+def _of(c: Carried, stage: int, alone: float | None = None) -> Carried:
+    """``c``, another stage's, carried by an instruction of ``stage``'s rank (named so)."""
+    coll = dataclasses.replace(c.coll, name=f"{c.coll.name} of {stage}")
+    return dataclasses.replace(c, coll=coll, alone=c.alone if alone is None else alone)
 
 
 def _tag(carried: Sequence[Carried]) -> str:
