@@ -307,6 +307,7 @@ def _flat(grab):
     return _FLAT["got"], _FLAT["region"]
 
 
+@pytest.mark.slow  # (a changed internal falls back: the data-flow test below, in CI)
 def test_a_pytorch_without_call_numbers_lowers_op_by_op_and_warns(grab, changed_internals):
     """torch 2.11 gives invoke_subgraph calls no call number: outlining would tag a
     backward call by its own (unreliable) metadata, so kareus lowers op by op instead."""

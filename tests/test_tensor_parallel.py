@@ -167,6 +167,7 @@ def _partition_shapes(pset_json):
     )
 
 
+@pytest.mark.slow  # (blocks traced once, in process: tests/test_outline.py)
 @pytest.mark.skipif(
     outlining_problem() is not None, reason=f"no outlined lowering here: {outlining_problem()}"
 )
