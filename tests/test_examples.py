@@ -53,7 +53,7 @@ def test_train_tiny_prints_explain_and_modelled_energy(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow  # (TP under torchrun is also run by the pipeline example)
+@pytest.mark.slow  # (TP in process: test_tensor_parallel.py, test_topologies.py)
 @pytest.mark.timeout(300)
 def test_tensor_parallel_example_under_torchrun(tmp_path):
     out = _torchrun(2, "examples/train_tp.py", "--steps", "2", "--layers", "2", tmp_path=tmp_path)
@@ -61,6 +61,7 @@ def test_tensor_parallel_example_under_torchrun(tmp_path):
     assert "all_reduce" in out and "(modelled)" in out
 
 
+@pytest.mark.slow  # (TP x PP x DP under pipelining with a plan, in process: test_topologies.py)
 @pytest.mark.timeout(300)
 def test_pipeline_example_applies_a_kareus_plan_under_tp_and_pp(tmp_path):
     """TP 2 x PP 2 under torch.distributed.pipelining with the plan `kareus plan` makes for
