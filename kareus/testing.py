@@ -165,8 +165,9 @@ def overlap_problems(region: Any) -> list[str]:
     """
     problems = []
     pset = region.findings["cut_partitions"]
+    lines = {kind: node_lines(graph.final_code) for kind, graph in region.graphs.items()}
     for part in (p for p in pset.partitions if p.collective):
-        at = node_lines(region.graphs[part.instruction].final_code)
+        at = lines[part.instruction]
         issue, wait = part.collective
         ran = [at[n] for n in part.compute if n in at]
         if not ran or not (at[issue] < max(ran) and at[wait] > max(ran)):

@@ -159,8 +159,8 @@ class KareusBackend:
         region.findings["region_index"] = next(_REGION_IDS)
         # A layer's forward traced to its return: the region is one call of it.
         region.findings["region_code"] = frame.qualname if frame.whole_call else None
-        compiled_autograd = getattr(compile_id, "compiled_autograd_id", None) is not None
-        region.findings["compiled_autograd"] = compiled_autograd
+        ca_id = getattr(compile_id, "compiled_autograd_id", None)
+        region.findings["compiled_autograd"] = ca_id is not None  # its backward graph
         if self.runtime is not None:
             region.findings["clock_runtime"] = self.runtime
             region.findings["clock_stage"] = self.stage

@@ -290,12 +290,16 @@ def switches(iteration: Iteration, choices: Sequence[Option]) -> list[int]:
 def group_profiles(
     iteration: Iteration, options: Mapping[tuple[int, str], Sequence[Option]]
 ) -> dict[tuple[int, str], list[str]]:
-    """Return each group's profiles (sorted): those its instructions' options run, every key's."""
+    """Return each group's profiles (sorted): those the options of every key of it run.
+
+    A group runs one profile (one compiled graph) on all its instructions, so a profile one
+    of its keys has no option of is not the group's.
+    """
     keys: dict[tuple[int, str], set[tuple[int, str]]] = {}
     for i in iteration.instructions:
         keys.setdefault(i.group, set()).add(i.key)
     return {
-        g: sorted({o.profile for k in group_keys for o in options[k]})
+        g: sorted(set.intersection(*({o.profile for o in options[k]} for k in group_keys)))
         for g, group_keys in keys.items()
     }
 

@@ -503,10 +503,11 @@ def add_data_parallel(
         parts = {f: step_cost(in_step, dpp.pricing, f) for f in step_freqs}
         steps[si] = {f: (c[0] + o[0], c[1] + o[1]) for f, (c, o) in parts.items()}
         # at the maximum clock, to the split graphs' instructions (the tail wherever it runs)
-        own = [instrs[i] for i in placed.runs[si]]
         added = sum(
-            per_instruction_cost(carried, instruction_ops(pset, instr.kind), dpp.pricing, fmax)[0]
-            for instr, carried in zip(own, tr.per_instruction, strict=True)
+            per_instruction_cost(carried, instruction_ops(pset, instrs[i].kind), dpp.pricing, fmax)[
+                0
+            ]
+            for i, carried in zip(placed.runs[si], tr.per_instruction, strict=True)
         )
         added += step_cost(tr, dpp.pricing, fmax)[0][0]
         per_stage.append(

@@ -46,7 +46,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from kareus.errors import KareusError
-from kareus.planner.dag import Iteration, Option, makespan, slack, topology
+from kareus.planner.dag import Iteration, Option, group_profiles, makespan, slack, topology
 from kareus.planner.relax import BOUND_TOLERANCE, Priced, Relaxed, lower_hull, recover_slack
 
 TIME_UNITS_PER_MS = 1_000
@@ -85,11 +85,7 @@ class FlowRelaxation(Priced):
         self._groups: dict[tuple[int, str], dict[tuple[int, str], list[int]]] = {}
         for i, instr in enumerate(iteration.instructions):
             self._groups.setdefault(instr.group, {}).setdefault(instr.key, []).append(i)
-        # a group runs a profile every key of it has
-        self._profiles = {
-            g: sorted(set.intersection(*({o.profile for o in options[k]} for k in keys)))
-            for g, keys in self._groups.items()
-        }
+        self._profiles = group_profiles(iteration, options)
         # per key, a ladder per profile, and (None) one over every profile's options: a
         # key's hull before any profile is chosen
         self._ladders: dict[tuple[int, str], dict[str | None, _Ladder]] = {}

@@ -162,7 +162,7 @@ class Relaxation(Priced):
             one = lp.Constraint(1.0, 1.0)
             for v in self._y[g].values():
                 one.SetCoefficient(v, 1.0)
-        # each key's hull of each of its group's profiles (empty: the key cannot run it)
+        # each key's hull of each of its group's profiles
         hulls: dict[tuple[int, str], dict[str, list[Option]]] = {}
         for ins in iteration.instructions:
             if ins.key not in hulls:
