@@ -8,6 +8,8 @@ backward). It is traced once under fake tensors in a fake process group of ``--d
 (nothing runs: the graphs have the real shapes) and planned for one GPU of the group:
 ``--microbatches`` forward and backward passes (gradient accumulation, each gathering the
 weights again), each layer's gathers and reduce-scatters priced on the GPU's NVLink.
+(``kareus plan --dp-mode simplefsdp`` plans a whole configuration so: every parameter
+gathered, pipelined, and a group across nodes priced on the network.)
 
 No layer splits (its only collectives are on its weights); kareus overlaps each gather
 with the layer before and each reduce-scatter with the layer after
@@ -34,23 +36,7 @@ from torch.nn.utils import parametrize
 
 from kareus.ir.partitions import PartitionSet
 from kareus.ir.plan_file import FrontierPoint
-
-
-class Gathered(torch.nn.Module):
-    """The weight's shard on this rank, all-gathered along its first dimension."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        super().__init__()
-        self.group = group
-        self.size = dist.get_world_size(group)
-
-    def forward(self, shard: torch.Tensor) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd
-
-        return all_gather_tensor_autograd(shard, 0, self.group)
-
-    def right_inverse(self, full: torch.Tensor) -> torch.Tensor:
-        return full.chunk(self.size, 0)[0].clone()
+from kareus.models.parallel import GatheredInGraph
 
 
 def shard_layers(layers: Iterable[torch.nn.Module], group: dist.ProcessGroup) -> int:
@@ -59,7 +45,8 @@ def shard_layers(layers: Iterable[torch.nn.Module], group: dist.ProcessGroup) ->
     for layer in layers:
         for module in layer.modules():
             if isinstance(module, torch.nn.Linear):
-                parametrize.register_parametrization(module, "weight", Gathered(group), unsafe=True)
+                gathered = GatheredInGraph(group)
+                parametrize.register_parametrization(module, "weight", gathered, unsafe=True)
                 count += 1
     return count
 

@@ -156,10 +156,12 @@ def _data_parallel_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--dp-mode",
-        choices=("ddp", "fsdp", "hsdp"),
+        choices=("ddp", "fsdp", "hsdp", "simplefsdp"),
         default="ddp",
         help="how the replicas communicate: DDP all-reduce, FSDP2 all-gather and "
-        "reduce-scatter per layer, or HSDP (FSDP2 within a node, replicated across nodes)",
+        "reduce-scatter per layer, HSDP (FSDP2 within a node, replicated across nodes), "
+        "or SimpleFSDP (parameters gathered in the graphs: traced so, and their "
+        "collectives planned as partitions)",
     )
     p.add_argument(
         "--gpus-per-node",
@@ -770,6 +772,13 @@ def _profile(args: argparse.Namespace) -> int:
     spec = gpu(args.gpu)
     work = _workload(args)
     _check_clocks(args.clocks, spec)
+    if work.graph_dp > 1:
+        raise ValueError(
+            f"--dp-mode simplefsdp puts the data-parallel collectives in the graphs, and "
+            f"kareus profile runs one TP x CP group ({work.tp * work.cp} GPUs), not its "
+            f"{work.dp} replicas: profile with another --dp-mode (the same partitions "
+            "without the gathers) or plan with the hardware model"
+        )
     if not args.window >= 0 or args.warmup < 0:
         raise ValueError(
             f"--window {args.window:g} and --warmup {args.warmup} must not be negative"

@@ -1,6 +1,7 @@
 """Data parallelism in the plan: DDP, FSDP2 and HSDP traffic priced where hooks issue it."""
 
 import collections
+import dataclasses
 import functools
 import json
 import re
@@ -60,8 +61,8 @@ def test_each_mode_carries_what_its_hooks_issue():
     hsdp = traffic(DataParallel(8, "hsdp", stride=2), WEIGHTS, kinds)  # shards of 4 in a node
     replicate = [c for c in hsdp.per_instruction[1] if c.coll.kind == "all_reduce"]
     assert [c.coll for c in replicate] == [
-        CollectiveCost("all_reduce", 100e6 * 2 / 4, 2, "dp reduce layers"),
-        CollectiveCost("all_reduce", 10e6 * 2 / 4, 2, "dp reduce root"),
+        CollectiveCost("all_reduce", 100e6 * 2 / 4, 2, "dp reduce layers", nodes=2),
+        CollectiveCost("all_reduce", 10e6 * 2 / 4, 2, "dp reduce root", nodes=2),
     ]
     assert all(c.across for c in replicate)
 
@@ -307,7 +308,7 @@ def test_layouts_kareus_cannot_plan_are_refused_by_name(layout, message):
 
 def _pricing():
     emulator = Emulator(SPEC)
-    return Pricing(emulator, Emulator(SPEC.across_nodes()), SPEC.calibration.static_power_w, 32)
+    return Pricing(emulator, SPEC.calibration.static_power_w, 32)
 
 
 def test_traffic_across_nodes_costs_more_and_compute_hides_more_at_lower_clocks():
@@ -328,7 +329,8 @@ def test_traffic_across_nodes_costs_more_and_compute_hides_more_at_lower_clocks(
     # ...and where it is exposed, a slower clock stretches the compute it hides behind.
     assert 0 < added(heavy, 1050) < added(heavy, 1410)
     coll = CollectiveCost("all_reduce", 2**30, 4)
-    assert pricing.alone(coll, True, 1410)[0] > 5 * pricing.alone(coll, False, 1410)[0]
+    across = dataclasses.replace(coll, nodes=2)
+    assert pricing.alone(across, 1410)[0] > 5 * pricing.alone(coll, 1410)[0]
 
 
 def _plan(dp):
@@ -444,6 +446,10 @@ def test_stage_weights_count_a_llama_by_its_shapes():
         (["--dp", "2", "--dp-mode", "hsdp"], "no shard group within a node"),
         (["--dp", "2", "--gpus-per-node", "4"], "do not fit in a node of 4 GPUs"),
         (["--dp", "2", "--no-reshard-after-forward"], "is FSDP2's: DDP keeps every parameter"),
+        (
+            ["--dp", "2", "--dp-mode", "simplefsdp", "--no-reshard-after-forward"],
+            "under SimpleFSDP the compiler decides what the backward gathers again",
+        ),
     ],
 )
 def test_bad_data_parallel_input_is_a_clear_error(args, message, capsys, tmp_path):
@@ -470,3 +476,80 @@ def test_plan_with_dp_records_it_and_reports_it(tmp_path, capsys):
     assert "not priced: kareus's split graphs cannot meet" in plan.data_parallel["blind"]["note"]
     assert "What seeing the data-parallel traffic gained: not priced" in report
     assert "step@" in report
+
+
+def test_simplefsdp_is_traced_into_the_graphs_each_collective_priced_by_the_nodes_it_spans():
+    """SimpleFSDP (``--dp-mode simplefsdp``): the trace shards each parameter over the
+    data-parallel group of its fake world and gathers it in the graph; with 2 GPUs a node,
+    the tensor-parallel pair stays within one and the data-parallel group spans two."""
+    from kareus.jobs.trace import fake_world, trace_stage
+    from kareus.models.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=64, num_layers=2, intermediate_size=128, vocab_size=256)
+    work = Workload(model=cfg, tp=2, microbatch_size=4, seq_len=32, dp=2, gpus_per_node=2)
+    assert work.graph_dp == 1  # DDP: hooks issue its collectives, none traced
+    work = dataclasses.replace(work, dp_mode="simplefsdp")
+    with fake_world(work.tp, work.cp, work.graph_dp) as groups:
+        pset = trace_stage(work, 0, layers=2, groups=groups).pset
+        model = Llama(cfg, groups[0])
+    params = sum(1 for p in model.parameters() if p.shape[0] % 2 == 0)
+    counted = {}
+    for kind in ("forward", "backward"):
+        colls = list(pset.exposed.get(kind, ())) + [
+            pset.types[p.type_key].collective for p in pset.partitions if p.instruction == kind
+        ]
+        counted[kind] = collections.Counter((c.kind, c.world_size, c.nodes) for c in colls if c)
+    # every parameter gathered once forward (the backward keeps what the forward gathered,
+    # as AOTAutograd's partitioner saves it) and its gradient reduce-scattered once
+    assert counted["forward"][("all_gather", 2, 2)] == params == 21
+    assert counted["backward"][("reduce_scatter", 2, 2)] == params
+    assert counted["forward"][("all_reduce", 2, 1)] > 0  # tensor parallel, within the node
+    assert not any(n > 1 for kinds in counted.values() for (k, _, n) in kinds if k == "all_reduce")
+
+
+def test_plan_with_simplefsdp_overlaps_the_gathers_across_nodes_and_says_so(tmp_path):
+    args = ["plan", "--model", "tiny-4l", "--tp", "1", "--microbatch-size", "4"]
+    args += ["--seq-len", "32", "--dp", "4", "--dp-mode", "simplefsdp", "--gpus-per-node", "2"]
+    args += ["--clocks", "1410,1050", "--out", str(tmp_path), "--quiet"]
+    assert main(args) == EXIT_OK
+    plan = Plan.load(tmp_path / "plan.json")
+    dp = plan.data_parallel
+    assert dp["mode"] == "simplefsdp" and dp["in_graph"] and "blind" not in dp
+    assert plan.workload["graph_dp"] == {"dp": 4, "gpus_per_node": 2}
+    # nothing added beside the graphs: the step updates this rank's shard
+    (stage,) = dp["stages"]
+    assert stage["bytes"] == 0 and stage["added_s"] == 0 and stage["optimizer_s"] > 0
+    # the layers stay whole (no tensor parallelism) and each gather of a layer's weight
+    # overlaps the compute before it, a partition planned on the network (4 ranks, 2 nodes)
+    text = (tmp_path / "report.md").read_text()
+    assert "all_gather" in text and "x4 over 2 nodes" in text
+    assert "collectives in the graphs" in text and "optimizer on its shard" in text
+    overlapped = [
+        d for ds in plan.decisions.values() for d in ds.values() if d.launch_slot is not None
+    ]
+    assert len(overlapped) >= 10, "the data-parallel collectives were not overlapped"
+    fastest = min(p.time_s for p in plan.frontier)
+    assert fastest < min(p.time_s for p in plan.baselines["megatron"])
+
+
+def test_partitions_traced_without_the_gathers_are_refused_for_simplefsdp(tmp_path):
+    from kareus.jobs.stages_file import PartitionsFileError, load_stages, save_stages
+
+    pset = megatron_partition_set(hidden=64, ffn=128, heads=4, seq=32, microbatch=4, layers=4, tp=2)
+    hooks = Workload(model="tiny-4l", tp=2, microbatch_size=4, seq_len=32, dp=4)
+    save_stages(hooks, [pset], tmp_path / "partitions.json")
+    # DDP, FSDP2 and HSDP trace the same graphs: one file serves every degree and mode...
+    fsdp = dataclasses.replace(hooks, dp=2, dp_mode="fsdp")
+    assert len(load_stages(fsdp, tmp_path / "partitions.json")) == 1
+    # ...but SimpleFSDP's graphs hold its collectives, traced for its degree and nodes
+    in_graph = dataclasses.replace(hooks, dp_mode="simplefsdp")
+    with pytest.raises(PartitionsFileError, match="traced for another workload: graph_dp None"):
+        load_stages(in_graph, tmp_path / "partitions.json")
+
+
+def test_profile_refuses_simplefsdp_naming_why(capsys, tmp_path):
+    args = ["profile", "--model", "tiny-4l", "--tp", "2", "--dp", "2", "--dp-mode", "simplefsdp"]
+    assert main([*args, "--out", str(tmp_path), "--quiet"]) == EXIT_BAD_INPUT
+    assert "kareus profile runs one TP x CP group (2 GPUs), not its 2 replicas" in (
+        capsys.readouterr().err
+    )

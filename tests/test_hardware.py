@@ -412,3 +412,21 @@ def test_a_matmul_runs_slower_by_the_share_of_the_sms_its_tiles_leave_idle():
     launch = em.cal.launch_overhead_us * 1e-6
     slow, fast = (em.run_op(o, 1410, sms).time_s - launch for o in (shaped, plain))
     assert slow == pytest.approx(fast / fill)
+
+
+@pytest.mark.parametrize("name", ["a100-sxm4-40gb", "h100-sxm"])
+def test_a_collective_whose_group_spans_nodes_is_carried_by_the_network(name):
+    spec = gpu(name)
+    assert spec.network is not None
+    emu = Emulator(spec)
+    on_network = Emulator(dataclasses.replace(spec, interconnect=spec.network))
+    across = dataclasses.replace(ALL_REDUCE, nodes=2)
+    knobs = Knobs(spec.clock_max_mhz, 16, launch_slot=0)
+    assert emu.link(across) == spec.network and emu.link(ALL_REDUCE) == spec.interconnect
+    # the network's bandwidth and its latency per ring step, for this collective only
+    assert emu.collective_time(across, knobs) == on_network.collective_time(ALL_REDUCE, knobs)
+    assert emu.collective_time(across, knobs) > 2 * emu.collective_time(ALL_REDUCE, knobs)
+    gemm = OpCost("gemm", 2 * N**3, 3 * N * N, "bf16", "gemm")
+    beside = emu.partition(PartitionWork((gemm,), across), knobs)
+    assert beside == on_network.partition(PartitionWork((gemm,), ALL_REDUCE), knobs)
+    assert beside.time_s > emu.partition(PartitionWork((gemm,), ALL_REDUCE), knobs).time_s

@@ -109,6 +109,14 @@ class Config:
         "hardware model, once both graphs of a region are captured). None: the GPU this "
         "process runs on, when kareus knows its type; without one, nothing is planned.",
     )
+    gpus_per_node: int | None = _field(
+        None,
+        "None or a positive int",
+        lambda v: v is None or (_is_int(v) and v >= 1),
+        "GPUs one node's NVLink joins: a collective whose group's ranks span more than one "
+        "node is priced on the node's network (the GPU's spec), else on NVLink. None: "
+        "torchrun's LOCAL_WORLD_SIZE where it is set, else 8.",
+    )
     select: str = _field(
         "iso_time",
         "a policy of kareus.planner.POLICIES without a parameter",

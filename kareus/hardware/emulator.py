@@ -10,7 +10,9 @@ Every figure it returns is *modelled* (``Estimate.source == "modelled"``). The m
 - **Collective time**: the bus traffic of the algorithm (an all-reduce moves 2(p-1)/p of
   the tensor, all-gather and reduce-scatter (p-1)/p), copied by the collective's SMs at a
   rate that scales with their number and the clock, and carried by the link at its
-  achieved bandwidth: a pipeline, whose rate is the slower stage's; plus latency.
+  achieved bandwidth: a pipeline, whose rate is the slower stage's; plus latency. The link
+  is NVLink for a group within a node, the node's network (``GPUSpec.network``) for one
+  that spans nodes (``CollectiveCost.nodes``).
 - **Overlap**: a partition is simulated as a timeline. Compute ops run in order; the
   collective starts when compute reaches its launch slot (a PyTorch collective waits on the
   compute stream). While both run, compute has N-n SMs and the memory bandwidth the
@@ -29,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from kareus.hardware.specs import GPUSpec
+from kareus.hardware.specs import GPUSpec, InterconnectSpec
 from kareus.ir.costs import CollectiveCost, Estimate, Knobs, OpCost, PartitionWork
 
 _MEM_SAT_SM_FRACTION = 0.35  # SMs needed to saturate memory bandwidth, as a fraction of all
@@ -168,15 +170,32 @@ class Emulator:
             mem_bytes_per_s=op.bytes / total,
         )
 
-    def collective_rate(self, knobs: Knobs, freq_mhz: float, beside_compute: bool = False) -> float:
+    def link(self, coll: CollectiveCost | None = None) -> InterconnectSpec:
+        """Return the link that carries ``coll``.
+
+        The node's network where its group spans nodes (:attr:`CollectiveCost.nodes`), else
+        the GPU's interconnect (NVLink).
+        """
+        if coll is not None and coll.nodes > 1 and self.spec.network is not None:
+            return self.spec.network
+        return self.spec.interconnect
+
+    def collective_rate(
+        self,
+        knobs: Knobs,
+        freq_mhz: float,
+        beside_compute: bool = False,
+        coll: CollectiveCost | None = None,
+    ) -> float:
         """Return bus bytes per second of a collective with the knobs' SM share and CTAs.
 
         ``beside_compute``: compute kernels run at the same time (:attr:`Calibration.contention`).
+        ``coll``: the collective, whose group sets the link (:meth:`link`; None: NVLink).
         """
         cal = self.cal
         per_sm = cal.comm_gbs_per_sm * 1e9 * freq_mhz / self.spec.clock_max_mhz
         per_sm *= (knobs.threads_per_block / 1024) ** cal.comm_thread_exponent
-        link = self.spec.interconnect.bandwidth_gbs * 1e9 * cal.comm_link_efficiency
+        link = self.link(coll).bandwidth_gbs * 1e9 * cal.comm_link_efficiency
         # The collective's SMs copy the bytes into the link, which carries them: the two run
         # as a pipeline, so the slower one sets the rate (NCCL's bus bandwidth grows with
         # its channels until the link saturates).
@@ -185,7 +204,8 @@ class Emulator:
 
     def collective_time(self, coll: CollectiveCost, knobs: Knobs) -> float:
         """Return the time of ``coll`` alone (no overlap) at the knobs' clock and SM share."""
-        return self._latency(coll) + bus_bytes(coll) / self.collective_rate(knobs, knobs.freq_mhz)
+        rate = self.collective_rate(knobs, knobs.freq_mhz, coll=coll)
+        return self._latency(coll) + bus_bytes(coll) / rate
 
     def _latency(self, coll: CollectiveCost) -> float:
         """Return a ring collective's latency: a base plus one link latency per ring step.
@@ -196,7 +216,7 @@ class Emulator:
         steps = ring_steps(coll)
         if steps == 0:
             return 0.0
-        return (self.cal.comm_latency_us + steps * self.spec.interconnect.latency_us) * 1e-6
+        return (self.cal.comm_latency_us + steps * self.link(coll).latency_us) * 1e-6
 
     # ---- power ---------------------------------------------------------------------------
 
@@ -296,7 +316,7 @@ class Emulator:
 
         def comm_step(freq: float) -> tuple[float, float, float]:
             """(time to finish, rate, HBM bytes per second) of the collective beside compute."""
-            rate = self.collective_rate(knobs, freq, beside_compute=True)
+            rate = self.collective_rate(knobs, freq, beside_compute=True, coll=coll)
             return lat_left + comm_left / rate, rate, rate * cal.comm_hbm_bytes_per_byte
 
         load = 1.0 / (1.0 + cal.contention)  # the collective's rate beside compute, as a share
@@ -336,11 +356,11 @@ class Emulator:
                 if active:
                     lat_left, comm_left = _advance(lat_left, comm_left, rate, dt)
             if comm_on and i >= wait_after and (lat_left > 0 or comm_left > 0):
-                dt, e, th = self._comm_alone(knobs, lat_left, comm_left)
+                dt, e, th = self._comm_alone(knobs, lat_left, comm_left, coll)
                 t, energy, throttled = t + dt, energy + e, throttled or th
                 lat_left = comm_left = 0.0
         if coll is not None and (lat_left > 0 or comm_left > 0):  # not overlapped: after compute
-            dt, e, th = self._comm_alone(knobs, lat_left, comm_left)
+            dt, e, th = self._comm_alone(knobs, lat_left, comm_left, coll)
             t, energy, throttled = t + dt, energy + e, throttled or th
         return Estimate(
             time_s=t,
@@ -351,15 +371,15 @@ class Emulator:
         )
 
     def _comm_alone(
-        self, knobs: Knobs, lat_left: float, comm_left: float
+        self, knobs: Knobs, lat_left: float, comm_left: float, coll: CollectiveCost | None
     ) -> tuple[float, float, bool]:
         n = min(knobs.sm_share, self.spec.sm_count)
-        rate = self.collective_rate(knobs, knobs.freq_mhz)
+        rate = self.collective_rate(knobs, knobs.freq_mhz, coll=coll)
         hbm = rate * self.cal.comm_hbm_bytes_per_byte
         sm_p = self._sm_power(None, "memory", 0, n)
         freq = self._throttled_clock(knobs.freq_mhz, sm_p, self._mem_power(hbm))
         if freq != knobs.freq_mhz:
-            rate = self.collective_rate(knobs, freq)
+            rate = self.collective_rate(knobs, freq, coll=coll)
             hbm = rate * self.cal.comm_hbm_bytes_per_byte
         dt = lat_left + comm_left / rate
         power = (

@@ -320,14 +320,6 @@ class GPUSpec:
         """Return f·V(f)² relative to its value at the maximum clock."""
         return freq_mhz / self.clock_max_mhz * self.voltage(freq_mhz) ** 2
 
-    def across_nodes(self) -> GPUSpec:
-        """Return this spec with its collectives carried by the network between nodes.
-
-        Data-parallel collectives whose group spans nodes run at the slower of NVLink and
-        the network: each GPU's share of a ring crosses its node's network port.
-        """
-        return dataclasses.replace(self, interconnect=self.network or self.interconnect)
-
     def with_calibration(self, calibration: Calibration, source: str) -> GPUSpec:
         """Return a copy that uses ``calibration`` (and its voltage floor, if it has one)."""
         floor = self.v_floor if calibration.v_floor is None else calibration.v_floor

@@ -32,12 +32,17 @@ class OpCost:
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveCost:
-    """One collective: kind, size of the (full) tensor in bytes, and the group's size."""
+    """One collective: kind, size of the (full) tensor in bytes, and the group's size.
+
+    ``nodes``: the nodes the group's ranks span (1: within one node's NVLink; more: its ring
+    crosses the network between nodes, which carries it).
+    """
 
     kind: CollectiveKind
     bytes: float
     world_size: int
     name: str = ""
+    nodes: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

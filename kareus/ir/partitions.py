@@ -68,9 +68,13 @@ class PartitionType:
 
 
 def describe_collective(coll: CollectiveCost, exact: bool = False) -> str:
-    """Return "kind size xGROUP"; ``exact``: the size in KiB to one decimal (fingerprints)."""
+    """Return "kind size xGROUP" ("... over N nodes" where the group spans nodes).
+
+    ``exact``: the size in KiB to one decimal (fingerprints).
+    """
     size = f"{coll.bytes / 2**10:.1f} KiB" if exact else format_bytes(coll.bytes)
-    return f"{coll.kind} {size} x{coll.world_size}"
+    across = f" over {coll.nodes} nodes" if coll.nodes > 1 else ""
+    return f"{coll.kind} {size} x{coll.world_size}{across}"
 
 
 def format_bytes(n: float) -> str:

@@ -247,6 +247,8 @@ def data_parallel_lines(plan: Plan) -> list[str]:
             "or optimizer step (plan with `--dp N` to add them).",
             "",
         ]
+    if dp.get("in_graph"):
+        return _in_graph_lines(plan)
     rows = []
     for i, st in enumerate(dp["stages"]):
         alone, added = st["alone_s"], st["added_s"]
@@ -287,6 +289,30 @@ def data_parallel_lines(plan: Plan) -> list[str]:
         _md_table(header, rows),
         "",
         *_blind_lines(dp.get("blind")),
+    ]
+
+
+def _in_graph_lines(plan: Plan) -> list[str]:
+    """Return the data-parallel section of a plan whose DP collectives are in the graphs."""
+    dp = plan.data_parallel
+    rows = [
+        (i, f"{st['parameters'] / dp['degree'] / 1e6:.2f} M", f"{st['optimizer_s'] * 1e3:.2f}")
+        for i, st in enumerate(dp["stages"])
+    ]
+    return [
+        "## Data parallelism",
+        "",
+        f"{dp['describe']}, {dp['gpus_per_node']} GPUs per node; **modelled**. The parameters' "
+        "all-gathers and the gradients' reduce-scatters are in the traced graphs (each rank "
+        "holds a shard), so kareus plans them as it plans the tensor-parallel collectives: "
+        "each overlaps the compute beside it as a partition whose clock, launch slot and SM "
+        "share are chosen (*Partition types* lists them; a group across nodes says *over N "
+        "nodes* and is priced on the network). Each rank's *step* holds the optimizer on "
+        f"its shard, at a clock of its own ({_step_clocks(plan)}; the baselines keep it at "
+        "the maximum).",
+        "",
+        _md_table(("stage", "parameters / GPU (shard)", "optimizer ms"), rows),
+        "",
     ]
 
 

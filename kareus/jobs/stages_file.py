@@ -28,8 +28,10 @@ TRACED_FIELDS = (
     "dtype",
     "layers_per_stage",
     "virtual_stages",
+    "graph_dp",
 )
-"""Workload fields the partition sets depend on (the micro-batch count does not)."""
+"""Workload fields the partition sets depend on (the micro-batch count does not; the
+data-parallel layout only where its collectives are in the graphs, SimpleFSDP)."""
 
 
 def save_stages(

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from kareus.errors import KareusError
 from kareus.ir.partitions import Partition, PartitionSet
 from kareus.models.llama import Llama, LlamaConfig, preset
+from kareus.models.parallel import gather_in_graph
 from kareus.passes.extract_partitions import PartitionProgram
 
 if TYPE_CHECKING:
@@ -120,6 +121,14 @@ class Workload:
             self.data_parallel()  # raises on a layout kareus cannot plan
 
     @property
+    def graph_dp(self) -> int:
+        """Data-parallel ranks whose collectives are in the traced graphs.
+
+        ``dp`` under SimpleFSDP (parameters gathered in the graph), else 1 (hooks issue them).
+        """
+        return (self.dp or 1) if self.dp_mode == "simplefsdp" else 1
+
+    @property
     def stages(self) -> int:
         """Pipeline stages: ranks times stages per rank."""
         return self.pp * self.virtual_stages
@@ -211,10 +220,13 @@ class Workload:
 
 
 @contextlib.contextmanager
-def fake_world(tp: int, cp: int) -> Iterator[tuple[Any, Any]]:
-    """Start a fake process group of ``tp * cp`` ranks; yield (tp_group, cp_group).
+def fake_world(tp: int, cp: int, dp: int = 1) -> Iterator[tuple[Any, Any, Any]]:
+    """Start a fake process group of ``tp * cp * dp`` ranks; yield (tp, cp, dp groups).
 
-    This process plays rank 0. A group of one rank is None.
+    This process plays rank 0. Ranks are ordered as Megatron-LM and torch's device meshes
+    order them: tensor parallel innermost, then context, then data parallel (``dp`` > 1 only
+    where data parallelism is in the graphs, :attr:`Workload.graph_dp`). A group of one
+    rank is None.
 
     Raises:
         TraceError: a process group is already initialised in this process.
@@ -226,11 +238,13 @@ def fake_world(tp: int, cp: int) -> Iterator[tuple[Any, Any]]:
             "tracing at scale starts its own fake process group, but this process already "
             "has one; trace in a separate process (`kareus plan` does)"
         )
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * cp)
+    world = tp * cp * dp
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         tp_group = dist.new_group(list(range(tp))) if tp > 1 else None
         cp_group = dist.new_group(list(range(0, tp * cp, tp))) if cp > 1 else None
-        yield tp_group, cp_group
+        dp_group = dist.new_group(list(range(0, world, tp * cp))) if dp > 1 else None
+        yield tp_group, cp_group, dp_group
     finally:
         dist.destroy_process_group()
 
@@ -260,7 +274,7 @@ def trace_stage(
     stage: int,
     *,
     layers: int,
-    groups: tuple[Any, Any] = (None, None),
+    groups: tuple[Any, ...] = (None, None, None),
     extract: bool = False,
     device: str = "cpu",
     nanobatches: int = 2,
@@ -274,7 +288,9 @@ def trace_stage(
         work: the configuration.
         stage: the pipeline stage.
         layers: decoder layers traced.
-        groups: the (TP, CP) process groups of :func:`fake_world`.
+        groups: the (TP, CP, DP) process groups of :func:`fake_world`; with a DP group,
+            the stage's parameters are sharded over it and gathered in the graph
+            (:func:`~kareus.models.parallel.gather_in_graph`, SimpleFSDP).
         extract: also keep each partition type as a runnable program; its collective's
             group is then named by role (``"tp"`` or ``"cp"``), to be bound to a real group.
         device: the device the fake tensors claim (the one the programs will run on: the
@@ -283,10 +299,10 @@ def trace_stage(
             (blocks left whole), as Megatron-LM runs them.
     """
     import kareus
-    from kareus.compiler.backend import find_backend
 
     cfg = dataclasses.replace(work.config, num_layers=layers * work.stages)
-    tp_group, cp_group = groups
+    tp_group, cp_group, *rest = groups
+    dp_group = rest[0] if rest else None
     dtype = DTYPES[work.dtype]
     local_seq = work.seq_len // work.cp
     torch._dynamo.reset()
@@ -299,6 +315,8 @@ def trace_stage(
             model = Llama(cfg, tp_group, cp_group, stage=(stage, work.stages))
         finally:
             torch.set_default_dtype(default)
+        if dp_group is not None:
+            gather_in_graph(model, dp_group)
         shape = (work.microbatch_size, local_seq)
         ids = torch.zeros(shape, dtype=torch.long)
         x = ids if model.first else torch.zeros(*shape, cfg.hidden_size, dtype=dtype)
@@ -306,11 +324,22 @@ def trace_stage(
         compiled = kareus.compile(
             model,
             disable_passes=("schedule_overlap", "insert_clock_switches"),
-            nanobatches=nanobatches,  # 2: what is planned, collectives or not
+            # 2: what is planned, collectives or not; under SimpleFSDP compile's own choice
+            # (a block whose only collectives gather its weights stays whole, and the
+            # gathers overlap the compute before them)
+            nanobatches=None if nanobatches == 2 and dp_group is not None else nanobatches,
             extract_partitions=extract,
+            gpus_per_node=work.gpus_per_node,
         )
         out = compiled(x, ids if model.last else None)
         out.backward(torch.ones_like(out))
+    return _stage_trace(compiled, work, stage, groups)
+
+
+def _stage_trace(compiled: Any, work: Workload, stage: int, groups: tuple[Any, ...]) -> StageTrace:
+    """Return what the compiled stage's regions found, its programs' groups named by role."""
+    from kareus.compiler.backend import find_backend
+
     backend = find_backend(compiled)
     assert backend is not None
     notes: list[str] = []
@@ -329,7 +358,9 @@ def trace_stage(
         )
     notes.extend(f"stage {stage} {kind}: {note}" for kind, note in psets[0].notes.items())
     roles = {
-        g.group_name: role for g, role in zip(groups, ("tp", "cp"), strict=True) if g is not None
+        g.group_name: role
+        for g, role in zip(groups, ("tp", "cp", "dp"), strict=False)
+        if g is not None
     }
     for program in programs.values():
         if program.group_name is not None:
@@ -461,7 +492,7 @@ def trace_programs(
     note = progress or (lambda _s: None)
     by_kind: dict[int, StageTrace] = {}
     notes: list[str] = []
-    with fake_world(work.tp, work.cp) as groups:
+    with fake_world(work.tp, work.cp, work.graph_dp) as groups:
         for kind in stage_kinds(work.stages):
             note(f"tracing stage {kind} ({traced[kind]} of {per_stage[kind]} layers, fake tensors)")
             _log.info("tracing stage kind %d: %d of %d layers", kind, traced[kind], per_stage[kind])
@@ -518,4 +549,7 @@ def workload_record(work: Workload) -> dict[str, Any]:
     if work.layers_per_stage is not None:  # as JSON holds it, so records compare equal
         data["layers_per_stage"] = list(work.layers_per_stage)
     data["describe"] = work.describe()
+    # what tracing reads of the data-parallel layout (none unless it is in the graphs)
+    if work.graph_dp > 1:
+        data["graph_dp"] = {"dp": work.graph_dp, "gpus_per_node": work.gpus_per_node}
     return data

@@ -10,7 +10,8 @@ overlap scheduler can move apart. The autograd functions follow Megatron-LM:
   backward, and the reverse (sequence parallelism).
 
 :class:`ColumnParallelLinear` and :class:`RowParallelLinear` shard a linear layer's weight by
-output or input features across the group.
+output or input features across the group. :func:`gather_in_graph` shards parameters over a
+data-parallel group and all-gathers them in the graph, as SimpleFSDP does.
 """
 
 from __future__ import annotations
@@ -258,3 +259,49 @@ def vocab_parallel_cross_entropy(
     all-reduced. Computed in fp32.
     """
     return _VocabParallelCrossEntropy.apply(logits, labels, vocab_start, group_name(group))
+
+
+class GatheredInGraph(nn.Module):
+    """A parametrization: the parameter's shard, all-gathered where the model reads it.
+
+    Gathered along the first dimension, as SimpleFSDP's ``ReplicateComputation`` does
+    without DTensor: ``all_gather_tensor_autograd`` forward, the gradient reduce-scattered
+    back.
+    """
+
+    def __init__(self, group: Group) -> None:
+        super().__init__()
+        self.group = group_name(group)
+        self.size = group_size(group)
+
+    def forward(self, shard: torch.Tensor) -> torch.Tensor:
+        """Return the whole parameter, gathered from every rank's shard."""
+        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+        return all_gather_tensor_autograd(shard, 0, self.group)  # type: ignore[arg-type]
+
+    def right_inverse(self, full: torch.Tensor) -> torch.Tensor:
+        """Return this rank's shard of ``full`` (the parameter as stored)."""
+        rank = group_rank(self.group)
+        return full.chunk(self.size, 0)[rank].clone()
+
+
+def gather_in_graph(model: nn.Module, group: Group) -> int:
+    """Shard ``model``'s parameters over ``group`` and gather each where it is read.
+
+    Every parameter whose first dimension the group's size divides is stored as this rank's
+    shard and all-gathered in the forward (its gradient reduce-scattered in the backward),
+    as SimpleFSDP writes data parallelism into the graph; the others stay replicated.
+    Returns how many parameters are gathered.
+    """
+    from torch.nn.utils import parametrize
+
+    size = group_size(group)
+    count = 0
+    for module in list(model.modules()):
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dim() and param.shape[0] % size == 0:
+                gathered = GatheredInGraph(group)
+                parametrize.register_parametrization(module, name, gathered, unsafe=True)
+                count += 1
+    return count

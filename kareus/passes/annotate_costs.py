@@ -4,20 +4,26 @@ Each call node gets an :class:`~kareus.ir.costs.OpCost` under ``node.meta["kareu
 class (GEMM-like, attention, memory-bound, view/metadata, collective issue or wait), FLOPs
 (from PyTorch's FLOP formulas), bytes read and written, and dtype. Symbolic sizes are
 resolved to the values of the example inputs (their hints), so a plan is made for the
-shapes the model was first called with.
+shapes the model was first called with. A collective's issue node also gets the number of
+nodes its group's ranks span under ``node.meta["kareus_nodes"]`` (``Config.gpus_per_node``
+GPUs a node): a group across nodes is carried by the network.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from kareus.ir.costs import OpClass, OpCost
 from kareus.passes.base import GraphPass, PassContext, PassResult
 
 META_KEY = "kareus"
+NODES_KEY = "kareus_nodes"
+DEFAULT_GPUS_PER_NODE = 8
 
 _aten = torch.ops.aten
 _GEMM = {
@@ -253,10 +259,38 @@ class AnnotateCosts(GraphPass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         """Annotate; the graph's code does not change."""
+        per_node = gpus_per_node(ctx.config.gpus_per_node)
         for node in gm.graph.nodes:
             if node.op == "call_function":
                 node.meta[META_KEY] = annotate_node(node)
+                if node.meta[META_KEY].op_class == "collective_issue":
+                    node.meta[NODES_KEY] = group_nodes(node, per_node)
         return PassResult(gm, modified=False)
+
+
+def gpus_per_node(configured: int | None) -> int:
+    """GPUs a node holds: ``configured``, else torchrun's ``LOCAL_WORLD_SIZE``, else 8."""
+    if configured is not None:
+        return configured
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(local) if local.isdigit() and int(local) > 0 else DEFAULT_GPUS_PER_NODE
+
+
+def group_nodes(issue: fx.Node, per_node: int) -> int:
+    """Return how many nodes of ``per_node`` GPUs the ranks of ``issue``'s group span.
+
+    The group is the collective's last string argument (its registered name), its ranks
+    global ranks; 1 where no process group resolves it (a graph traced without one).
+    """
+    name = next((a for a in reversed(issue.args) if isinstance(a, str)), None)
+    if name is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    try:
+        group = dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
+        ranks = dist.get_process_group_ranks(group)
+    except Exception:  # a name no group of this process has
+        return 1
+    return len({r // per_node for r in ranks}) or 1
 
 
 def cost_of(node: fx.Node) -> OpCost:

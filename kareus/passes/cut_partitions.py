@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from kareus.ir.costs import CollectiveCost, OpCost
 from kareus.ir.partitions import Partition, PartitionSet, PartitionType, Slot
-from kareus.passes.annotate_costs import concrete, cost_of
+from kareus.passes.annotate_costs import NODES_KEY, concrete, cost_of
 from kareus.passes.base import GraphPass, PassContext, PassResult
 from kareus.passes.find_blocks import BlockSet
 
@@ -77,11 +77,15 @@ class CutPartitions(GraphPass):
 
 
 def collective_cost(issue: fx.Node) -> CollectiveCost:
-    """Return kind, bytes and group size of a functional collective's issue node."""
+    """Return kind, bytes, group size and nodes spanned of a collective's issue node.
+
+    The nodes are those ``annotate_costs`` recorded (1 where it recorded none).
+    """
     op = str(issue.target).split(".")[-2]
     kind = _KINDS.get(op, "all_reduce")
     cost = cost_of(issue)
-    return CollectiveCost(kind, cost.bytes, _group_size(issue), issue.name)  # type: ignore[arg-type]
+    nodes = int(issue.meta.get(NODES_KEY, 1))
+    return CollectiveCost(kind, cost.bytes, _group_size(issue), issue.name, nodes)  # type: ignore[arg-type]
 
 
 def _group_size(issue: fx.Node) -> int:

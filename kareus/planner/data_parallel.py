@@ -26,6 +26,12 @@ issue it, on a stream of its own beside the compute:
   instruction's compute, as far as it lasts. The optimizer step updates each rank's shard.
 - **HSDP**: FSDP2 within a node (the shard group), and each reduce-scatter's shards
   all-reduced across nodes (the replicate group) after it.
+- **SimpleFSDP** (``simplefsdp``): the parameters are gathered and their gradients
+  reduce-scattered *in the graphs* (torchtitan's SimpleFSDP; ``kareus plan`` traces them
+  so, :func:`kareus.models.parallel.gather_in_graph`). Those collectives are the graphs'
+  own: partitions whose launch slot, SM share and clock kareus plans like the tensor-parallel
+  ones, priced on the network where the group spans nodes (``CollectiveCost.nodes``).
+  Nothing is added here but the optimizer step on each rank's shard.
 
 This prices what hooks issue as they issue it: kareus does not choose their launch point
 or SM share (NCCL's defaults). A collective's time comes from the hardware model with the
@@ -63,7 +69,9 @@ from kareus.planner.compose import Composer, Solution
 from kareus.planner.dag import STEP, Instruction, Iteration, Option, with_steps
 from kareus.planner.select import select
 
-MODES = ("ddp", "fsdp", "hsdp")
+MODES = ("ddp", "fsdp", "hsdp", "simplefsdp")
+IN_GRAPH = ("simplefsdp",)
+"""Modes whose collectives are in the traced graphs (none added by :func:`traffic`)."""
 # STEP (from dag): the kind of an iteration's once-per-iteration instructions, and the
 # profile of their option priced beside the split graphs' last backward.
 STEP_ORIGINAL = "step-original"
@@ -103,8 +111,8 @@ class DataParallel:
 
     Attributes:
         degree: data-parallel replicas (1: the step instruction, with no communication).
-        mode: ``ddp``, ``fsdp`` (FSDP2) or ``hsdp`` (FSDP2 sharded within a node,
-            replicated across nodes).
+        mode: ``ddp``, ``fsdp`` (FSDP2), ``hsdp`` (FSDP2 sharded within a node,
+            replicated across nodes) or ``simplefsdp`` (gathered in the graphs).
         gpus_per_node: GPUs a node's NVLink joins.
         stride: ranks between data-parallel neighbours (tensor x context parallel, as
             Megatron-LM and torch's device meshes order ranks: data parallel outside them).
@@ -131,10 +139,15 @@ class DataParallel:
                 f"data-parallel degree {self.degree}, {self.gpus_per_node} GPUs per node and "
                 f"stride {self.stride} must all be at least 1"
             )
-        if self.mode == "ddp" and not self.reshard_after_forward:
+        if self.mode in ("ddp", *IN_GRAPH) and not self.reshard_after_forward:
             raise KareusError(
-                "reshard_after_forward=False (--no-reshard-after-forward) is FSDP2's: DDP "
-                "keeps every parameter whole; use --dp-mode fsdp or hsdp, or drop it"
+                "reshard_after_forward=False (--no-reshard-after-forward) is FSDP2's: "
+                + (
+                    "DDP keeps every parameter whole"
+                    if self.mode == "ddp"
+                    else "under SimpleFSDP the compiler decides what the backward gathers again"
+                )
+                + "; use --dp-mode fsdp or hsdp, or drop it"
             )
         if self.mode == "hsdp" and self.degree > 1:
             shard = self.shard_size
@@ -162,11 +175,19 @@ class DataParallel:
         """Whether a data-parallel group of ``group`` consecutive replicas spans nodes."""
         return group > 1 and group * self.stride > self.gpus_per_node
 
+    def nodes(self, group: int) -> int:
+        """Nodes a data-parallel group of ``group`` consecutive replicas spans."""
+        if not self.crosses_nodes(group):
+            return 1
+        return -(-group * self.stride // self.gpus_per_node)
+
     def describe(self) -> str:
         """One line, e.g. ``DDP over 4 replicas (across nodes)``."""
         where = "across nodes" if self.crosses_nodes(self.degree) else "within a node"
         if self.mode == "hsdp" and self.degree > 1:
             where = f"shards of {self.shard_size} within a node, replicated across nodes"
+        if self.mode in IN_GRAPH:
+            return f"SimpleFSDP over {self.degree} replica(s) ({where}; collectives in the graphs)"
         if self.mode != "ddp" and not self.reshard_after_forward:
             where += "; layers kept from forward to backward"
         return f"{self.mode.upper()} over {self.degree} replica(s) ({where})"
@@ -177,8 +198,8 @@ class Carried:
     """A collective an instruction carries beside its compute.
 
     Attributes:
-        coll: the collective (its bytes: all it moves in the instruction).
-        across: its group spans nodes.
+        coll: the collective (its bytes: all it moves in the instruction; its nodes: those
+            its group spans, the network carrying it where they are more than one).
         alone: the share no compute hides (FSDP2 prefetches the next layer's all-gather
             while a layer computes: the first layer's runs alone, and the last layer's
             reduce-scatter), run alone at the instruction's clock; the rest beside its
@@ -186,8 +207,12 @@ class Carried:
     """
 
     coll: CollectiveCost
-    across: bool
     alone: float = 1.0
+
+    @property
+    def across(self) -> bool:
+        """Whether its group spans nodes."""
+        return self.coll.nodes > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,17 +255,19 @@ def traffic(
     none: list[tuple[Carried, ...]] = [() for _ in kinds]
     if dp.degree == 1:
         return Traffic(tuple(none), (), weights.total)
+    if dp.mode in IN_GRAPH:  # the graphs' own collectives: only the step on the shard
+        return Traffic(tuple(none), (), weights.total / dp.degree)
     if dp.mode != "ddp":
         return _fsdp_traffic(dp, weights, kinds, pipelined)
     # DDP: the gradients' buckets are all-reduced as the last backward produces them, all
     # but the last beside its compute; the last after it.
-    reduce = CollectiveCost("all_reduce", weights.total * dp.param_bytes, dp.degree, "dp grads")
-    across = dp.crosses_nodes(dp.degree)
+    params = weights.total * dp.param_bytes
+    reduce = CollectiveCost("all_reduce", params, dp.degree, "dp grads", dp.nodes(dp.degree))
     last = min(1.0, dp.bucket_bytes / reduce.bytes) if reduce.bytes else 1.0
     backwards = [j for j, kind in enumerate(kinds) if kind == "backward"]
     if backwards and last < 1:
-        none[backwards[-1]] = (Carried(_scaled(reduce, 1 - last), across, 0.0),)
-    return Traffic(tuple(none), (Carried(_scaled(reduce, last), across),), weights.total)
+        none[backwards[-1]] = (Carried(_scaled(reduce, 1 - last), 0.0),)
+    return Traffic(tuple(none), (Carried(_scaled(reduce, last)),), weights.total)
 
 
 def _fsdp_traffic(
@@ -256,7 +283,7 @@ def _fsdp_traffic(
     replicas), unless ``pipelined``: then all at once after the last backward.
     """
     shard = dp.shard_size
-    across = dp.crosses_nodes(shard)
+    nodes = dp.nodes(shard)
     replicas = dp.degree // shard
     groups = [  # (name, parameters, layers, resharded after forward)
         (
@@ -270,19 +297,20 @@ def _fsdp_traffic(
     groups = [g for g in groups if g[1] > 0]
 
     def gather(name: str, params: float, units: int) -> Carried:
-        coll = CollectiveCost("all_gather", params * dp.param_bytes, shard, f"dp gather {name}")
-        return Carried(coll, across, 1 / units)
+        coll = CollectiveCost(
+            "all_gather", params * dp.param_bytes, shard, f"dp gather {name}", nodes
+        )
+        return Carried(coll, 1 / units)
 
     def reduce(name: str, params: float, alone: float) -> list[Carried]:
         full = params * dp.param_bytes
-        out = [
-            Carried(
-                CollectiveCost("reduce_scatter", full, shard, f"dp scatter {name}"), across, alone
+        scatter = CollectiveCost("reduce_scatter", full, shard, f"dp scatter {name}", nodes)
+        out = [Carried(scatter, alone)]
+        if replicas > 1:  # HSDP: each shard's gradients across the replicas, a node each
+            coll = CollectiveCost(
+                "all_reduce", full / shard, replicas, f"dp reduce {name}", replicas
             )
-        ]
-        if replicas > 1:  # HSDP: each shard's gradients across the replicas
-            coll = CollectiveCost("all_reduce", full / shard, replicas, f"dp reduce {name}")
-            out.append(Carried(coll, True, alone))
+            out.append(Carried(coll, alone))
         return out
 
     sharded = {name: True for name, *_ in groups}
@@ -305,10 +333,13 @@ def _fsdp_traffic(
 
 @dataclasses.dataclass(frozen=True)
 class Pricing:
-    """Where data-parallel collectives are priced: within a node and across nodes."""
+    """How data-parallel collectives are priced: by the hardware model, beside compute or alone.
+
+    A collective's group sets its link (:attr:`CollectiveCost.nodes`: the network where it
+    spans nodes, :meth:`Emulator.link`).
+    """
 
     local: Evaluator
-    network: Evaluator
     static_power_w: float
     sm_share: int  # the SMs NCCL's default communicator takes
     # What each (compute, collective, link, clock) was priced at: pipeline stages alike
@@ -318,43 +349,39 @@ class Pricing:
         default_factory=dict, compare=False, repr=False
     )
 
-    def evaluator(self, across: bool) -> Evaluator:
-        """Return the evaluator whose link carries a group within a node or across nodes."""
-        return self.network if across else self.local
-
     def beside(
-        self, ops: tuple[OpCost, ...], coll: CollectiveCost, across: bool, freq: float
+        self, ops: tuple[OpCost, ...], coll: CollectiveCost, freq: float
     ) -> tuple[float, float]:
         """(time, dynamic energy) ``coll`` adds to ``ops`` when it runs beside them."""
         if coll.bytes <= 0 or coll.world_size <= 1:
             return 0.0, 0.0
         if not ops:
-            return self.alone(coll, across, freq)
-        with_comm = self._estimate(ops, coll, across, freq)
-        without = self._estimate(ops, None, False, freq)
+            return self.alone(coll, freq)
+        with_comm = self._estimate(ops, coll, freq)
+        without = self._estimate(ops, None, freq)
         return (
             with_comm.time_s - without.time_s,
             self._dynamic(with_comm) - self._dynamic(without),
         )
 
-    def alone(self, coll: CollectiveCost, across: bool, freq: float) -> tuple[float, float]:
+    def alone(self, coll: CollectiveCost, freq: float) -> tuple[float, float]:
         """(time, dynamic energy) of ``coll`` with nothing beside it."""
         if coll.bytes <= 0 or coll.world_size <= 1:
             return 0.0, 0.0
-        est = self._estimate((), coll, across, freq)
+        est = self._estimate((), coll, freq)
         return est.time_s, self._dynamic(est)
 
     def _estimate(
-        self, ops: tuple[OpCost, ...], coll: CollectiveCost | None, across: bool, freq: float
+        self, ops: tuple[OpCost, ...], coll: CollectiveCost | None, freq: float
     ) -> Estimate:
         """Return the hardware model's estimate of ``ops`` beside ``coll`` (launched with them)."""
-        key = (ops, coll, across, freq)
+        key = (ops, coll, freq)
         if key not in self._priced:
             if coll is None:
                 est = self.local.ops(ops, freq)
             else:
                 knobs = Knobs(freq, self.sm_share, launch_slot=0 if ops else None)
-                est = self.evaluator(across).partition(PartitionWork(ops, coll), knobs)
+                est = self.local.partition(PartitionWork(ops, coll), knobs)
             self._priced[key] = est
         return self._priced[key]
 
@@ -384,8 +411,8 @@ def per_instruction_cost(
     """
     t = e = 0.0
     for c in carried:
-        dt, de = pricing.alone(_scaled(c.coll, c.alone), c.across, freq)
-        bt, be = pricing.beside(ops, _scaled(c.coll, 1 - c.alone), c.across, freq)
+        dt, de = pricing.alone(_scaled(c.coll, c.alone), freq)
+        bt, be = pricing.beside(ops, _scaled(c.coll, 1 - c.alone), freq)
         t, e = t + dt + bt, e + de + be
     return t, e
 
@@ -399,7 +426,7 @@ def step_cost(
     """
     t = e = 0.0
     for c in tr.after:
-        dt, de = pricing.alone(c.coll, c.across, freq)
+        dt, de = pricing.alone(c.coll, freq)
         t, e = t + dt, e + de
     n = tr.optimizer_params
     adam = OpCost("memory", ADAM_FLOPS_PER_PARAM * n, ADAM_BYTES_PER_PARAM * n, "fp32", "adamw")
@@ -409,11 +436,7 @@ def step_cost(
 
 def alone_time(tr: Traffic, pricing: Pricing, fmax: float) -> float:
     """Seconds one iteration's data-parallel collectives take alone, at the maximum clock."""
-    return sum(
-        pricing.alone(c.coll, c.across, fmax)[0]
-        for cs in (*tr.per_instruction, tr.after)
-        for c in cs
-    )
+    return sum(pricing.alone(c.coll, fmax)[0] for cs in (*tr.per_instruction, tr.after) for c in cs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,7 +446,7 @@ class DataParallelPlanning:
     Attributes:
         layout: degree, mode, GPUs per node, stride.
         weights: each pipeline stage's parameters on one GPU (one entry: every stage).
-        pricing: the evaluators of collectives within a node and across nodes.
+        pricing: how its collectives are priced.
     """
 
     layout: DataParallel
@@ -454,8 +477,7 @@ def data_parallel_planning(
     if not weights:
         raise KareusError("planning data parallelism needs each stage's parameters")
     static = spec.calibration.static_power_w
-    network = Emulator(spec.across_nodes(), evaluator.harness)
-    return DataParallelPlanning(layout, weights, Pricing(evaluator, network, static, sm_share))
+    return DataParallelPlanning(layout, weights, Pricing(evaluator, static, sm_share))
 
 
 def add_data_parallel(
@@ -534,6 +556,7 @@ def add_data_parallel(
         ]
     dp = dpp.layout
     summary = {"degree": dp.degree, "mode": dp.mode, "gpus_per_node": dp.gpus_per_node}
+    summary["in_graph"] = dp.mode in IN_GRAPH
     return tagged, {**summary, "describe": dp.describe(), "stages": per_stage}
 
 

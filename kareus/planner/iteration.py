@@ -34,6 +34,7 @@ from kareus.planner.dag import (
     switches,
 )
 from kareus.planner.data_parallel import (
+    IN_GRAPH,
     STEP,
     STEP_ORIGINAL,
     DataParallelPlanning,
@@ -226,7 +227,7 @@ def plan_iteration(
     counts = {"search": evaluated.searched, "total": ev.evaluations, "grid": evaluated.grid}
     counts |= _solve_counts(comps.values(), settings.solver_gap_limit)
     graphs = (stages, originals)
-    if data_parallel is not None:
+    if data_parallel is not None and data_parallel.layout.mode not in IN_GRAPH:  # else planned
         dp_record["blind"] = _seeing_data_parallel(
             parallel, blind_options, graphs, comps["kareus"], freqs, static_power_w, settings,
             (policy, energy_budget_j, deadline_s), note,
