@@ -549,6 +549,60 @@ def test_ddp_trains_the_same_and_splits_unless_its_buckets_cut_the_layers(
             assert any("DDPOptimizer" in n and "optimize_ddp" in n for n in notes), notes
 
 
+def _ddp_compiled_autograd(rank):
+    from torch._dynamo import compiled_autograd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from kareus.testing import overlap_problems
+
+    torch._dynamo.config.optimize_ddp = "python_reducer"  # its all-reduces in the graph
+    made = []
+
+    def backward_compiler(gm):
+        made.append(kareus.compile(gm))
+        return made[-1]
+
+    def make(compiled):
+        torch.manual_seed(0)
+        model = DDP(Model(4), bucket_cap_mb=0.001)  # a bucket per parameter
+        return kareus.compile(model, nanobatches=2) if compiled else model
+
+    data = [
+        (torch.randn(6, 4, DIM, generator=torch.Generator().manual_seed(10 * rank + i)),)
+        for i in range(2)
+    ]
+    ref = train(make(False), data)
+    model = make(True)
+    with compiled_autograd._enable(backward_compiler):
+        got = train(model, data)
+    regions = [r for c in made for r in kareus.explain(c).regions]
+    found = []
+    for region in regions:
+        pset = region.findings["cut_partitions"]
+        overlapped = [pset.types[p.type_key].collective.kind for p in pset.partitions]
+        alone = [c.kind for colls in pset.exposed.values() for c in colls]
+        found.append((overlapped, alone, overlap_problems(region)))
+    return ref, got, found
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_ddp_under_compiled_autograd_overlaps_its_all_reduces_in_the_backward_graph():
+    """DDP's python reducer under compiled autograd (2 gloo ranks) puts each gradient's
+    all-reduce in compiled autograd's backward graph, which has no layer blocks: the graph
+    is one run of compute left whole, so each all-reduce but the last overlaps the compute
+    after it (its launch and SM share planned like any partition's),
+    and the model trains as eager DDP does."""
+    for ref, got, found in run_ranks(_ddp_compiled_autograd):
+        assert_same_history(ref, got, bitwise_loss=False)
+        assert found  # (compiled autograd compiled the backward with kareus)
+        for overlapped, alone, problems in found:
+            # 4 layers x 4 parameters: one all-reduce each, the last with nothing after it
+            assert set(overlapped) == {"all_reduce"} and len(overlapped) == 15, overlapped
+            assert alone == ["all_reduce"]
+            assert problems == []
+
+
 def test_blocks_under_activation_checkpointing_compiled_one_by_one_are_split():
     """torchtitan's order: checkpoint_wrapper on each block, then compile each block; with
     gradient accumulation (two micro-batches per step)."""

@@ -270,7 +270,7 @@ def cut_graph(
     chain.sort(key=lambda item: min(order[s.issue.name] for s in item[1][0][0] if s.issue))
     if chain:
         _interleave(graph, kind, chain, pset, fuse)
-    elif not _overlap_whole_blocks(graph, kind, pset, spans, fuse):
+    elif not _overlap_whole_blocks(graph, kind, pset, spans or _whole_graph(graph), fuse):
         pset.notes[kind] = "no split block with collectives: frequency planning only"
     rest, per_block, exposed, alone = outside_nodes(graph, kind, pset, spans, fuse)
     index = step_index(graph)
@@ -283,6 +283,16 @@ def cut_graph(
     pset.block_exposed[kind] = {
         block: tuple(collective_cost(n) for n in issues) for block, issues in alone.items()
     }
+
+
+WHOLE_GRAPH = "graph"
+"""The block name of partitions cut from a graph without layer blocks (compiled autograd's
+backward, a model without a layer list): the graph is one run of compute, left whole."""
+
+
+def _whole_graph(graph: fx.Graph) -> dict[str, dict[None, list[str]]]:
+    """Spans of a graph without layer blocks: the whole graph as one block left whole."""
+    return {WHOLE_GRAPH: {None: [n.name for n in graph.nodes if n.op == "call_function"]}}
 
 
 def _join_runs(graph: fx.Graph, rest: list[fx.Node], per_block: dict[str, list[fx.Node]]) -> None:
@@ -469,10 +479,11 @@ def _overlap_whole_blocks(
             continue
         ready = max((position[i] for i in issue.all_input_nodes if i not in movable), default=-1)
         need, at = needed_at[waits[0]], position[issue]
+        held = _held_back(issue, movable)
         fits = [
             (max(lo - at, at - hi), i)
-            for i, (lo, hi, _b, _c) in enumerate(windows)
-            if ready < lo and hi < need and i not in chosen.values()
+            for i, (lo, hi, _b, compute) in enumerate(windows)
+            if ready < lo and hi < need and i not in chosen.values() and held.isdisjoint(compute)
         ]
         if fits:
             chosen[issue] = min(fits)[1]
@@ -509,6 +520,29 @@ def _movable(graph: fx.Graph) -> set[fx.Node]:
         ):
             out.add(n)
     return out
+
+
+def _held_back(issue: fx.Node, movable: set[fx.Node]) -> set[fx.Node]:
+    """Return the ops before ``issue`` that feed it and cannot move up to the graph's start.
+
+    A collective whose input is made from the graph's inputs by memory-bound ops can be
+    issued early only with them: ops on inputs alone (a weight's cast) move up freely, but
+    one that reads another op (DDP's gradient copied and divided before its all-reduce, in
+    compiled autograd's backward) stays where it is, so a window holding it cannot hold
+    the collective launched before it.
+    """
+    held: set[fx.Node] = set()
+    stack = [i for i in issue.all_input_nodes if i in movable]
+    while stack:
+        n = stack.pop()
+        if n in held or n.op != "call_function":
+            continue
+        if cost_of(n).op_class != "view" and any(
+            i.op == "call_function" for i in n.all_input_nodes
+        ):
+            held.add(n)
+        stack.extend(i for i in n.all_input_nodes if i in movable)
+    return held
 
 
 def _needed_at(graph: fx.Graph, position: dict[fx.Node, int]) -> dict[fx.Node, int]:

@@ -197,8 +197,8 @@ def _indexed_paths(node: fx.Node) -> list[tuple[str, str, int, str]]:
 COMPILED_AUTOGRAD = (
     "no layer blocks in compiled autograd's backward graph: it records the autograd graph's "
     "ops without the modules that ran them, so kareus cannot tell the layers apart to split "
-    "them or overlap their collectives; it runs as captured (with the gradient all-reduces "
-    "DDP's python reducer puts here)"
+    "them; its collectives (the gradient all-reduces DDP's python reducer puts here) "
+    "overlap the compute beside them as in a block left whole"
 )
 """Why compiled autograd's graph (``torch._dynamo.compiled_autograd``) has no blocks."""
 
