@@ -553,3 +553,28 @@ def test_profile_refuses_simplefsdp_naming_why(capsys, tmp_path):
     assert "kareus profile runs one TP x CP group (2 GPUs), not its 2 replicas" in (
         capsys.readouterr().err
     )
+
+
+def test_more_stages_a_rank_than_torch_keeps_gathered_is_said_not_priced():
+    pset = megatron_partition_set(
+        hidden=256, ffn=512, heads=4, seq=256, microbatch=4, layers=1, tp=2
+    )
+
+    def planned(virtual):
+        return plan_for_gpu(
+            [pset] * (2 * virtual),
+            SPEC,
+            parallel=Parallelism(
+                tp=2, pp=2, microbatches=4, schedule="Interleaved1F1B", virtual_stages=virtual
+            ),
+            settings=PlannerSettings(sweep_points=2, clocks_mhz=(1410,)),
+            data_parallel=DataParallel(2, "fsdp", stride=2),
+            weights=[WEIGHTS],
+        ).plan
+
+    from kareus.jobs.report import data_parallel_lines
+
+    assert "caveat" not in planned(3).data_parallel  # torch keeps three stages unsharded
+    four = planned(4)
+    assert "4 stages a rank: torch's runtime schedule keeps 3" in four.data_parallel["caveat"]
+    assert any(line.startswith("**Not priced**: 4 stages") for line in data_parallel_lines(four))

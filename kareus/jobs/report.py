@@ -288,6 +288,7 @@ def data_parallel_lines(plan: Plan) -> list[str]:
         "",
         _md_table(header, rows),
         "",
+        *([f"**Not priced**: {dp['caveat']}.", ""] if dp.get("caveat") else []),
         *_blind_lines(dp.get("blind")),
     ]
 

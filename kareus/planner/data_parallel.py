@@ -70,6 +70,9 @@ from kareus.planner.dag import STEP, Instruction, Iteration, Option, with_steps
 from kareus.planner.select import select
 
 MODES = ("ddp", "fsdp", "hsdp", "simplefsdp")
+MAX_ACTIVE_STAGES = 3
+"""Stages of a rank torch's runtime pipeline schedules keep unsharded (``_add_unshard_reshard``'s
+``max_active_stages``): within it, kareus's placement is checked against torch."""
 IN_GRAPH = ("simplefsdp",)
 """Modes whose collectives are in the traced graphs (none added by :func:`traffic`)."""
 # STEP (from dag): the kind of an iteration's once-per-iteration instructions, and the
@@ -557,6 +560,13 @@ def add_data_parallel(
     dp = dpp.layout
     summary = {"degree": dp.degree, "mode": dp.mode, "gpus_per_node": dp.gpus_per_node}
     summary["in_graph"] = dp.mode in IN_GRAPH
+    kept = max(len({instrs[i].stage for i in order}) for order in iteration.orders)
+    if dp.mode in ("fsdp", "hsdp") and kept > MAX_ACTIVE_STAGES:
+        summary["caveat"] = (
+            f"{kept} stages a rank: torch's runtime schedule keeps {MAX_ACTIVE_STAGES} "
+            "unsharded and gathers a stage again (root and layers) when it comes back; kareus "
+            "prices every stage of a rank as kept, so those gathers are not in this plan"
+        )
     return tagged, {**summary, "describe": dp.describe(), "stages": per_stage}
 
 
