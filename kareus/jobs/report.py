@@ -306,9 +306,11 @@ def _in_graph_lines(plan: Plan) -> list[str]:
         f"{dp['describe']}, {dp['gpus_per_node']} GPUs per node; **modelled**. The parameters' "
         "all-gathers and the gradients' reduce-scatters are in the traced graphs (each rank "
         "holds a shard), so kareus plans them as it plans the tensor-parallel collectives: "
-        "each overlaps the compute beside it as a partition whose clock, launch slot and SM "
-        "share are chosen (*Partition types* lists them; a group across nodes says *over N "
-        "nodes* and is priced on the network). Each rank's *step* holds the optimizer on "
+        "where the layers stay whole (no tensor parallelism) each overlaps the compute "
+        "beside it as a partition whose clock, launch slot and SM share are chosen "
+        "(*Partition types* lists them; a group across nodes says *over N nodes* and is "
+        "priced on the network); where layers are split, a gather both nanobatches share "
+        "runs alone, priced so. Each rank's *step* holds the optimizer on "
         f"its shard, at a clock of its own ({_step_clocks(plan)}; the baselines keep it at "
         "the maximum).",
         "",
