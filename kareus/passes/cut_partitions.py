@@ -574,4 +574,4 @@ def _after_waits(graph: fx.Graph, issues: list[fx.Node]) -> set[fx.Node]:
 
 def _signature(costs: tuple[OpCost, ...], coll: CollectiveCost | None) -> tuple[Any, ...]:
     ops = tuple((c.op_class, c.flops, c.bytes, c.dtype) for c in costs)
-    return ops, (coll.kind, coll.bytes, coll.world_size) if coll else None
+    return ops, (coll.kind, coll.bytes, coll.world_size, coll.nodes) if coll else None
