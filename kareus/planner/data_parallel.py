@@ -560,14 +560,20 @@ def add_data_parallel(
     dp = dpp.layout
     summary = {"degree": dp.degree, "mode": dp.mode, "gpus_per_node": dp.gpus_per_node}
     summary["in_graph"] = dp.mode in IN_GRAPH
-    kept = max(len({instrs[i].stage for i in order}) for order in iteration.orders)
-    if dp.mode in ("fsdp", "hsdp") and kept > MAX_ACTIVE_STAGES:
-        summary["caveat"] = (
-            f"{kept} stages a rank: torch's runtime schedule keeps {MAX_ACTIVE_STAGES} "
-            "unsharded and gathers a stage again (root and layers) when it comes back; kareus "
-            "prices every stage of a rank as kept, so those gathers are not in this plan"
-        )
+    summary |= _unpriced(iteration, dp)
     return tagged, {**summary, "describe": dp.describe(), "stages": per_stage}
+
+
+def _unpriced(iteration: Iteration, dp: DataParallel) -> dict[str, str]:
+    """Return the record's ``caveat`` where the plan leaves out traffic torch issues."""
+    kept = max(len({iteration.instructions[i].stage for i in order}) for order in iteration.orders)
+    if dp.mode not in ("fsdp", "hsdp") or kept <= MAX_ACTIVE_STAGES:
+        return {}
+    return {
+        "caveat": f"{kept} stages a rank: torch's runtime schedule keeps {MAX_ACTIVE_STAGES} "
+        "unsharded and gathers a stage again (root and layers) when it comes back; kareus "
+        "prices every stage of a rank as kept, so those gathers are not in this plan"
+    }
 
 
 @dataclasses.dataclass(frozen=True)
