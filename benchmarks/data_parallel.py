@@ -16,6 +16,10 @@ and run with it (the report's *What seeing it gained*), and writes a plot (``--o
 default ``dp-out/``). All figures are modelled (the hardware model);
 the wall time of planning is measured.
 
+``--modes simplefsdp`` traces each degree with the parameters gathered in the graphs (its
+collectives are partitions, not hook traffic: no *alone* / *added* / *seeing DP* columns;
+with TP 8 the layers split and the gathers run alone, so Megatron-LM's time holds them).
+
 Run: python benchmarks/data_parallel.py [--modes ddp,fsdp] [--degrees 1,2,4,8,16] [--out DIR]
 """
 
@@ -136,7 +140,9 @@ def _groups(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", default="ddp", help="comma-separated: ddp, fsdp")
+    parser.add_argument(
+        "--modes", default="ddp", help="comma-separated: ddp, fsdp, hsdp, simplefsdp"
+    )
     parser.add_argument("--degrees", default="1,2,4,8,16")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("dp-out"))
     args = parser.parse_args()
