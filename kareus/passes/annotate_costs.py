@@ -293,6 +293,17 @@ def group_nodes(issue: fx.Node, per_node: int) -> int:
     return len({r // per_node for r in ranks}) or 1
 
 
+def moves_freely(node: fx.Node) -> bool:
+    """Whether ``node`` can run anywhere before its users: a view, or an op on inputs alone.
+
+    The overlap scheduler moves such ops up to their first user (``schedule_overlap``), so
+    the partition cutter may count on it (``cut_partitions``).
+    """
+    if cost_of(node).op_class == "view":
+        return True
+    return all(i.op in ("placeholder", "get_attr") for i in node.all_input_nodes)
+
+
 def cost_of(node: fx.Node) -> OpCost:
     """Return the annotated cost of ``node`` (a zero-cost view when it has none)."""
     cost = node.meta.get(META_KEY)

@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from kareus.ir.costs import CollectiveCost, OpCost
 from kareus.ir.partitions import Partition, PartitionSet, PartitionType, Slot
-from kareus.passes.annotate_costs import NODES_KEY, concrete, cost_of
+from kareus.passes.annotate_costs import NODES_KEY, concrete, cost_of, moves_freely
 from kareus.passes.base import GraphPass, PassContext, PassResult
 from kareus.passes.find_blocks import BlockSet
 
@@ -526,23 +526,21 @@ def _held_back(issue: fx.Node, movable: set[fx.Node]) -> set[fx.Node]:
     """Return the ops before ``issue`` that feed it and cannot move up to the graph's start.
 
     A collective whose input is made from the graph's inputs by memory-bound ops can be
-    issued early only with them: ops on inputs alone (a weight's cast) move up freely, but
-    one that reads another op (DDP's gradient copied and divided before its all-reduce, in
-    compiled autograd's backward) stays where it is, so a window holding it cannot hold
-    the collective launched before it.
+    issued early only with them: ops on inputs alone (a weight's cast) move up freely
+    (:func:`~kareus.passes.annotate_costs.moves_freely`, as the overlap scheduler moves
+    them), but one that reads another op (DDP's gradient copied and divided before its
+    all-reduce, in compiled autograd's backward) stays where it is, so a window holding it
+    cannot hold the collective launched before it.
     """
-    held: set[fx.Node] = set()
+    seen: set[fx.Node] = set()
     stack = [i for i in issue.all_input_nodes if i in movable]
     while stack:
         n = stack.pop()
-        if n in held or n.op != "call_function":
+        if n in seen or n.op != "call_function":
             continue
-        if cost_of(n).op_class != "view" and any(
-            i.op == "call_function" for i in n.all_input_nodes
-        ):
-            held.add(n)
+        seen.add(n)
         stack.extend(i for i in n.all_input_nodes if i in movable)
-    return held
+    return {n for n in seen if not moves_freely(n)}
 
 
 def _needed_at(graph: fx.Graph, position: dict[fx.Node, int]) -> dict[fx.Node, int]:

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import torch.fx as fx
 
 from kareus.ir.partitions import Decision, PartitionSet
+from kareus.passes.annotate_costs import moves_freely
 from kareus.passes.base import GraphPass, PassContext, PassResult
 from kareus.runtime.comm_pool import CommunicatorPool
 
@@ -110,7 +111,7 @@ def rewrite_schedule(
     # partition node that needs it. Free nodes (views, work on parameters alone) may move
     # up the same way even when a partition lists them.
     for n in reversed(nodes):
-        if n.users and (n not in placed or _free(n)):
+        if n.users and (n not in placed or moves_freely(n)):
             key[n] = min(key[n], min(key[u] for u in n.users))
     _reorder(graph, nodes, key)
     if pool is None:
@@ -121,14 +122,6 @@ def rewrite_schedule(
         if share is not None:
             requests.append((by_name[part.collective[0]], share))  # type: ignore[index]
     return pool.regroup(requests)
-
-
-def _free(node: fx.Node) -> bool:
-    from kareus.passes.annotate_costs import cost_of
-
-    if cost_of(node).op_class == "view":
-        return True
-    return all(i.op in ("placeholder", "get_attr") for i in node.all_input_nodes)
 
 
 def _reorder(graph: fx.Graph, nodes: list[fx.Node], key: dict[fx.Node, float]) -> None:

@@ -342,10 +342,10 @@ class Pricing:
     spans nodes, :meth:`Emulator.link`).
     """
 
-    local: Evaluator
+    evaluator: Evaluator
     static_power_w: float
     sm_share: int  # the SMs NCCL's default communicator takes
-    # What each (compute, collective, link, clock) was priced at: pipeline stages alike
+    # What each (compute, collective, clock) was priced at: pipeline stages alike
     # (the middle ones of a model) run the same compute beside the same traffic, and the
     # options of every profile of one graph at one clock share it.
     _priced: dict[tuple[Any, ...], Estimate] = dataclasses.field(
@@ -381,10 +381,10 @@ class Pricing:
         key = (ops, coll, freq)
         if key not in self._priced:
             if coll is None:
-                est = self.local.ops(ops, freq)
+                est = self.evaluator.ops(ops, freq)
             else:
                 knobs = Knobs(freq, self.sm_share, launch_slot=0 if ops else None)
-                est = self.local.partition(PartitionWork(ops, coll), knobs)
+                est = self.evaluator.partition(PartitionWork(ops, coll), knobs)
             self._priced[key] = est
         return self._priced[key]
 
@@ -433,7 +433,7 @@ def step_cost(
         t, e = t + dt, e + de
     n = tr.optimizer_params
     adam = OpCost("memory", ADAM_FLOPS_PER_PARAM * n, ADAM_BYTES_PER_PARAM * n, "fp32", "adamw")
-    est = pricing.local.ops((adam,), freq)
+    est = pricing.evaluator.ops((adam,), freq)
     return (t, e), (est.time_s, est.energy_j - pricing.static_power_w * est.time_s)
 
 
