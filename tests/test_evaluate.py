@@ -235,3 +235,64 @@ def test_with_data_parallelism_evaluate_prices_as_the_planner(tmp_path):
     assert cost.energy_j == pytest.approx(megatron.energy_j, rel=1e-9)
     (alone,) = evaluate_clock_plans(WORK, "a100-40gb", [uniform("max", 1410)]).plans
     assert cost.time_s > alone.time_s and cost.energy_j > alone.energy_j
+
+
+def test_instruction_times_are_the_profiles_the_plans_are_priced_from():
+    """What `evaluate` reports per instruction is what its plans' makespans are made of."""
+    from kareus.planner.dag import makespan, schedule_iteration
+
+    plans = [uniform("max", 1410), uniform("low", 1005)]
+    result = evaluate_clock_plans(WORK, "a100-40gb", plans)
+    times = result.instruction_times_s
+    assert set(times) == {(s, k) for s in (0, 1) for k in ("forward", "backward")}
+    iteration = schedule_iteration(WORK.schedule, WORK.pp, WORK.microbatches)
+    for plan, cost in zip(plans, result.plans, strict=True):
+        mhz = plan.freqs_mhz[0][0]
+        durations = [times[(i.stage, i.kind)][mhz] for i in iteration.instructions]
+        assert makespan(iteration, durations) == pytest.approx(cost.time_s, rel=1e-9)
+    assert all(t[1005] > t[1410] for t in times.values())
+    listed = json.loads(json.dumps(result.to_dict()))["instructions"]
+    assert {(e["stage"], e["kind"]) for e in listed} == set(times)
+
+
+def test_the_fidelity_benchmark_recovers_a_known_clock_response():
+    """`pipeline_fidelity.clock_response` fitted to makespans made from a known response
+    (stage 0's forward + backward at the top clock, the share not scaling with the clock,
+    the later stage's weight) gives that response back, on the reference plans' own 1F1B
+    schedule and clocks."""
+    import sys
+
+    from kareus.planner.dag import makespan, schedule_iteration
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import pipeline_fidelity as pf
+
+    if not (shared_data_dir() / "a100_llama_pipeline_plans" / "plans.csv").is_file():
+        pytest.skip("the reference A100 pipeline plans are not at shared/data")
+    key = (8, 1, 2, 8, 4096, 8)
+    work = pf._workload(key, "full")
+    plans = [p for p, _t, _e in pf.reference()[key]["perseus"].values()]
+    top = {(0, "forward"): 0.15, (0, "backward"): 0.39, (1, "forward"): 0.16}
+    top[(1, "backward")] = 0.37
+    shape = {k: {1410.0: v} for k, v in top.items()}
+    iteration = schedule_iteration(work.schedule, work.pp, work.microbatches)
+    position = {
+        (i.stage, i.kind, i.microbatch): (r, p)
+        for r, order in enumerate(stage_orders(work))
+        for p, i in enumerate(order)
+    }
+    for stage0_s, fixed, later in ((0.54, 0.09, 1.0), (0.50, 0.32, 0.95)):
+        times = []
+        for plan in plans:
+            durations = []
+            for i in iteration.instructions:
+                rank, p = position[i.stage, i.kind, i.microbatch]
+                scale = fixed + (1 - fixed) * 1410 / plan.freqs_mhz[rank][p]
+                scale *= later if i.stage else 1.0
+                durations.append(stage0_s * top[(i.stage, i.kind)] / 0.54 * scale)
+            times.append(makespan(iteration, durations))
+        fit = pf.clock_response(key, "full", plans, times, shape)
+        assert fit.stage0_s == pytest.approx(stage0_s, rel=1e-3)
+        assert fit.fixed == pytest.approx(fixed, abs=1e-3)
+        assert fit.later_stages == pytest.approx(later, abs=1e-3)
+        assert fit.rms < 1e-4

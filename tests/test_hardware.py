@@ -194,6 +194,40 @@ def test_collective_slows_by_a_constant_beside_compute():
     assert est.time_s == pytest.approx(t_gemm + (1 - done) * comm, rel=0.02)
 
 
+@pytest.mark.parametrize("exponent", [0.0, 0.5, 1.0])
+def test_a_collective_beside_compute_follows_the_clock_by_its_contended_exponent(exponent):
+    spec = gpu("a100-sxm4-40gb")
+    cal = dataclasses.replace(spec.calibration, contended_clock_exponent=exponent)
+    emu, top, low = Emulator(spec.with_calibration(cal, "test")), spec.clock_max_mhz, 990.0
+    knobs = Knobs(top, 4)
+    # Alone its SMs copy at the clock; beside compute its stalls follow the clock by the
+    # exponent (0: they wait on what the SM clock does not set).
+    alone = emu.collective_rate(knobs, low) / emu.collective_rate(knobs, top)
+    assert alone == pytest.approx(low / top)
+    beside = emu.collective_rate(knobs, low, beside_compute=True)
+    beside /= emu.collective_rate(knobs, top, beside_compute=True)
+    assert beside == pytest.approx((low / top) ** exponent)
+    # At the top clock the exponent changes nothing.
+    assert emu.collective_rate(knobs, top, beside_compute=True) == pytest.approx(
+        emu.collective_rate(knobs, top) / (1 + cal.contention)
+    )
+    # A byte still costs the same energy overlapped or alone, at any clock.
+    only_comm = dataclasses.replace(
+        cal,
+        static_power_w=0.0,
+        mem_power_w_per_tbs=0.0,
+        comm_latency_us=0.0,
+        activity={"gemm": 0.0, "attention": 0.0, "memory": 0.0, "comm": 1.0},
+    )
+    no_latency = dataclasses.replace(spec.interconnect, latency_us=0.0)
+    emu = Emulator(
+        dataclasses.replace(spec, interconnect=no_latency).with_calibration(only_comm, "test")
+    )
+    serial = emu.partition(attention_partition(), Knobs(low, 8, launch_slot=None))
+    overlapped = emu.partition(attention_partition(), Knobs(low, 8, launch_slot=0))
+    assert overlapped.energy_j == pytest.approx(serial.energy_j, rel=1e-6)
+
+
 def test_harness_collective_starts_when_the_host_issues_it():
     spec = gpu("a100-sxm4-40gb")
     work, f = attention_partition(), spec.clock_max_mhz

@@ -58,8 +58,9 @@ def test_the_flow_proves_the_simplex_bound_and_rounds_to_a_plan_within_it(it):
 def test_on_a_models_options_the_flow_agrees_with_the_simplex_and_proves_its_plans():
     # Llama 3.3 70B shapes on the modelled A100 (19 clocks, five overlap profiles), PP 4 x
     # 16: on the whole hulls the bounds agree to 0.01 %; on the hulls the flow's arcs are
-    # thinned to by default (flow.HULL_TOLERANCE) they lie at most 0.05 % below, and every
-    # plan is proven within the gap limit.
+    # thinned to by default (flow.HULL_TOLERANCE, 0.2 % a vertex) they lie at most 0.1 %
+    # below (0.056 % at most on the current A100 model, 0.05 % before its contended clock
+    # exponent), and every plan is proven within the gap limit.
     from kareus.hardware import Emulator, gpu
     from kareus.planner.iteration import PlannerSettings, evaluate_options
     from kareus.planner.knobs import CountingEvaluator, default_clocks
@@ -83,7 +84,7 @@ def test_on_a_models_options_the_flow_agrees_with_the_simplex_and_proves_its_pla
     for bound in _bounds(comp):
         want, got = simplex.at(bound), flow.at(bound)
         assert whole.at(bound).bound_j == pytest.approx(want.bound_j, rel=1e-4), bound
-        assert want.bound_j * (1 - 5e-4) <= got.bound_j <= want.bound_j * (1 + 1e-6), bound
+        assert want.bound_j * (1 - 1e-3) <= got.bound_j <= want.bound_j * (1 + 1e-6), bound
         t, e = comp.evaluate(got.choices)
         assert (bound is None or t <= bound + 1e-9) and got.bound_j <= e <= got.bound_j * 1.005
         # Asked for a gap of zero, every plan is re-planned on the whole hulls: never worse,

@@ -16,9 +16,10 @@ Every figure it returns is *modelled* (``Estimate.source == "modelled"``). The m
 - **Overlap**: a partition is simulated as a timeline. Compute ops run in order; the
   collective starts when compute reaches its launch slot (a PyTorch collective waits on the
   compute stream). While both run, compute has N-n SMs and the memory bandwidth the
-  collective leaves, and the collective copies 1/(1 + contention) as fast as alone: its
-  CTAs share SMs, issue slots and the memory system with the compute kernels' (a fitted
-  constant).
+  collective leaves, and the collective copies 1/(1 + contention) as fast as alone at the
+  top clock: its CTAs share SMs, issue slots and the memory system with the compute
+  kernels' (a fitted constant); beside compute its rate scales with the clock as
+  (f/f_max)^contended_clock_exponent (alone as f/f_max).
 - **Power**: static power (a constant part and leakage, which scales with V(f)) plus the
   dynamic power of what is active — per-SM activity of each class scaled by f·V(f)², plus
   memory traffic. Above TDP the chip throttles: the clock drops until power fits, so a
@@ -193,7 +194,10 @@ class Emulator:
         ``coll``: the collective, whose group sets the link (:meth:`link`; None: NVLink).
         """
         cal = self.cal
-        per_sm = cal.comm_gbs_per_sm * 1e9 * freq_mhz / self.spec.clock_max_mhz
+        speed = freq_mhz / self.spec.clock_max_mhz
+        if beside_compute:
+            speed **= cal.contended_clock_exponent
+        per_sm = cal.comm_gbs_per_sm * 1e9 * speed
         per_sm *= (knobs.threads_per_block / 1024) ** cal.comm_thread_exponent
         link = self.link(coll).bandwidth_gbs * 1e9 * cal.comm_link_efficiency
         # The collective's SMs copy the bytes into the link, which carries them: the two run
@@ -319,7 +323,13 @@ class Emulator:
             rate = self.collective_rate(knobs, freq, beside_compute=True, coll=coll)
             return lat_left + comm_left / rate, rate, rate * cal.comm_hbm_bytes_per_byte
 
-        load = 1.0 / (1.0 + cal.contention)  # the collective's rate beside compute, as a share
+        # the collective's rate beside compute, as a share of its rate alone at the clock
+        load = (
+            self.collective_rate(knobs, knobs.freq_mhz, beside_compute=True, coll=coll)
+            / self.collective_rate(knobs, knobs.freq_mhz, coll=coll)
+            if coll is not None and knobs.sm_share
+            else 1.0
+        )
         for i, op in enumerate(ops):
             if overlap and i == knobs.launch_slot:
                 comm_on = True

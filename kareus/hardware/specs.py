@@ -53,10 +53,10 @@ _FLASH = (
 _VF_A100 = (
     f"{_VF}. A100 floor: fitted by kareus.hardware.calibrate to the partition measured at "
     "1200 MHz and at the default clock (they fix the voltage at 1200 MHz; the fitted floor is "
-    "in the calibration and replaces the 0.80 here). Knee 0.80 (1128 MHz): chosen among "
+    "in the calibration and replaces the 0.80 here). Knee 0.82 (1156 MHz): chosen among "
     "0.70-0.85 on the 75 unflagged reference A100 pipeline plans, by the Perseus frontier "
     "slopes it reproduces, then the plans' energy error (in-sample; with each configuration "
-    "left out in turn, the same knee for 3 of 4: docs/fidelity.md, 'The A100 voltage curve')"
+    "left out in turn, the same knee for 4 of 4: docs/fidelity.md, 'The A100 voltage curve')"
 )
 
 
@@ -120,6 +120,16 @@ PRIORS = {
         "their harness, cannot tell the kernels' activity from their stalls"
     ),
     "activity.attention": "assumption: 0.9 of a GEMM's (FlashAttention's softmax stalls)",
+    "contended_clock_exponent": (
+        "chosen on the reference A100 pipeline plans, in-sample, by the clock response of "
+        "nanobatching's instructions (python benchmarks/pipeline_fidelity.py "
+        "--fit-contended-clock; docs/fidelity.md): among 0-1, 0.25 brings the share of a "
+        "nanobatched instruction's time that does not scale with the clock within 0.05 of "
+        "the reference's in the three plan sets one response fits (1: 0.08-0.10 short); "
+        "each configuration left out chooses 0.25 or 0. The partition's custom TP 2 kernel "
+        "fitted freely puts it at 1.1, with its median errors the same from 0 to 1.1: it "
+        "cannot tell, and NCCL at TP 4-8 is what kareus plans"
+    ),
 }
 """Datasheet-like factors of :class:`Calibration` that the measured partitions cannot
 identify (they vary communication knobs only), kept at published values, with sources; the
@@ -201,6 +211,11 @@ class Calibration:
         comm_hbm_bytes_per_byte: local memory traffic per byte the collective moves.
         contention: a collective copies 1/(1 + contention) as fast while compute kernels run
             beside it (they share SMs, issue slots and the memory system).
+        contended_clock_exponent: beside compute, a collective's rate scales with the clock
+            as (f / f_max) ** this (alone it scales as f / f_max, its SMs copying at the
+            clock): 1, its stalls beside compute are clock cycles; 0, they are waits on
+            what the SM clock does not set (the memory system and the link it shares,
+            its peers).
         static_power_w: power drawn at the maximum clock while blocked on communication.
         static_clock_share: the share of ``static_power_w`` that is the clock network and
             idle logic switching at the locked clock: it falls with f·V(f)² as the clock is
@@ -224,6 +239,7 @@ class Calibration:
     comm_link_efficiency: float = 0.77
     comm_hbm_bytes_per_byte: float = 3.0
     contention: float = 0.3
+    contended_clock_exponent: float = 0.25
     static_power_w: float = 85.0
     static_clock_share: float = 0.0
     v_floor: float | None = None
@@ -342,7 +358,7 @@ def _a100(name: str, memory_gb: float, bandwidth_gbs: float, bw_source: str) -> 
         tdp_w=400.0,
         interconnect=NVLINK3,
         network=IB_HDR,
-        vf_knee=0.80,
+        vf_knee=0.82,
         v_floor=0.80,
         leakage_fraction=0.25,
         gemm_ceiling=0.859,

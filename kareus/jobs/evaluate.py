@@ -89,12 +89,18 @@ class Evaluation:
             partitions); ``mixed`` when a replay holds both.
         method: ``megatron`` or ``nanobatch``.
         gpu: the GPU the plans were priced on.
+        instruction_times_s: per (stage, kind), its time at each clock the plans use: the
+            instruction profiles the plans were priced from (a kind that carries data
+            parallelism's traffic beside it is named with it: :attr:`Instruction.key`).
     """
 
     plans: tuple[PlanCost, ...]
     source: str
     method: str
     gpu: str
+    instruction_times_s: dict[tuple[int, str], dict[float, float]] = dataclasses.field(
+        default_factory=dict
+    )
 
     def to_dict(self) -> dict[str, object]:
         """Return ``{"plans": [{"plan_id", "time_s", "energy_j", ...}], "source": ...}``."""
@@ -103,6 +109,10 @@ class Evaluation:
             "source": self.source,
             "method": self.method,
             "gpu": self.gpu,
+            "instructions": [
+                {"stage": stage, "kind": kind, "times_s": sorted(times.items())}
+                for (stage, kind), times in sorted(self.instruction_times_s.items())
+            ],
         }
 
 
@@ -476,4 +486,6 @@ def evaluate_clock_plans(
         time_s, energy_j = composer.evaluate(choices)
         per_column = energy_j / parallel.gpus_per_stage
         out.append(PlanCost(plan.plan_id, time_s, energy_j, per_column))
-    return Evaluation(tuple(out), str(getattr(inner, "source", "modelled")), method, spec.name)
+    times = {key: {f: o.time_s for f, o in opts.items()} for key, opts in by_clock.items()}
+    source = str(getattr(inner, "source", "modelled"))
+    return Evaluation(tuple(out), source, method, spec.name, times)

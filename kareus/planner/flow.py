@@ -21,7 +21,7 @@ deterministic) solves it in 0.1-2 s at 4,096 instructions.
   profiles), within 0.003 % on a model's options. The arcs leave out hull vertices that
   lie within :data:`HULL_TOLERANCE` of the segment between their neighbours (the default
   19 clocks nearly double the vertices, and the arcs with them): the prices are then a
-  little off the optimum (bounds up to about 0.05 % lower), but the bound is evaluated on
+  little off the optimum (bounds up to about 0.06 % lower), but the bound is evaluated on
   every option, so it stays a bound.
 - **The plan**: each group runs the profile of least cost at those prices, and the flow
   is solved again on those profiles alone. Its node potentials (longest paths in its
