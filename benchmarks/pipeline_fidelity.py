@@ -41,7 +41,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from scipy.stats import spearmanr
@@ -265,19 +265,29 @@ def clock_response(
     return ClockResponse(t0, fixed, stages, math.sqrt(loss(fit.x)))
 
 
+def responses(
+    recompute: str,
+    sets: dict[tuple[tuple, str], tuple[Pairs, Pairs]],
+    profiles: dict[tuple[tuple, str], Profiles],
+) -> Iterator[tuple[tuple, str, ClockResponse, ClockResponse]]:
+    """Per plan set: its key, method and the clock responses of the reference and kareus."""
+    ref = reference()
+    for (key, ref_method), (t_pairs, _e) in sets.items():
+        shape = profiles[(key, METHODS[ref_method])]
+        plans = [p for p, _t, _e in ref[key][ref_method].values()]
+        theirs = clock_response(key, recompute, plans, [r for _o, r in t_pairs], shape)
+        ours = clock_response(key, recompute, plans, [o for o, _r in t_pairs], shape)
+        yield key, ref_method, theirs, ours
+
+
 def clock_response_rows(
     recompute: str,
     sets: dict[tuple[tuple, str], tuple[Pairs, Pairs]],
     profiles: dict[tuple[tuple, str], Profiles],
 ) -> list[tuple[str, ...]]:
     """Per plan set: the clock response of the reference's instructions and of kareus's."""
-    ref = reference()
     out: list[tuple[str, ...]] = []
-    for (key, ref_method), (t_pairs, _e) in sets.items():
-        shape = profiles[(key, METHODS[ref_method])]
-        plans = [p for p, _t, _e in ref[key][ref_method].values()]
-        theirs = clock_response(key, recompute, plans, [r for _o, r in t_pairs], shape)
-        ours = clock_response(key, recompute, plans, [o for o, _r in t_pairs], shape)
+    for key, ref_method, theirs, ours in responses(recompute, sets, profiles):
         tp, cp, _pp, mbs, seq, _micro = key
         out.append(
             (
@@ -603,18 +613,12 @@ def fixed_share_gaps(
     """Per configuration: kareus's minus the reference's share of a nanobatched instruction's
     time that does not scale with the clock, where the reference's set fits one response
     (:data:`RELIABLE_RMS`)."""
-    ref = reference()
-    out = {}
-    for (key, ref_method), (t_pairs, _e) in sets.items():
-        if ref_method != "nanobatch_perseus":
-            continue
-        shape = profiles[(key, METHODS[ref_method])]
-        plans = [p for p, _t, _e in ref[key][ref_method].values()]
-        theirs = clock_response(key, recompute, plans, [r for _o, r in t_pairs], shape)
-        ours = clock_response(key, recompute, plans, [o for o, _r in t_pairs], shape)
-        if theirs.rms <= RELIABLE_RMS:
-            out[key] = ours.fixed - theirs.fixed
-    return out
+    nanobatching = {s: v for s, v in sets.items() if s[1] == "nanobatch_perseus"}
+    return {
+        key: ours.fixed - theirs.fixed
+        for key, _m, theirs, ours in responses(recompute, nanobatching, profiles)
+        if theirs.rms <= RELIABLE_RMS
+    }
 
 
 def contended_clock(recompute: str, exponents: tuple[float, ...], jobs: int) -> None:
