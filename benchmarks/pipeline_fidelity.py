@@ -49,6 +49,7 @@ from scipy.stats import spearmanr
 from kareus.hardware import GPUS, GPUSpec, gpu
 from kareus.hardware.calibrate import (
     DEFAULT_DATA,
+    FREE,
     calibration_rows,
     fit,
     predict,
@@ -688,8 +689,8 @@ def main() -> None:
         action="append",
         default=[],
         metavar="FACTOR=VALUE",
-        help="price with a calibration factor changed and the others refitted to the "
-        "partition data (e.g. mem_clock_knee=1.0, activity.gemm=1.15); repeatable",
+        help="price with a prior of the calibration changed and the fitted factors refitted "
+        "to the partition data (e.g. mem_clock_knee=1.0, activity.gemm=1.15); repeatable",
     )
     parser.add_argument(
         "--cross-validate",
@@ -708,12 +709,20 @@ def main() -> None:
     if args.set:
         from kareus.hardware import Emulator
 
+        known = {f.name for f in dataclasses.fields(spec.calibration)} - {"activity", "source"}
+        known |= {f"activity.{c}" for c in spec.calibration.activity}
+        known -= {name for name, _lo, _hi in FREE}  # (refitted whatever they are set to)
         changes = {}
         for item in args.set:
             name, sep, value = item.partition("=")
-            if not sep:
-                parser.error(f"--set {item!r}: expected FACTOR=VALUE")
-            changes[name] = float(value)
+            if not sep or name not in known:
+                parser.error(
+                    f"--set {item!r}: expected FACTOR=VALUE, FACTOR one of {sorted(known)}"
+                )
+            try:
+                changes[name] = float(value)
+            except ValueError:
+                parser.error(f"--set {item!r}: {value!r} is not a number")
         label = ", ".join(args.set)
         spec, harness = recalibrated(spec, changes, label)
         evaluator = Emulator(spec)

@@ -296,3 +296,20 @@ def test_the_fidelity_benchmark_recovers_a_known_clock_response():
         assert fit.fixed == pytest.approx(fixed, abs=1e-3)
         assert fit.later_stages == pytest.approx(later, abs=1e-3)
         assert fit.rms < 1e-4
+
+
+@pytest.mark.parametrize("bad", ["foo=1", "contention=1", "mem_clock_knee=x", "mem_clock_knee"])
+def test_the_fidelity_benchmark_refuses_a_factor_it_cannot_set(bad):
+    """`--set` takes a prior of the calibration and a number; a fitted factor would be
+    refitted whatever it is set to, so it is refused too, before anything is priced."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "benchmarks/pipeline_fidelity.py", "--set", bad],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert f"--set {bad!r}" in run.stderr and "priced" not in run.stderr
