@@ -299,17 +299,21 @@ def test_the_fidelity_benchmark_recovers_a_known_clock_response():
 
 
 @pytest.mark.parametrize("bad", ["foo=1", "contention=1", "mem_clock_knee=x", "mem_clock_knee"])
-def test_the_fidelity_benchmark_refuses_a_factor_it_cannot_set(bad):
+def test_the_fidelity_benchmark_refuses_a_factor_it_cannot_set(bad, monkeypatch, capsys):
     """`--set` takes a prior of the calibration and a number; a fitted factor would be
     refitted whatever it is set to, so it is refused too, before anything is priced."""
-    import subprocess
     import sys
 
-    run = subprocess.run(
-        [sys.executable, "benchmarks/pipeline_fidelity.py", "--set", bad],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 2, run.stdout + run.stderr
-    assert f"--set {bad!r}" in run.stderr and "priced" not in run.stderr
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import pipeline_fidelity as pf
+
+    def no_pricing(*_args, **_kwargs):
+        raise AssertionError("priced before refusing")
+
+    monkeypatch.setattr(pf, "recalibrated", no_pricing)
+    monkeypatch.setattr(pf, "priced", no_pricing)
+    monkeypatch.setattr(sys, "argv", ["pipeline_fidelity.py", "--set", bad])
+    with pytest.raises(SystemExit) as exit_:
+        pf.main()
+    assert exit_.value.code == 2
+    assert f"--set {bad!r}" in capsys.readouterr().err
