@@ -453,19 +453,27 @@ def voltage_curve_spec(knee: float, mem_power: float) -> GPUSpec:
     return recalibrated(base, {"mem_power_w_per_tbs": mem_power}, label)[0]
 
 
-def _grid_point(
-    recompute: str, knee: float, mem_power: float
-) -> tuple[tuple[float, float, float], dict[tuple[tuple, str], tuple[Pairs, Pairs]]]:
+def price_all(
+    recompute: str, spec: GPUSpec, profiles: dict[tuple[tuple, str], Profiles] | None = None
+) -> dict[tuple[tuple, str], tuple[Pairs, Pairs]]:
+    """Every reference plan set priced on ``spec``'s model: (configuration, method) -> the
+    (ours, reference) time pairs and energy pairs; ``profiles`` as :func:`priced`'s."""
     from kareus.hardware import Emulator
 
-    spec = voltage_curve_spec(knee, mem_power)
     emulator = Emulator(spec)
-    sets = {
-        (key, ref_method): priced(key, plans, method, recompute, emulator)
+    return {
+        (key, ref_method): priced(key, plans, method, recompute, emulator, profiles)
         for key, by_method in reference().items()
         for ref_method, method in METHODS.items()
         if (plans := by_method.get(ref_method))
     }
+
+
+def _grid_point(
+    recompute: str, knee: float, mem_power: float
+) -> tuple[tuple[float, float, float], dict[tuple[tuple, str], tuple[Pairs, Pairs]]]:
+    spec = voltage_curve_spec(knee, mem_power)
+    sets = price_all(recompute, spec)
     print(f"  priced knee {knee:.2f}, memory {mem_power:.0f} W/(TB/s)", file=sys.stderr, flush=True)
     return (knee, mem_power, spec.v_floor), sets
 
@@ -588,20 +596,12 @@ def voltage_curve(
 def _contended_point(
     recompute: str, exponent: float
 ) -> tuple[float, dict[tuple[tuple, str], tuple[Pairs, Pairs]], dict[tuple[tuple, str], Profiles]]:
-    from kareus.hardware import Emulator
-
     label = f"contended clock exponent {exponent}"
     spec, _harness = recalibrated(
         GPUS["a100-sxm4-40gb"], {"contended_clock_exponent": exponent}, label
     )
-    emulator = Emulator(spec)
     profiles: dict[tuple[tuple, str], Profiles] = {}
-    sets = {
-        (key, ref_method): priced(key, plans, method, recompute, emulator, profiles)
-        for key, by_method in reference().items()
-        for ref_method, method in METHODS.items()
-        if (plans := by_method.get(ref_method))
-    }
+    sets = price_all(recompute, spec, profiles)
     print(f"  priced {label}", file=sys.stderr, flush=True)
     return exponent, sets, profiles
 
