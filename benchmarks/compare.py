@@ -19,9 +19,12 @@ share, and the iso-time saving over Perseus of those alone (*own iso-time*), whi
 zero or negative where the joined frontier's saving is a Perseus plan's.
 
 The matrix runs the reference A100 pipelines' setup: full activation recompute, PP 2 split
-15/13 (``--recompute`` changes the first).
+15/13 (``--recompute`` changes the first). ``--reference`` runs only the configurations
+of the reference A100 pipeline plans (``shared/data/a100_llama_pipeline_plans``), on A100,
+so that kareus's own plans stand beside the reference's (``pipeline_fidelity.py``).
 
-Run: python benchmarks/compare.py [--quick] [--out DIR] [--jobs 2] [--reuse] [--gpus G,...]
+Run: python benchmarks/compare.py [--quick | --reference] [--out DIR] [--jobs 2] [--reuse]
+[--gpus G,...]
 (writes compare-out/; ``--update-results`` runs the full matrix into the committed
 ``benchmarks/results``)
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import csv
 import dataclasses
 import json
 import pathlib
@@ -67,6 +71,35 @@ def matrix(
         if on:
             out.append((fields, on))
     return out
+
+
+def reference_configs() -> set[tuple[Any, ...]]:
+    """(model, tp, cp, microbatch size, sequence length) of each configuration the reference
+    A100 pipeline plans cover, read from the shared data."""
+    from kareus.hardware.calibrate import shared_data_dir
+
+    path = shared_data_dir() / "a100_llama_pipeline_plans" / "plans.csv"
+    with path.open() as fh:
+        return {
+            (r["model"], int(r["tp"]), int(r["cp"]), int(r["microbatch_size"]), int(r["seq_len"]))
+            for r in csv.DictReader(fh)
+        }
+
+
+def reference_matrix(recompute: str = RECOMPUTE) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
+    """The matrix's runs of the reference A100 pipeline plans' configurations, on A100."""
+    configs = reference_configs()
+    runs = [
+        (fields, ("a100-40gb",))
+        for fields, _on in matrix(False, recompute)
+        if fields["pp"] == PP
+        and tuple(fields[k] for k in ("model", "tp", "cp", "microbatch_size", "seq_len")) in configs
+    ]
+    if len(runs) != len(configs):
+        raise SystemExit(
+            f"the matrix covers {len(runs)} of the {len(configs)} reference configurations"
+        )
+    return runs
 
 
 def _matrix(quick: bool) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
@@ -335,7 +368,13 @@ def markdown(rows: list[dict[str, Any]], total_s: float, command: str) -> str:
 def main() -> int:
     """Run the matrix; return 1 when a sanity check fails."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="two A100 configurations")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--quick", action="store_true", help="two A100 configurations")
+    which.add_argument(
+        "--reference",
+        action="store_true",
+        help="the reference A100 pipeline plans' configurations, on A100",
+    )
     parser.add_argument(
         "--out",
         type=pathlib.Path,
@@ -356,8 +395,12 @@ def main() -> int:
     )
     parser.add_argument("--gpus", help="only these GPU types, comma-separated (say a100-40gb)")
     args = parser.parse_args()
-    if args.update_results and (args.quick or args.gpus or args.recompute != RECOMPUTE):
+    if args.update_results and (
+        args.quick or args.reference or args.gpus or args.recompute != RECOMPUTE
+    ):
         parser.error("--update-results replaces the committed results: run the full matrix")
+    if args.reference and args.gpus:
+        parser.error("--reference plans on A100, the GPU of the reference plans: drop --gpus")
     if args.out is None:
         args.out = RESULTS if args.update_results else pathlib.Path("compare-out")
     elif args.out.resolve() == RESULTS.resolve() and not args.update_results:
@@ -366,7 +409,11 @@ def main() -> int:
     from kareus.planner.plot import plot_frontiers
 
     start = time.perf_counter()
-    runs = matrix(args.quick, args.recompute, tuple(args.gpus.split(",")) if args.gpus else None)
+    if args.reference:
+        runs = reference_matrix(args.recompute)
+    else:
+        gpus = tuple(args.gpus.split(",")) if args.gpus else None
+        runs = matrix(args.quick, args.recompute, gpus)
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     ctx = __import__("multiprocessing").get_context("spawn")

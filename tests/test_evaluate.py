@@ -1,6 +1,7 @@
 """`kareus evaluate`: pricing given per-instruction clock plans without planning."""
 
 import csv
+import dataclasses
 import json
 import pathlib
 
@@ -317,3 +318,26 @@ def test_the_fidelity_benchmark_refuses_a_factor_it_cannot_set(bad, monkeypatch,
         pf.main()
     assert exit_.value.code == 2
     assert f"--set {bad!r}" in capsys.readouterr().err
+
+
+def test_the_comparison_of_the_reference_configurations_plans_what_the_fidelity_prices():
+    """`compare.py --reference` plans, on A100, exactly the workloads whose reference plans
+    `pipeline_fidelity.py` prices, so that kareus's own savings stand beside the reference's."""
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import compare
+    import pipeline_fidelity as pf
+
+    if not (shared_data_dir() / "a100_llama_pipeline_plans" / "plans.csv").is_file():
+        pytest.skip("the reference A100 pipeline plans are not at shared/data")
+    runs = compare.reference_matrix()
+    assert {gpus for _f, gpus in runs} == {("a100-40gb",)}
+    planned = {
+        compare.workload_key(fields): dataclasses.asdict(Workload(**fields)) for fields, _g in runs
+    }
+    priced = {
+        compare.workload_key(w): w
+        for w in (dataclasses.asdict(pf._workload(key, "full")) for key in pf.reference())
+    }
+    assert planned == priced
