@@ -347,6 +347,46 @@ def test_a_dive_that_reaches_glops_work_limit_keeps_the_rounded_plan(monkeypatch
     assert comp.evaluate(dived.choices)[1] < comp.evaluate(rounded.choices)[1]
 
 
+def test_a_solve_that_stalls_from_a_basis_is_solved_afresh_with_the_same_answers(
+    monkeypatch, caplog
+):
+    """A solve resuming from an earlier basis is limited in GLOP's deterministic work (the
+    dual simplex stalled for minutes after a dive on a traced Llama): past the
+    limit the program is solved from scratch and that copy replaces it. Every bound of a
+    sweep is the one the unlimited solves prove, every plan meets its time bound above its
+    energy bound (a fresh basis may round from another optimal vertex), and the same sweep
+    again gives the same plans."""
+    import logging
+
+    import kareus.planner.relax as relax
+
+    it = one_f_one_b(2, 16)
+    freqs = (810, 900, 1005, 1100, 1200, 1305, 1410)
+    opts = {g: _tradeoff_options(g, freqs) for g in {i.group for i in it.instructions}}
+    comp = Composer(it, opts, static_power_w=20.0, gpus=4)
+    lo = comp.fastest_choice().time_s
+    hi = max(u.time_s for u in comp.uniform_plans())
+    bounds = [None, *(lo + (hi - lo) * k / 4 for k in (3, 2, 1))]
+
+    def sweep():
+        relaxation = relax.Relaxation(
+            it, comp.model_options, static_power_w=20.0, gpus=4, gpus_per_stage=1
+        )
+        return [relaxation.at(b, 0.0) for b in bounds]
+
+    resumed = sweep()
+    monkeypatch.setattr(relax, "WARM_WORK_LIMIT", 0.0)
+    with caplog.at_level(logging.DEBUG, logger="kareus.planner.relax"):
+        afresh = sweep()
+    copies = [r for r in caplog.records if "solving a fresh copy" in r.getMessage()]
+    assert len(copies) >= len(bounds) - 1  # every solve after the first one stalled
+    for a, b, bound in zip(resumed, afresh, bounds, strict=True):
+        assert b.bound_j == pytest.approx(a.bound_j, rel=1e-9)
+        time_s, energy_j = comp.evaluate(b.choices)
+        assert (bound is None or time_s <= bound + 1e-9) and energy_j >= b.bound_j
+    assert [r.choices for r in sweep()] == [r.choices for r in afresh]
+
+
 def test_a_bound_solved_again_returns_the_first_answer_or_a_better_hint():
     it = one_f_one_b(2, 8)
     opts = {g: _tradeoff_options(g, (810, 1200, 1410)) for g in {i.group for i in it.instructions}}

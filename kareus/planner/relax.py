@@ -355,7 +355,8 @@ class Relaxation(Priced):
         44 s at the least time).
         """
         primal = not warm and self._t.ub() < self._loose_ms
-        limit = f" max_deterministic_time: {DIVE_WORK_LIMIT}" if rows is not None else ""
+        work = DIVE_WORK_LIMIT if rows is not None else WARM_WORK_LIMIT if warm else None
+        limit = "" if work is None else f" max_deterministic_time: {work}"
         self._lp.SetSolverSpecificParametersAsString(
             ("initial_basis: TRIANGULAR" if primal else "use_dual_simplex: true") + limit
         )
@@ -365,8 +366,8 @@ class Relaxation(Priced):
                 "relaxation: a dive's solve ended with GLOP status %s; dive abandoned", status
             )
             return None  # the dive keeps the plan it had
-        if status == self._abnormal:
-            status, objective = self._solve_afresh()
+        if status not in (self._optimal, self._infeasible):  # abnormal, or stopped by work
+            status, objective = self._solve_afresh(status)
         elif status == self._optimal:  # reading it otherwise logs "No solution exists"
             objective = self._lp.Objective().Value()
         if status == self._infeasible:
@@ -379,25 +380,31 @@ class Relaxation(Priced):
         }
         return objective, weights, profile_weights
 
-    def _solve_afresh(self) -> tuple[int, float]:
-        """Solve a copy of the program from scratch and load its solution here.
+    def _solve_afresh(self, status: int) -> tuple[int, float]:
+        """Solve a copy of the program from scratch; it becomes the program solved from here.
 
-        GLOP's dual simplex can end ABNORMAL (seen on a 113-variable program of a tiny model,
-        from its basis and from none alike); the primal simplex solves the same program, or
-        without presolve (:data:`AFRESH_PARAMETERS`). The program here keeps its basis for
-        the next warm solve.
+        ``status`` is how the solve from the current basis ended. GLOP's dual simplex can
+        end ABNORMAL (seen on a 113-variable program of a tiny model, from its basis and
+        from none alike); the primal simplex solves the same program, or without presolve
+        (:data:`AFRESH_PARAMETERS`). It can also stall from a basis (stopped by
+        :data:`WARM_WORK_LIMIT`). Either way the old basis is dropped: the copy, with the
+        basis of its solution, replaces the program, so the next warm solve resumes from
+        there.
         """
         from ortools.linear_solver import linear_solver_pb2
 
-        _log.debug("relaxation: GLOP ended abnormally; solving a fresh copy")
+        _log.debug("relaxation: GLOP ended with status %s; solving a fresh copy", status)
         model = linear_solver_pb2.MPModelProto()
         self._lp.ExportModelToProto(model)
         status, fresh = solve_afresh(model)
+        # the same variables, in the same order, in the copy
+        v = fresh.variables()
+        self._t = v[self._t.index()]
+        self._y = {g: {p: v[x.index()] for p, x in ys.items()} for g, ys in self._y.items()}
+        self._x = [[(o, v[x.index()]) for o, x in row] for row in self._x]
+        self._lp = fresh
         if status != self._optimal:
             return status, math.nan
-        response = linear_solver_pb2.MPSolutionResponse()
-        fresh.FillSolutionResponseProto(response)
-        self._lp.LoadSolutionFromProto(response)
         return status, fresh.Objective().Value()
 
 
@@ -435,6 +442,17 @@ stall on a degenerate program (a dive on the traced Llama 3.3 70B PP 8 x 16 ran 
 than 10 minutes under a trial cost model whose matmul costs depended on their shapes). A
 dive whose solve reaches the limit, or ends any other way but optimal or infeasible, is
 abandoned: the rounded plan stays, with its proven gap."""
+
+
+WARM_WORK_LIMIT = 10.0
+"""GLOP's deterministic work limit for a solve that resumes from the basis of an earlier one
+(its deterministic time units, roughly seconds of one core), past which the program is
+solved afresh (:meth:`Relaxation._solve_afresh`). Resuming normally takes a fraction of a
+second, but the dual simplex can stall from a basis: on the traced Llama 3.2 3B TP 8 x PP 2,
+micro-batch 8, seq 8192 with full recompute, a solve after a dive had not ended after 8
+minutes (the matrix of ``benchmarks/compare.py`` had that workload unfinished after 117);
+with this limit, and the copy solved afresh, the whole A100 plan takes 16 s. A limit of
+work, not of wall-clock time: the plan never depends on machine load."""
 
 
 def _mixes(row: Sequence[tuple[Option, float]]) -> bool:
