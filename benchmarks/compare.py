@@ -8,7 +8,10 @@ every GPU type with the same evaluator for all four methods, and writes:
   iso-energy time reduction; the distance from the lower bound; planning wall time;
 - ``results.json``: every frontier point of every method, the bounds and the timings;
 - ``plots/<config>.png``: the frontiers of one configuration;
-- ``partitions/<workload>.json``: the traced partition sets (``--reuse`` plans from them).
+- ``partitions/<workload>.json``: the traced partition sets (``--reuse`` plans from them);
+- ``rows/<workload>.json``: each workload's rows, saved as soon as it is planned, so that a
+  stopped run loses none: ``--resume`` takes them instead of planning again where the same
+  kareus code (package files and calibration, by digest) saved them.
 
 Every time and energy is modelled (the emulator); wall times are measured. Checks that fail
 the run (exit 1): every frontier monotone, no plan below the lower bound, and no baseline
@@ -24,7 +27,7 @@ of the reference A100 pipeline plans (``shared/data/a100_llama_pipeline_plans``)
 so that kareus's own plans stand beside the reference's (``pipeline_fidelity.py``).
 
 Run: python benchmarks/compare.py [--quick | --reference] [--out DIR] [--jobs 2] [--reuse]
-[--gpus G,...]
+[--resume] [--gpus G,...]
 (writes compare-out/; ``--update-results`` runs the full matrix into the committed
 ``benchmarks/results``)
 """
@@ -39,6 +42,7 @@ import json
 import pathlib
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -214,6 +218,60 @@ def run_workload(
     return rows
 
 
+def code_fingerprint() -> str:
+    """A digest of the kareus package's files (code and calibration): rows saved by other
+    code are planned again, never reused."""
+    import hashlib
+
+    import kareus
+
+    root = pathlib.Path(kareus.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for f in sorted(root.rglob("*")):
+        if f.is_file() and "__pycache__" not in f.parts:
+            digest.update(f"{f.relative_to(root).as_posix()}\0".encode() + f.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def rows_path(out: pathlib.Path, fields: dict[str, Any]) -> pathlib.Path:
+    """Where one workload's rows are saved as soon as it is planned."""
+    return out / "rows" / f"{workload_key(fields)}.json"
+
+
+def save_rows(
+    out: pathlib.Path,
+    fields: dict[str, Any],
+    gpus: tuple[str, ...],
+    code: str,
+    rows: list[dict[str, Any]],
+) -> None:
+    """Save one workload's rows (replaced whole: a stopped write leaves no partial file)."""
+    path = rows_path(out, fields)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"code": code, "workload": fields, "gpus": list(gpus), "rows": rows}))
+    tmp.replace(path)
+
+
+def saved_rows(
+    out: pathlib.Path, fields: dict[str, Any], gpus: tuple[str, ...], code: str
+) -> tuple[list[dict[str, Any]] | None, str]:
+    """Return one workload's saved rows if the same code planned them on the same GPUs
+    (else None), and why not."""
+    path = rows_path(out, fields)
+    if not path.is_file():
+        return None, "not planned yet"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        return None, f"{path} unreadable ({err})"
+    if saved.get("code") != code:
+        return None, f"{path} was planned by other kareus code"
+    if saved.get("workload") != json.loads(json.dumps(fields)) or saved.get("gpus") != list(gpus):
+        return None, f"{path} holds another workload or other GPUs"
+    return saved["rows"], f"from {path}"
+
+
 def _pts(points: list[dict[str, float]]) -> list[tuple[float, float]]:
     return [(p["time_s"], p["energy_j"]) for p in points]
 
@@ -302,8 +360,10 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:+.1f} %"
 
 
-def markdown(rows: list[dict[str, Any]], total_s: float, command: str) -> str:
-    """The results table."""
+def markdown(
+    rows: list[dict[str, Any]], total_s: float, command: str, resumed: Sequence[str] = ()
+) -> str:
+    """The results table (``resumed``: the workloads whose rows an earlier run planned)."""
     head = (
         "| configuration | GPU | method | fastest time s | its energy kJ | time vs Megatron "
         "| energy vs Megatron | iso-time energy vs Perseus | iso-energy time vs Perseus "
@@ -316,7 +376,14 @@ def markdown(rows: list[dict[str, Any]], total_s: float, command: str) -> str:
         "All times and energies are **modelled** (the kareus hardware model; H100 and H200 "
         "borrow the A100's fitted factors, with GEMM and attention efficiencies scaled by "
         "their published kernel ceilings); wall times are **measured** on the machine that "
-        f"ran `{command}` ({total_s / 60:.1f} min in all). Energy is per iteration, all GPUs "
+        f"ran `{command}` ({total_s / 60:.1f} min "
+        + (
+            f"this run; {len(resumed)} workloads' rows, and their wall times, are an earlier "
+            "run's of the same code"
+            if resumed
+            else "in all"
+        )
+        + "). Energy is per iteration, all GPUs "
         "of one pipeline. Iso-time: least energy among the method's plans no slower than "
         "Perseus's fastest, as a reduction of that plan's energy (positive = saves). "
         "Iso-energy: shortest time among plans using no more energy than Perseus's "
@@ -365,6 +432,54 @@ def markdown(rows: list[dict[str, Any]], total_s: float, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plan_all(
+    runs: list[tuple[dict[str, Any], tuple[str, ...]]],
+    out: pathlib.Path,
+    jobs: int,
+    reuse: bool,
+    resume: bool,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Plan every workload (``jobs`` at a time), saving each one's rows as it finishes;
+    with ``resume``, a workload whose rows the same code saved is not planned again.
+
+    Returns the rows and the keys of the workloads resumed.
+    """
+    start = time.perf_counter()
+    code = code_fingerprint()
+    rows: list[dict[str, Any]] = []
+    resumed: list[str] = []
+    todo = []
+    for fields, gpus in runs:
+        got, why = saved_rows(out, fields, gpus, code) if resume else (None, "")
+        if got is None:
+            todo.append((fields, gpus))
+            if resume:
+                print(f"{workload_key(fields)}: planned ({why})", flush=True)
+            continue
+        rows.extend(got)
+        resumed.append(workload_key(fields))
+        print(f"{workload_key(fields)}: rows {why} (planned by the same code)", flush=True)
+    ctx = __import__("multiprocessing").get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        futures = {
+            pool.submit(run_workload, fields, gpus, str(out), reuse): (fields, gpus)
+            for fields, gpus in todo
+        }
+        for n, fut in enumerate(concurrent.futures.as_completed(futures), 1):
+            got = fut.result()
+            fields, gpus = futures[fut]
+            save_rows(out, fields, gpus, code, got)
+            rows.extend(got)
+            print(
+                f"[{n}/{len(todo)}] {workload_key(fields)}: "
+                + ", ".join(f"{r['gpu_key']} plan {r['plan_s']:.0f} s" for r in got)
+                + f", trace {got[0]['trace_s']:.0f} s ({time.perf_counter() - start:.0f} s in;"
+                " wall times measured)",
+                flush=True,
+            )
+    return rows, resumed
+
+
 def main() -> int:
     """Run the matrix; return 1 when a sanity check fails."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -387,6 +502,12 @@ def main() -> int:
     )
     parser.add_argument("--jobs", type=int, default=2, help="workloads traced in parallel")
     parser.add_argument("--reuse", action="store_true", help="reuse traced partition sets")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="take each workload's rows saved in OUT/rows by an earlier run of the same "
+        "kareus code (a stopped run) instead of planning it again; implies --reuse",
+    )
     parser.add_argument(
         "--recompute",
         default=RECOMPUTE,
@@ -415,23 +536,7 @@ def main() -> int:
         gpus = tuple(args.gpus.split(",")) if args.gpus else None
         runs = matrix(args.quick, args.recompute, gpus)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows: list[dict[str, Any]] = []
-    ctx = __import__("multiprocessing").get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
-        futures = {
-            pool.submit(run_workload, fields, gpus, str(args.out), args.reuse): workload_key(fields)
-            for fields, gpus in runs
-        }
-        for n, fut in enumerate(concurrent.futures.as_completed(futures), 1):
-            got = fut.result()
-            rows.extend(got)
-            print(
-                f"[{n}/{len(runs)}] {futures[fut]}: "
-                + ", ".join(f"{r['gpu_key']} plan {r['plan_s']:.0f} s" for r in got)
-                + f", trace {got[0]['trace_s']:.0f} s ({time.perf_counter() - start:.0f} s in;"
-                " wall times measured)",
-                flush=True,
-            )
+    rows, resumed = plan_all(runs, args.out, args.jobs, args.reuse or args.resume, args.resume)
     order = {workload_key(f): i for i, (f, _g) in enumerate(runs)}
     rows.sort(key=lambda r: (order[r["key"]], r["gpu_key"]))
     failures: list[str] = []
@@ -443,11 +548,14 @@ def main() -> int:
         )
     total = time.perf_counter() - start
     command = " ".join(["python benchmarks/compare.py", *sys.argv[1:]])
-    (args.out / "results.md").write_text(markdown(rows, total, command))
+    (args.out / "results.md").write_text(markdown(rows, total, command, resumed))
     for row in rows:
         del row["plan"]  # plotted; the frontiers stay
     (args.out / "results.json").write_text(
-        json.dumps({"total_s": total, "failures": failures, "rows": rows}, indent=1) + "\n"
+        json.dumps(
+            {"total_s": total, "resumed": resumed, "failures": failures, "rows": rows}, indent=1
+        )
+        + "\n"
     )
     print((args.out / "results.md").read_text())
     for f in failures:

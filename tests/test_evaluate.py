@@ -341,3 +341,48 @@ def test_the_comparison_of_the_reference_configurations_plans_what_the_fidelity_
         for w in (dataclasses.asdict(pf._workload(key, "full")) for key in pf.reference())
     }
     assert planned == priced
+
+
+def test_the_comparison_saves_each_workloads_rows_and_resumes_only_the_same_codes(
+    tmp_path, monkeypatch, capsys
+):
+    """A stopped `compare.py` keeps every workload planned so far: `--resume` takes those
+    rows instead of planning again, but only where the same kareus code (by the digest of
+    its package files) planned them on the same GPUs."""
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import compare
+
+    fields = {"model": "llama3.2-3b", "tp": 8, "cp": 1, "pp": 2, "microbatch_size": 8,
+              "seq_len": 4096, "microbatches": 8, "layers_per_stage": (15, 13)}  # fmt: skip
+    other = {**fields, "seq_len": 8192}
+    rows = [{"key": compare.workload_key(fields), "gpu_key": "a100-40gb", "plan_s": 1.0}]
+    code = compare.code_fingerprint()
+    compare.save_rows(tmp_path, fields, ("a100-40gb",), code, rows)
+    assert compare.saved_rows(tmp_path, fields, ("a100-40gb",), code)[0] == rows
+    assert compare.saved_rows(tmp_path, fields, ("a100-40gb", "h100"), code)[0] is None
+    assert compare.saved_rows(tmp_path, fields, ("a100-40gb",), "0" * 16)[0] is None
+    assert compare.saved_rows(tmp_path, other, ("a100-40gb",), code)[0] is None
+    assert not list(tmp_path.glob("rows/*.tmp"))
+
+    # every workload saved: nothing is planned (a planning worker would fail here)
+    monkeypatch.setattr(compare, "run_workload", None)
+    got, resumed = compare.plan_all(
+        [(fields, ("a100-40gb",))], tmp_path, jobs=1, reuse=True, resume=True
+    )
+    assert got == rows and resumed == [compare.workload_key(fields)]
+    assert "planned by the same code" in capsys.readouterr().out
+
+    # the digest covers the package's files: one byte changed anywhere changes it
+    import kareus
+
+    package = tmp_path / "kareus"
+    (package / "hardware" / "calibration").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    calibration = package / "hardware" / "calibration" / "gpu.json"
+    calibration.write_text('{"knee": 0.82}')
+    monkeypatch.setattr(kareus, "__file__", str(package / "__init__.py"))
+    before = compare.code_fingerprint()
+    calibration.write_text('{"knee": 0.83}')
+    assert compare.code_fingerprint() != before != code
