@@ -99,6 +99,16 @@ def _tradeoff_options(group, freqs):
     return tradeoff_options(group, freqs)
 
 
+def _seven_clock_pipeline(microbatches):
+    """1F1B over two stages on seven clocks: the DAG, its options, a composer, and the
+    times of its fastest plan and of its slowest uniform-clock plan."""
+    it = one_f_one_b(2, microbatches)
+    freqs = (810, 900, 1005, 1100, 1200, 1305, 1410)
+    opts = {g: _tradeoff_options(g, freqs) for g in {i.group for i in it.instructions}}
+    comp = Composer(it, opts, static_power_w=20.0, gpus=4)
+    return it, opts, comp, comp.fastest_choice().time_s, max(u.time_s for u in comp.uniform_plans())
+
+
 def test_the_fastest_point_is_not_a_hair_faster_at_much_more_energy():
     # Profile "hot" is 0.2 us faster per iteration than "cool" at 30 % more dynamic energy:
     # at the exact least time only "hot" fits, but the model cannot tell 0.2 us from its own
@@ -293,12 +303,7 @@ def test_dive_finds_plans_no_worse_than_rounding_and_within_the_bound():
     # dive (asked for by a gap limit of 0) never does worse, and at some bound better.
     from kareus.planner.relax import Relaxation
 
-    it = one_f_one_b(2, 32)
-    freqs = (810, 900, 1005, 1100, 1200, 1305, 1410)
-    opts = {g: _tradeoff_options(g, freqs) for g in {i.group for i in it.instructions}}
-    comp = Composer(it, opts, static_power_w=20.0, gpus=4)
-    lo = comp.fastest_choice().time_s
-    hi = max(u.time_s for u in comp.uniform_plans())
+    it, opts, comp, lo, hi = _seven_clock_pipeline(32)
     gains = []
     for frac in (0.1, 0.3, 0.5, 0.7):
         bound = lo + frac * (hi - lo)
@@ -325,12 +330,8 @@ def test_a_dive_that_reaches_glops_work_limit_keeps_the_rounded_plan(monkeypatch
     rounded plan, with its bound, is the answer; the same bound with the limit back dives."""
     import kareus.planner.relax as relax
 
-    it = one_f_one_b(2, 32)
-    freqs = (810, 900, 1005, 1100, 1200, 1305, 1410)
-    opts = {g: _tradeoff_options(g, freqs) for g in {i.group for i in it.instructions}}
-    comp = Composer(it, opts, static_power_w=20.0, gpus=4)
-    lo = comp.fastest_choice().time_s
-    bound = lo + 0.5 * (max(u.time_s for u in comp.uniform_plans()) - lo)
+    it, _opts, comp, lo, hi = _seven_clock_pipeline(32)
+    bound = lo + 0.5 * (hi - lo)
 
     def solve(limit_j):
         relaxation = relax.Relaxation(
@@ -360,12 +361,7 @@ def test_a_solve_that_stalls_from_a_basis_is_solved_afresh_with_the_same_answers
 
     import kareus.planner.relax as relax
 
-    it = one_f_one_b(2, 16)
-    freqs = (810, 900, 1005, 1100, 1200, 1305, 1410)
-    opts = {g: _tradeoff_options(g, freqs) for g in {i.group for i in it.instructions}}
-    comp = Composer(it, opts, static_power_w=20.0, gpus=4)
-    lo = comp.fastest_choice().time_s
-    hi = max(u.time_s for u in comp.uniform_plans())
+    it, _opts, comp, lo, hi = _seven_clock_pipeline(16)
     bounds = [None, *(lo + (hi - lo) * k / 4 for k in (3, 2, 1))]
 
     def sweep():
