@@ -266,7 +266,10 @@ def test_relaxation_bounds_the_optimum_and_rounds_to_a_plan_within_the_bound(kin
 
 def test_a_relaxation_glop_ends_abnormally_is_solved_afresh():
     # GLOP's dual simplex can end ABNORMAL where its primal simplex solves the program:
-    # the relaxation then solves a fresh copy and reads the solution as from any solve.
+    # the relaxation then solves a fresh copy, reads the solution as from any solve, and
+    # goes on with the copy.
+    from ortools.linear_solver import pywraplp
+
     from kareus.planner.relax import Relaxation
 
     it = one_f_one_b(2, 4)
@@ -275,8 +278,10 @@ def test_a_relaxation_glop_ends_abnormally_is_solved_afresh():
     bound = 1.1 * comp.fastest_choice().time_s
     normal = Relaxation(it, comp.model_options, static_power_w=20.0, gpus=4, gpus_per_stage=1)
     broken = Relaxation(it, comp.model_options, static_power_w=20.0, gpus=4, gpus_per_stage=1)
-    broken._lp.Solve = lambda: broken._abnormal  # every in-place solve fails
+    broken._lp.Solve = lambda: pywraplp.Solver.ABNORMAL  # the program's solves fail
+    failing = broken._lp
     want, got = normal.at(bound), broken.at(bound)
+    assert broken._lp is not failing  # the copy replaced it
     assert want is not None and got is not None and got.choices is not None
     assert got.bound_j == pytest.approx(want.bound_j, rel=1e-9)
     assert comp.evaluate(got.choices) == pytest.approx(comp.evaluate(want.choices), rel=1e-9)

@@ -154,7 +154,6 @@ class Relaxation(Priced):
         self._solved = False  # a basis to resume from
         self._optimal = pywraplp.Solver.OPTIMAL
         self._infeasible = pywraplp.Solver.INFEASIBLE
-        self._abnormal = pywraplp.Solver.ABNORMAL
         infinity = lp.infinity()
         self._y: dict[tuple[int, str], dict[str, Any]] = {}
         for g, names in sorted(group_profiles(iteration, options).items()):
