@@ -18,26 +18,26 @@ Run: python benchmarks/clock_change_gaps.py [--model qwen3-1.7b --tp 4 --cp 2
 from __future__ import annotations
 
 import argparse
+import math
 import pathlib
 import sys
 import time
+from typing import Any
 
 import compare
 
 
-def _plan(work, gpu_name: str, parts: pathlib.Path, free: bool) -> dict[str, float]:
+def _plan(work: Any, gpu_name: str, parts: pathlib.Path, free: bool) -> dict[str, float]:
     from kareus.jobs.workload import plan_workload
     from kareus.planner import PlannerSettings
     from kareus.planner.dag import SwitchCost
 
-    settings = PlannerSettings(solver_workers=1)
-    if free:
-        settings = PlannerSettings(solver_workers=1, switch=SwitchCost())
+    settings = PlannerSettings(solver_workers=1, switch=SwitchCost() if free else None)
     start = time.perf_counter()
     planned = plan_workload(work, gpu_name, partitions=parts, settings=settings)
     wall = time.perf_counter() - start
     points = planned.plan.frontier
-    gaps = sorted((p.energy_j - p.lower_bound_j) / p.energy_j for p in points)
+    gaps = sorted(math.inf if p.gap is None else p.gap for p in points)  # None: unproven
     return {
         "wall_s": wall,
         "points": len(points),
@@ -59,20 +59,16 @@ def main() -> int:
     parser.add_argument("--gpu", default="h100")
     parser.add_argument("--partitions", type=pathlib.Path, help="a saved partition set")
     args = parser.parse_args()
-    from kareus.jobs.stages_file import load_originals, save_stages
-    from kareus.jobs.trace import Workload, trace
+    from kareus.jobs.stages_file import load_originals
+    from kareus.jobs.trace import Workload
 
-    fields = {
-        "model": args.model,
-        "tp": args.tp,
-        "cp": args.cp,
-        "pp": compare.PP,
-        "microbatches": compare.MICROBATCHES,
-        "microbatch_size": args.microbatch_size,
-        "seq_len": args.seq_len,
-        "recompute": compare.RECOMPUTE,
-        "layers_per_stage": compare.REFERENCE_SPLIT,
-    }
+    wanted = (args.model, args.tp, args.cp, args.microbatch_size, args.seq_len)
+    keys = ("model", "tp", "cp", "microbatch_size", "seq_len")
+    fields = next(
+        (f for f, _g in compare.matrix(False) if tuple(f[k] for k in keys) == wanted), None
+    )
+    if fields is None:
+        parser.error(f"{dict(zip(keys, wanted, strict=True))} is not a workload of the matrix")
     work = Workload(**fields)
     key = compare.workload_key(fields)
     parts = args.partitions or compare.RESULTS / "partitions" / f"{key}.json"
@@ -81,8 +77,7 @@ def main() -> int:
             parser.error(f"{parts} is not a partition set of this workload")
         print(f"tracing {key} (no partition set at {parts})", flush=True)
         parts = pathlib.Path("compare-out") / "partitions" / parts.name
-        parts.parent.mkdir(parents=True, exist_ok=True)
-        save_stages(work, trace(work)[0], parts, trace(work, nanobatches=1)[0])
+        compare.partition_set(work, parts, reuse=False)
     print(f"{key} on {args.gpu}: energies and gaps modelled, wall times measured")
     print("| clock changes | planning s | points | proven within the gap limit | median gap "
           "| largest gap | least energy kJ |")  # fmt: skip

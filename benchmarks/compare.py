@@ -142,13 +142,26 @@ def workload_key(w: dict[str, Any]) -> str:
     )
 
 
+def partition_set(work: Any, parts: pathlib.Path, reuse: bool) -> None:
+    """Trace ``work`` into ``parts`` (its split graphs, which kareus plans, and the original
+    ones the baselines run), unless ``reuse`` and ``parts`` already holds this workload's."""
+    from kareus.jobs.stages_file import load_originals, save_stages
+    from kareus.jobs.trace import trace
+
+    if reuse and parts.exists() and load_originals(work, parts) is not None:
+        return
+    stages, _notes = trace(work)
+    originals, _notes = trace(work, nanobatches=1)
+    parts.parent.mkdir(parents=True, exist_ok=True)
+    save_stages(work, stages, parts, originals)
+
+
 def run_workload(
     fields: dict[str, Any], gpus: tuple[str, ...], out: str, reuse: bool
 ) -> list[dict[str, Any]]:
     """Trace one workload (or reuse its partitions), plan it on each GPU; return rows."""
     from kareus.hardware import Emulator, gpu
-    from kareus.jobs.stages_file import load_originals, save_stages
-    from kareus.jobs.trace import Workload, trace
+    from kareus.jobs.trace import Workload
     from kareus.jobs.workload import plan_workload
     from kareus.planner import PlannerSettings
     from kareus.planner.bounds import lower_bound
@@ -157,12 +170,7 @@ def run_workload(
     key = workload_key(fields)
     parts = pathlib.Path(out) / "partitions" / f"{key}.json"
     start = time.perf_counter()
-    # the split graphs kareus plans and the original ones the baselines run
-    if not (reuse and parts.exists() and load_originals(work, parts) is not None):
-        stages, _notes = trace(work)
-        originals, _notes = trace(work, nanobatches=1)
-        parts.parent.mkdir(parents=True, exist_ok=True)
-        save_stages(work, stages, parts, originals)
+    partition_set(work, parts, reuse)
     trace_s = time.perf_counter() - start
     rows = []
     for name in gpus:
