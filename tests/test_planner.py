@@ -1191,3 +1191,71 @@ def test_a_dominated_option_that_saves_a_clock_change_is_searched():
     assert [o.freq_mhz for o in found.choices] == [1410] * len(it.instructions)
     assert found.energy_j == pytest.approx(best_j)
     assert found.bound_j is not None and found.bound_j <= best_j + 1e-9
+
+
+def test_the_relaxation_prices_clock_changes_per_clock_and_stays_a_bound():
+    """Both instructions run best at 1200 MHz, where neither option is on its profile's
+    lower hull. With a change costing about 100 J, the least energy within 3 s is 178 J
+    (both at 1200, no change). The relaxation with changes priced proves it (changes free it
+    proved 163 J); had it weighed only the hull's options, a mix standing for 1200 MHz
+    would change clock where 1200 does not, and its "bound" would be 202 J, above the
+    optimum."""
+    from kareus.planner import relax
+
+    top = Option(1410, "a", 1.0, 100.0)
+    fwd = [top, Option(1200, "a", 1.5, 90.0), Option(1005, "a", 2.0, 60.0)]
+    bwd = [top, Option(1200, "a", 1.5, 85.0), Option(900, "a", 2.5, 50.0)]
+    options = {(0, "forward"): fwd, (0, "backward"): bwd}
+    comp = Composer(
+        chain(1), options, static_power_w=1, gpus=1, switch=SwitchCost(1.0), gap_limit=0.005
+    )
+    best_j, _t = comp.brute_force(3.0)
+    assert best_j == pytest.approx(178.0)
+    kw = {"static_power_w": 1, "gpus": 1, "gpus_per_stage": 1}
+    free = relax.Relaxation(comp.it, comp.model_options, **kw).at(3.0)
+    priced = relax.Relaxation(comp.it, comp.options, change_j=comp._change_j, **kw).at(3.0)
+    assert free is not None and priced is not None
+    assert free.bound_j == pytest.approx(163.0, rel=1e-5)
+    assert best_j * (1 - 1e-5) <= priced.bound_j <= best_j
+    found = comp.solve(bound_s=3.0)
+    assert found.energy_j == pytest.approx(best_j) and comp.searches == 0  # proven, no search
+    assert {o.freq_mhz for o in found.choices} == {1200}
+
+
+def test_the_bound_with_clock_changes_priced_is_below_every_plan_and_mostly_tighter():
+    """On random two-profile, three-clock instances (a chain and a two-stage 1F1B) with
+    changes from cheap to dear, the relaxation's bound is never above the least energy
+    (enumerated) and is above the bound with changes free on most of them."""
+    import random
+
+    from kareus.planner.relax import Relaxation
+
+    def random_options(rng):
+        out = []
+        for p in ("a", "b"):
+            base = rng.uniform(0.8, 1.2)
+            for f in (1410, 1200, 1005):
+                t = base * (1410 / f) ** rng.uniform(0.5, 1.0)
+                e = base * 100 * (f / 1410) ** rng.uniform(0.5, 2.0) * rng.uniform(0.9, 1.1)
+                out.append(Option(f, p, t, e))
+        return out
+
+    tighter = cases = 0
+    for seed in range(12):
+        rng = random.Random(seed)
+        it = chain(2) if seed % 2 else one_f_one_b(2, 2)
+        options = {k: random_options(rng) for k in sorted({i.key for i in it.instructions})}
+        switch = SwitchCost(rng.choice((0.02, 0.1, 0.3)))
+        comp = Composer(it, options, static_power_w=50, gpus=1, switch=switch)
+        kw = {"static_power_w": 50, "gpus": 1, "gpus_per_stage": 1}
+        priced = Relaxation(it, comp.options, change_j=comp._change_j, **kw)
+        free = Relaxation(it, comp.model_options, **kw)
+        fastest = comp.fastest_choice().time_s
+        for bound in (None, fastest * 1.05, fastest * 1.2):
+            best_j, _t = comp.brute_force(bound)
+            with_changes, without = priced.at(bound), free.at(bound)
+            assert with_changes is not None and without is not None
+            assert with_changes.bound_j <= best_j + 1e-9, (seed, bound)
+            cases += 1
+            tighter += with_changes.bound_j > without.bound_j + 1e-6
+    assert tighter >= cases // 2, (tighter, cases)

@@ -142,7 +142,9 @@ class Composer:
             and the iteration has at most ``dive_max_instructions``.
         switch: what a clock change costs (:class:`~kareus.planner.dag.SwitchCost`); every
             plan is priced with it, CP-SAT weighs it, and a change whose saving does not
-            pay for it is undone. The relaxation leaves it out: its bound stays a bound.
+            pay for it is undone. The simplex's relaxation prices it too (each pair that may
+            change, by the total variation of the two instructions' clock weights); the
+            flow's leaves it out. Either bound stays a bound.
     """
 
     def __init__(
@@ -314,7 +316,9 @@ class Composer:
             if first is None or not dives or self._proven(first):
                 return first
         if self._relaxation is None:
-            self._relaxation = Relaxation(self.it, self.model_options, **kw)
+            # changes priced, every option of a clock may save one (the flow leaves them out)
+            options = self.model_options if self.switch is None else self.options
+            self._relaxation = Relaxation(self.it, options, change_j=self._change_j, **kw)
         second = self._relaxation.at(bound_s, self.gap_limit if dives else None)
         if first is None or second is None:
             return second
