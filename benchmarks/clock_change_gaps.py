@@ -2,9 +2,11 @@
 
 Plans one workload of ``compare.py``'s matrix (its setup: PP 2 split 15/13, 8 micro-batches,
 full recompute) twice on one GPU type: with each clock change priced as the GPU's spec
-prices it (kareus's default), and with changes free. The relaxation's bound leaves clock
-changes out, so a plan that pays for them carries their cost in its proven gap, and CP-SAT,
-which prices them, searches to its work limit to prove what the bound cannot. Prints, for
+prices it (kareus's default), and with changes free. The relaxation's bound prices changes
+by the total variation of neighbouring instructions' clock weights, which a mix spread over
+neighbouring clocks pays only in part, so a plan that pays for them can carry part of their
+cost in its proven gap, and CP-SAT, which prices them exactly, searches to its work limit
+where the bound cannot prove a plan. Prints, for
 both: planning wall time (measured), frontier points, points proven within the gap limit,
 the median and largest proven gap, and the least energy (modelled).
 
