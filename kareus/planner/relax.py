@@ -251,10 +251,11 @@ class Relaxation(Priced):
         of the program at its own price, so the optimum stays a lower bound.
         """
         lp = self._lp
-        clocks = [
-            {o.freq_mhz: [v for p, v in row if p.freq_mhz == o.freq_mhz] for o, _ in row}
-            for row in self._x
-        ]
+        clocks: list[dict[float, list[Any]]] = []  # per instruction, its variables per clock
+        for row in self._x:
+            clocks.append({})
+            for o, v in row:
+                clocks[-1].setdefault(o.freq_mhz, []).append(v)
         for a, b in self.it.switch_pairs():
             if self._change_j[b] <= 0:
                 continue
