@@ -61,7 +61,6 @@ def main() -> int:
     parser.add_argument("--gpu", default="h100")
     parser.add_argument("--partitions", type=pathlib.Path, help="a saved partition set")
     args = parser.parse_args()
-    from kareus.jobs.stages_file import load_originals
     from kareus.jobs.trace import Workload
 
     wanted = (args.model, args.tp, args.cp, args.microbatch_size, args.seq_len)
@@ -74,7 +73,7 @@ def main() -> int:
     work = Workload(**fields)
     key = compare.workload_key(fields)
     parts = args.partitions or compare.RESULTS / "partitions" / f"{key}.json"
-    if not (parts.is_file() and load_originals(work, parts) is not None):
+    if not compare.holds_partition_set(work, parts):
         if args.partitions is not None:
             parser.error(f"{parts} is not a partition set of this workload")
         print(f"tracing {key} (no partition set at {parts})", flush=True)

@@ -142,13 +142,20 @@ def workload_key(w: dict[str, Any]) -> str:
     )
 
 
+def holds_partition_set(work: Any, parts: pathlib.Path) -> bool:
+    """Whether ``parts`` holds ``work``'s partition set, split and original graphs both."""
+    from kareus.jobs.stages_file import load_originals
+
+    return parts.is_file() and load_originals(work, parts) is not None
+
+
 def partition_set(work: Any, parts: pathlib.Path, reuse: bool) -> None:
     """Trace ``work`` into ``parts`` (its split graphs, which kareus plans, and the original
     ones the baselines run), unless ``reuse`` and ``parts`` already holds this workload's."""
-    from kareus.jobs.stages_file import load_originals, save_stages
+    from kareus.jobs.stages_file import save_stages
     from kareus.jobs.trace import trace
 
-    if reuse and parts.exists() and load_originals(work, parts) is not None:
+    if reuse and holds_partition_set(work, parts):
         return
     stages, _notes = trace(work)
     originals, _notes = trace(work, nanobatches=1)

@@ -169,10 +169,11 @@ class Composer:
         for instr in iteration.instructions:
             if not self.options.get(instr.key):
                 raise KareusError(f"no options for stage {instr.stage} {instr.key[1]}")
-        # For the relaxations, each option dominated within its profile (another is no
-        # slower and no more energy-hungry) is dropped: without clock changes it can only
-        # tie. CP-SAT prices changes, and a dominated option at the clock of its neighbours
-        # saves one, so it keeps them all when changes cost anything.
+        # Without clock changes, each option dominated within its profile (another is no
+        # slower and no more energy-hungry) is dropped: it can only tie. CP-SAT and the
+        # simplex's relaxation price changes, and a dominated option at the clock of its
+        # neighbours saves one, so they keep them all when changes cost anything (the flow,
+        # which leaves changes out, never needs them).
         self.model_options = {g: _undominated(o) for g, o in self.options.items()}
         self.switch = switch if switch is not None and switch.time_s > 0 else None
         self.search_options = self.model_options if self.switch is None else self.options
@@ -316,9 +317,9 @@ class Composer:
             if first is None or not dives or self._proven(first):
                 return first
         if self._relaxation is None:
-            # changes priced, every option of a clock may save one (the flow leaves them out)
-            options = self.model_options if self.switch is None else self.options
-            self._relaxation = Relaxation(self.it, options, change_j=self._change_j, **kw)
+            self._relaxation = Relaxation(
+                self.it, self.search_options, change_j=self._change_j, **kw
+            )
         second = self._relaxation.at(bound_s, self.gap_limit if dives else None)
         if first is None or second is None:
             return second

@@ -24,9 +24,9 @@ the total variation of their clock weights (1 for two whole options at different
 0 at the same). A mix of hull options can then stand for an option only at its own clock,
 so the options are each clock's hull, not the profile's. On the Qwen3 1.7B TP 4 x CP 2
 x PP 2 workload of ``benchmarks/clock_change_gaps.py`` (H100) this proved 10 of 20
-frontier points within 0.5 % where the bound without changes proved 1 of 31, and planning
-took 50 s instead of 139 s (CP-SAT had searched to its work limit for what the bound
-could not prove).
+frontier points within 0.5 % where the bound without changes proved 1 of 31 (gaps
+modelled), and planning took 50 s instead of 139 s (measured, 2 cores, 2026-12-04: CP-SAT
+had searched to its work limit for what the bound could not prove).
 
 When that plan is further from the bound than the caller accepts, a **dive** looks for a
 better one: half of the instructions that still mix options (the most nearly whole first)
