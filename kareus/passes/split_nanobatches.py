@@ -1,8 +1,7 @@
 """Split each repeated block into nanobatches along the batch dimension (before autograd).
 
-For each block found by ``find_blocks``, the batch-carrying inputs are cut into two halves
-(``s//2`` and ``s - s//2`` of the symbolic batch ``s``), the block's nodes are copied once
-per half, and the outputs are concatenated. AOTAutograd then derives the split backward by
+For each block found by ``find_blocks``, the batch-carrying inputs are cut into two halves,
+the block's nodes are copied once per half, and the outputs are concatenated. AOTAutograd then derives the split backward by
 itself, including the sum of the two halves' weight gradients. Copies are tagged with block
 and nanobatch (:mod:`kareus.passes.tags`) and named ``<node>_nb0`` / ``<node>_nb1``.
 
@@ -12,6 +11,13 @@ without one would only run twice the kernels at half the size (1.15-1.36x the st
 ``aot_eager`` on the 4- and 16-layer tiny Llama with the python codegen, where the unsplit
 graph takes 0.94-0.99x; measured by ``benchmarks/compile_overhead.py``). ``nanobatches=2`` splits
 every block that can be split.
+
+Nanobatch sizes are chosen so that every size a compiler derives from them is one term,
+never a sum: an even batch ``s`` is cut into two halves of ``s//2`` each, under a guard that
+``s`` is even (Dynamo recompiles when it is not); an odd batch is specialised to its value
+(a guard ``s == 7``) and cut into two constants (3 and 4). The old cut, ``s//2`` and
+``s - s//2``, made Inductor print ``(-128)*(s//2) + 128*s`` into a workspace slice without
+parentheses, which broke a split-K reduction on CUDA (see :func:`nanobatch_sizes`).
 
 A block is never split when that could change results or force recompiles; it is left
 whole and the reason recorded (shown by ``kareus.explain``): a static or too small batch,
@@ -131,8 +137,9 @@ class SplitNanobatches(GraphPass):
                 expected.update(census(gm, (by_name[n] for n in per_nanobatch)))
         joined: dict[str, fx.Node] = {}  # outputs of split blocks -> their joined node
         made: list[fx.Node] = []
+        sizes = nanobatch_sizes(batch) if plans else None
         for name, names, plan, shared in plans:
-            made += rewrite_split(gm.graph, name, names, plan, joined, shared)
+            made += rewrite_split(gm.graph, name, names, plan, joined, shared, sizes=sizes)
             blockset.split.append(name)
         _erase_unused(gm.graph, made)
         return PassResult(gm, modified=bool(plans), collectives=expected)
@@ -288,6 +295,28 @@ def _unsafe_op(nodes: list[fx.Node], inside: set[fx.Node], sym: Any, allow_rando
     return ""
 
 
+def nanobatch_sizes(batch: BatchInfo) -> tuple[int, int] | None:
+    """Choose how a symbolic batch is cut, and guard on the choice.
+
+    Returns None for equal symbolic halves (``s//2`` each): the batch is even, and a guard
+    that it stays even is added to the shape environment (Dynamo installs it with the
+    region's guards, so an odd batch recompiles). An odd batch is specialised (a guard
+    ``s == hint``) and cut into two constants, ``(hint//2, hint - hint//2)``.
+
+    Either way no nanobatch size is a sum of terms: Inductor prints a size into indexing
+    code as text, and once printed ``s - s//2`` times a stride as ``(-128)*(s//2) +
+    128*s * 2048`` (a workspace slice of a split-K reduction on CUDA, at batch 8 x seq 2048).
+    """
+    size, hint = batch.size, batch.hint
+    if not isinstance(size, torch.SymInt) or hint is None:
+        return None if hint is None else (hint // 2, hint - hint // 2)
+    if hint % 2 == 0:
+        torch._check(size % 2 == 0)  # guard: an odd batch recompiles
+        return None
+    torch._check(size == hint)  # guard: this graph is for this odd batch only
+    return hint // 2, hint - hint // 2
+
+
 def rewrite_split(
     graph: fx.Graph,
     block: str,
@@ -295,6 +324,8 @@ def rewrite_split(
     plan: SplitPlan,
     joined: dict[str, fx.Node] | None = None,
     shared: Sequence[fx.Node] | None = None,
+    *,
+    sizes: tuple[int, int] | None = None,
 ) -> list[fx.Node]:
     """Replace the block's nodes by one copy per nanobatch and join the outputs.
 
@@ -307,6 +338,8 @@ def rewrite_split(
             that replaced them; this block's are added.
         shared: the block's nodes both nanobatches share (:func:`shared_nodes`, found before
             any rewrite; None finds them here).
+        sizes: the nanobatches' sizes as constants (an odd batch, specialised), or None for
+            two equal halves of the symbolic batch (:func:`nanobatch_sizes`).
 
     Returns:
         The nodes the rewrite inserted that are not copies of the block's own nodes (sizes,
@@ -316,15 +349,23 @@ def rewrite_split(
     by_name = {n.name: n for n in graph.nodes} | joined
     nodes = [by_name[n] for n in names]
     first_input, first_dim = plan.batch_inputs[0]
-    with graph.inserting_after(nodes[-1]):
-        size = graph.call_method("size", (by_name[first_input], first_dim))
-    _named(graph, size, f"{block.replace('.', '_')}_batch")
-    with graph.inserting_after(size):
-        half = graph.call_function(operator.floordiv, (size, 2))
-    with graph.inserting_after(half):
-        rest = graph.call_function(operator.sub, (size, half))
-    made = [size, half, rest]
-    cursor = rest
+    made: list[fx.Node] = []
+    bounds: tuple[tuple[Any, Any], ...]
+    cursor = nodes[-1]
+    if sizes is None:  # two equal halves of the symbolic batch (it is even: guarded)
+        with graph.inserting_after(cursor):
+            size = graph.call_method("size", (by_name[first_input], first_dim))
+        _named(graph, size, f"{block.replace('.', '_')}_batch")
+        with graph.inserting_after(size):
+            half = _named(
+                graph,
+                graph.call_function(operator.floordiv, (size, 2)),
+                f"{block.replace('.', '_')}_half",
+            )
+        made, cursor = [size, half], half
+        bounds = ((0, half), (half, half))
+    else:  # a batch specialised to its value: constants
+        bounds = ((0, sizes[0]), (sizes[0], sizes[1]))
     # What the block computes from nothing that carries the batch (a parameter all-gathered
     # as SimpleFSDP does, a weight's cast, positions' rotary tables) is the same in both
     # nanobatches: computed once, before them, and read by both (a collective on it would
@@ -335,10 +376,9 @@ def rewrite_split(
             new = graph.node_copy(node, functools.partial(_lookup, once))
         set_tag(new, NodeTag(block))
         cursor = once[node] = _named(graph, new, f"{node.name}_shared")
-    copies: list[dict[fx.Node, fx.Node]] = []
-    bounds: tuple[tuple[Any, fx.Node], ...] = ((0, half), (half, rest))
+    copies: list[dict[fx.Node, Any]] = []
     for nb, (start, length) in enumerate(bounds):
-        env: dict[fx.Node, fx.Node] = {by_name[n]: (half, rest)[nb] for n in plan.batch_sizes}
+        env: dict[fx.Node, Any] = {by_name[n]: length for n in plan.batch_sizes}
         env |= once
         for name, dim in plan.batch_inputs:
             source = by_name[name]
@@ -467,7 +507,7 @@ def _joined_parts(node: fx.Node, dim: int) -> tuple[fx.Node, fx.Node] | None:
     return None
 
 
-def _lookup(env: dict[fx.Node, fx.Node], node: fx.Node) -> fx.Node:
+def _lookup(env: dict[fx.Node, Any], node: fx.Node) -> Any:
     return env.get(node, node)
 
 
