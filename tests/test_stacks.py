@@ -542,8 +542,10 @@ def test_ddp_trains_the_same_and_splits_unless_its_buckets_cut_the_layers(
     (optimize_ddp=False), every block compiled on its own is split."""
     for ref, got, split, notes in run_ranks(_ddp, per_block, dim, optimize_ddp):
         # the split sums each weight gradient over two halves: fp32 rounding, grown by one
-        # AdamW step on 256-wide layers
-        assert_same_history(ref, got, bitwise_loss=False, rtol=1e-4, atol=1e-5)
+        # AdamW step on 256-wide layers (its first step moves each weight by lr times the
+        # sign of its gradient: a near-zero gradient that rounds to the other sign moves its
+        # weight by 2e-2, and the next gradients by up to 4e-5 on this CPU, 2026-12-05)
+        assert_same_history(ref, got, bitwise_loss=False, rtol=1e-4, atol=1e-4)
         assert split == want_split
         if not want_split:
             assert any("DDPOptimizer" in n and "optimize_ddp" in n for n in notes), notes

@@ -1,16 +1,17 @@
 """Split each repeated block into nanobatches along the batch dimension (before autograd).
 
 For each block found by ``find_blocks``, the batch-carrying inputs are cut into two halves,
-the block's nodes are copied once per half, and the outputs are concatenated. AOTAutograd then derives the split backward by
-itself, including the sum of the two halves' weight gradients. Copies are tagged with block
-and nanobatch (:mod:`kareus.passes.tags`) and named ``<node>_nb0`` / ``<node>_nb1``.
+the block's nodes are copied once per half, and the outputs are concatenated. AOTAutograd
+then derives the split backward by itself, including the sum of the two halves' weight
+gradients. Copies are tagged with block and nanobatch (:mod:`kareus.passes.tags`) and named
+``<node>_nb0`` / ``<node>_nb1``.
 
 By default (``Config.nanobatches=None``) only blocks that hold a collective are split: the
 split exists to overlap one nanobatch's collective with the other's compute, and a block
 without one would only run twice the kernels at half the size (1.15-1.36x the step time of
 ``aot_eager`` on the 4- and 16-layer tiny Llama with the python codegen, where the unsplit
-graph takes 0.94-0.99x; measured by ``benchmarks/compile_overhead.py``). ``nanobatches=2`` splits
-every block that can be split.
+graph takes 0.94-0.99x; measured by ``benchmarks/compile_overhead.py``). ``nanobatches=2``
+splits every block that can be split.
 
 Nanobatch sizes are chosen so that every size a compiler derives from them is one term,
 never a sum: an even batch ``s`` is cut into two halves of ``s//2`` each, under a guard that
@@ -295,6 +296,33 @@ def _unsafe_op(nodes: list[fx.Node], inside: set[fx.Node], sym: Any, allow_rando
     return ""
 
 
+def _bounds(
+    graph: fx.Graph,
+    block: str,
+    after: fx.Node,
+    first: fx.Node,
+    dim: int,
+    sizes: tuple[int, int] | None,
+) -> tuple[list[fx.Node], tuple[tuple[Any, Any], ...]]:
+    """Return the nodes that size the nanobatches (after ``after``) and their (start, length).
+
+    ``sizes`` None: two equal halves of the symbolic batch of ``first`` (it is even:
+    guarded), ``b // 2`` each; else the constants of a batch specialised to its value.
+    """
+    if sizes is not None:
+        return [], ((0, sizes[0]), (sizes[0], sizes[1]))
+    prefix = block.replace(".", "_")
+    with graph.inserting_after(after):
+        size = _named(graph, graph.call_method("size", (first, dim)), f"{prefix}_batch")
+    with graph.inserting_after(size):
+        half = _named(graph, graph.call_function(operator.floordiv, (size, 2)), f"{prefix}_half")
+    return [size, half], ((0, half), (half, half))
+
+
+def _args(*args: Any) -> tuple[Any, ...]:
+    return args
+
+
 def nanobatch_sizes(batch: BatchInfo) -> tuple[int, int] | None:
     """Choose how a symbolic batch is cut, and guard on the choice.
 
@@ -349,23 +377,8 @@ def rewrite_split(
     by_name = {n.name: n for n in graph.nodes} | joined
     nodes = [by_name[n] for n in names]
     first_input, first_dim = plan.batch_inputs[0]
-    made: list[fx.Node] = []
-    bounds: tuple[tuple[Any, Any], ...]
-    cursor = nodes[-1]
-    if sizes is None:  # two equal halves of the symbolic batch (it is even: guarded)
-        with graph.inserting_after(cursor):
-            size = graph.call_method("size", (by_name[first_input], first_dim))
-        _named(graph, size, f"{block.replace('.', '_')}_batch")
-        with graph.inserting_after(size):
-            half = _named(
-                graph,
-                graph.call_function(operator.floordiv, (size, 2)),
-                f"{block.replace('.', '_')}_half",
-            )
-        made, cursor = [size, half], half
-        bounds = ((0, half), (half, half))
-    else:  # a batch specialised to its value: constants
-        bounds = ((0, sizes[0]), (sizes[0], sizes[1]))
+    made, bounds = _bounds(graph, block, nodes[-1], by_name[first_input], first_dim, sizes)
+    cursor = made[-1] if made else nodes[-1]
     # What the block computes from nothing that carries the batch (a parameter all-gathered
     # as SimpleFSDP does, a weight's cast, positions' rotary tables) is the same in both
     # nanobatches: computed once, before them, and read by both (a collective on it would
@@ -391,7 +404,7 @@ def rewrite_split(
             with graph.inserting_after(cursor):
                 cursor = _named(
                     graph,
-                    graph.call_function(torch.narrow, (source, dim, start, length)),
+                    graph.call_function(torch.narrow, _args(source, dim, start, length)),
                     f"{name}_nb{nb}",
                 )
             env[source] = cursor
