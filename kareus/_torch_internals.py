@@ -307,6 +307,22 @@ def _through_aot_here(
     return graphs, [i.grad for i in inputs], list(expected)
 
 
+def custom_partitioner_base() -> type | None:
+    """Return Inductor's base class for a custom partitioner (None: this PyTorch has none).
+
+    ``torch._inductor.config.custom_partitioner_fn`` takes an instance; kareus runs its
+    passes there, on the forward and backward together, before Inductor compiles them.
+    """
+    try:
+        import torch._inductor.config as inductor_config
+        from torch._inductor.custom_graph_pass import CustomPartitionerFn
+    except ImportError:
+        return None
+    if not hasattr(inductor_config, "custom_partitioner_fn"):
+        return None
+    return CustomPartitionerFn  # type: ignore[no-any-return]
+
+
 def self_test() -> dict[str, bool]:
     """Compile tiny modules and say which internals this PyTorch still provides."""
     import torch._dynamo
@@ -339,6 +355,7 @@ def self_test() -> dict[str, bool]:
         "DDP's graph pieces told": _submod_compiler_code() is not None,
         "invoke_subgraph calls paired and differentiated": outlining_problem() is None,
         "backward ops numbered as their forward op": seq_nr_pairs(),
+        "Inductor takes a custom partitioner": custom_partitioner_base() is not None,
     }
 
 

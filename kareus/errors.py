@@ -17,11 +17,11 @@ class KareusError(Exception):
 class ConfigError(KareusError, ValueError):
     """A configuration field has a value kareus cannot use."""
 
-    def __init__(self, field: str, value: object, allowed: str) -> None:
+    def __init__(self, field: str, value: object, allowed: str, *, owner: str = "Config.") -> None:
         self.field = field
         self.value = value
         self.allowed = allowed
-        super().__init__(f"Config.{field}={value!r} is not allowed: expected {allowed}.")
+        super().__init__(f"{owner}{field}={value!r} is not allowed: expected {allowed}.")
 
 
 class FileFormatError(KareusError, ValueError):

@@ -7,10 +7,12 @@ side and returns both histories.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Union
 
 import torch
@@ -175,6 +177,108 @@ def overlap_problems(region: Any) -> list[str]:
                 f"{part.instruction} {part.block}: {issue}/{wait} not around its compute"
             )
     return problems
+
+
+@dataclasses.dataclass
+class Window:
+    """One collective in Inductor's code: its line, its nanobatch, what runs while it flies.
+
+    Attributes:
+        issue: the line that launches the collective.
+        nanobatch: the nanobatch it belongs to (None: unknown or shared).
+        overlapped: the kernel lines of the other nanobatch between its launch and wait.
+        waited: whether its wait follows in the same code.
+    """
+
+    issue: str
+    nanobatch: int | None
+    overlapped: list[str]
+    waited: bool
+
+
+_ISSUE = re.compile(r"(?:(\w+) = )?torch\.ops\._c10d_functional\.(\w+)\.default\(([^,)]*)")
+_CALL = re.compile(r"^\s*(?:extern_kernels\.\w+|cpp_fused_\w+|triton_\w+\.run|torch\.ops\.\w+)")
+_BUFFER = re.compile(r"\bbuf\d+\b")
+
+
+@contextlib.contextmanager
+def inductor_buffers() -> Iterator[list[dict[str, list[torch.fx.Node]]]]:
+    """Record, meanwhile, the graph nodes each buffer of Inductor's code was made from.
+
+    Yields a list that gets one dict per graph Inductor schedules, in the order it compiles
+    them (as ``run_and_get_code`` lists their code), by buffer name as in its code: read
+    one with :func:`inductor_windows`. Inductor's FX graph cache is off meanwhile (a cache
+    hit schedules nothing).
+    """
+    import torch._inductor.config as inductor_config
+
+    graphs: list[dict[str, list[torch.fx.Node]]] = []
+
+    def record(nodes: list[Any]) -> list[Any]:
+        made: dict[str, list[torch.fx.Node]] = {}
+        graphs.append(made)
+        for fused in nodes:
+            for node in fused.get_nodes():
+                origins = list(getattr(getattr(node, "node", None), "origins", ()) or ())
+                for name in node.get_buffer_names():
+                    made[name] = origins
+        return nodes
+
+    with inductor_config.patch(_post_fusion_custom_pass=record, fx_graph_cache=False):
+        yield graphs
+
+
+def inductor_windows(code: str, made: Mapping[str, Sequence[torch.fx.Node]]) -> list[Window]:
+    """Return the collectives of Inductor's ``code``, each with what overlaps it.
+
+    ``made``: the graph nodes each buffer was made from (:func:`inductor_buffers`). A
+    kernel's nanobatch is that of the ops (their kareus tags) that made the buffers it
+    reads and writes; a collective's, that of its buffer; its wait is the
+    ``wait_tensor`` of that buffer.
+    """
+    from kareus.passes.annotate_costs import moves_freely
+    from kareus.passes.tags import get_tag
+
+    def nanobatch(line: str) -> int | None:
+        nodes = [n for b in _BUFFER.findall(line) for n in made.get(b, ())]
+        nodes = [n for n in nodes if "_c10d_functional" not in str(n.target)]
+        # Views serve both nanobatches: the ops that compute say which one a kernel is,
+        # unless none is tagged.
+        computing = [n for n in nodes if n.op == "call_function" and not moves_freely(n)]
+        for group in (computing, nodes):
+            found = {t.nanobatch for n in group if (t := get_tag(n)) and t.nanobatch is not None}
+            if found:
+                return found.pop() if len(found) == 1 else None
+        return None
+
+    events: list[tuple[str, int | None, str, str]] = []  # (kind, nanobatch, buffer, line)
+    for line in code.splitlines():
+        if not _CALL.match(line):
+            continue
+        op = _ISSUE.search(line)
+        if op is None:
+            events.append(("compute", nanobatch(line), "", line.strip()))
+        elif op.group(2) == "wait_tensor":
+            events.append(("wait", None, _buffer(op.group(3)), line.strip()))
+        else:
+            buffer = _buffer(op.group(3))
+            events.append(("issue", nanobatch(buffer), op.group(1) or buffer, line.strip()))
+    windows = []
+    for i, (kind, nb, buffer, line) in enumerate(events):
+        if kind != "issue":
+            continue
+        end = next(
+            (j for j in range(i + 1, len(events)) if events[j][0::2] == ("wait", buffer)), None
+        )
+        between = events[i + 1 : end] if end is not None else []
+        other = [t for k, n, _b, t in between if k == "compute" and nb is not None and n == 1 - nb]
+        windows.append(Window(line, nb, other, end is not None))
+    return windows
+
+
+def _buffer(arg: str) -> str:
+    """Return the buffer an argument of Inductor's code names (``reinterpret_tensor(buf3``)."""
+    return arg.replace("reinterpret_tensor(", "").strip()
 
 
 def node_lines(code: str) -> dict[str, int]:

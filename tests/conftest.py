@@ -5,6 +5,11 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Inductor is kareus's default codegen; it compiles each graph in seconds (tens on these
+# CPUs), too slow for hundreds of tests that check the passes' graphs. They run the python
+# codegen (the same rewritten graphs, run op by op); tests/test_inductor.py and the tests
+# that pass codegen="inductor" check the default path. The processes tests start inherit it.
+os.environ.setdefault("KAREUS_CODEGEN", "python")
 # Traces cached by the tests stay in the test run (and reach the processes it starts),
 # shared by its workers (pytest-xdist's run id): a workload traced by a test on one worker
 # is not traced again on the other (entries are written atomically).

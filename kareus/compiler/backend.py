@@ -35,7 +35,7 @@ from kareus.compiler.lowering import (
     symbols,
 )
 from kareus.compiler.region import GraphRecord, Region
-from kareus.errors import PassError, PlanMismatchError
+from kareus.errors import ConfigError, PassError, PlanMismatchError
 from kareus.ir.partitions import Decision, PartitionSet
 from kareus.ir.plan_file import Plan
 from kareus.passes import pipeline
@@ -79,12 +79,17 @@ class KareusBackend:
         on_iteration: Callable[[IterationEnergy], None] | None = None,
         measure: bool | None = None,
         schedule: str | None = None,
+        mode: str | None = None,
+        options: Mapping[str, Any] | None = None,
         **overrides: Any,
     ) -> None:
         base = config if config is not None else Config()
         if not isinstance(base, Config):
             raise TypeError(f"config must be a kareus.Config, got {type(base).__name__}")
-        self.config = base.replace(**overrides) if overrides else base
+        inductor, fields = _split_options(options)
+        self.config = base.replace(**fields, **overrides) if fields or overrides else base
+        self.mode = mode
+        self.inductor_options = _inductor_options(mode, inductor, self.config.codegen)
         self.plan = Plan.load(plan) if isinstance(plan, (str, pathlib.Path)) else plan
         if self.plan is not None:
             self.config = apply_plan.check_plan(self.plan, self.config, stage, schedule)
@@ -111,6 +116,29 @@ class KareusBackend:
             self.runtime = self._runtime_with(apply_plan.steps(self.plan, stage), self.plan)
         self.regions: list[Region] = []
         self._pool: CommunicatorPool | None = None
+        if self.inductor_options.get("triton.cudagraphs"):
+            self._check_cuda_graphs()
+
+    def _check_cuda_graphs(self) -> None:
+        """Raise when CUDA graphs would replay the graphs without their clock switches.
+
+        Raises:
+            ConfigError: CUDA graphs are asked for (``mode="reduce-overhead"``) and a plan,
+                given or made at compile time for this GPU, switches clocks.
+        """
+        switches = self.plan is not None or (self._planning and self._plan_for is not None)
+        if not switches:
+            return
+        why = "plan=" if self.plan is not None else f"compile-time planning for {self._plan_for}"
+        raise ConfigError(
+            "mode",
+            self.mode if self.mode is not None else "options={'triton.cudagraphs': True}",
+            "a mode without CUDA graphs ('default', 'max-autotune-no-cudagraphs'): a CUDA "
+            f"graph replays its kernels without the clock switches {why} puts between "
+            "them. To keep CUDA graphs, drop the clock plan (decisions={} keeps the "
+            "overlap without planning clocks)",
+            owner="",
+        )
 
     def __repr__(self) -> str:
         return f"KareusBackend({self.config!r}, regions={len(self.regions)})"
@@ -226,20 +254,19 @@ class KareusBackend:
         self, region: Region, gm: fx.GraphModule, example_inputs: Sequence[Any]
     ) -> Callable[..., Any]:
         run = functools.partial(self._run_graph_passes, region)
+        plan = functools.partial(self._plan_region, region)
+        region.findings["codegen"] = self.config.codegen
         if self.config.codegen == "inductor":
-            if self._plan_for:
-                region.notes.append(
-                    "not planned at compile time: that needs codegen='python'; plan with "
-                    "`kareus plan` and pass plan=... to apply clocks and overlap with Inductor"
-                )
-            return lower_with_inductor(gm, example_inputs, run_passes=run)
+            return lower_with_inductor(
+                gm, example_inputs, run_passes=run, on_graphs=plan, options=self.inductor_options
+            )
         return lower_with_aot(
             gm,
             example_inputs,
             config=self.config,
             region=region,
             run_passes=run,
-            on_graphs=functools.partial(self._plan_region, region),
+            on_graphs=plan,
         )
 
     def _plan_region(self, region: Region, compiled: Compiled) -> None:
@@ -301,6 +328,7 @@ class KareusBackend:
             return gm
         region.history.extend(records)
         record.final_code = out.code  # generated when the last pass that changed it ran
+        record.final = out
         return out
 
 
@@ -317,29 +345,119 @@ class _DefaultBackend:
 
     Made at import, a :class:`KareusBackend` would depend on the machine before the program
     chose a GPU (``torch.cuda.set_device``); this stand-in makes it when Dynamo first hands
-    it a graph.
+    it a graph. ``torch.compile``'s ``mode=`` and ``options=`` reach it as keywords: each
+    combination has its own backend (``options`` may hold Config fields too).
     """
 
     def __init__(self) -> None:
-        self._backend: KareusBackend | None = None
+        self._backends: dict[str, KareusBackend] = {}
 
     @property
     def backend(self) -> KareusBackend:
-        """The shared backend (made now if it was not)."""
-        if self._backend is None:
-            self._backend = KareusBackend()
-        return self._backend
+        """The shared backend without a mode or options (made now if it was not)."""
+        return self.backend_for()
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        """Compile one Dynamo graph with the shared backend."""
-        return self.backend(gm, example_inputs)
+    def backend_for(
+        self, mode: str | None = None, options: Mapping[str, Any] | None = None
+    ) -> KareusBackend:
+        """Return the shared backend of ``mode`` and ``options`` (made now if it was not)."""
+        key = repr((mode, sorted((options or {}).items())))
+        if key not in self._backends:
+            self._backends[key] = KareusBackend(mode=mode, options=options)
+        return self._backends[key]
+
+    def __call__(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        *,
+        mode: str | None = None,
+        options: Mapping[str, Any] | None = None,
+    ) -> Callable[..., Any]:
+        """Compile one Dynamo graph with the shared backend of ``mode`` and ``options``."""
+        return self.backend_for(mode, options)(gm, example_inputs)
 
     def __repr__(self) -> str:
-        return f"default {self._backend!r}" if self._backend else "default KareusBackend (unused)"
+        made = ", ".join(map(repr, self._backends.values()))
+        return f"default {made}" if made else "default KareusBackend (unused)"
 
 
 default_backend = _DefaultBackend()
 """The backend behind ``torch.compile(model, backend="kareus")`` (shared by such calls)."""
+
+
+def _split_options(
+    options: Mapping[str, Any] | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split ``torch.compile``'s ``options=`` into Inductor's and kareus's Config fields.
+
+    Raises:
+        ConfigError: an option is neither a Config field nor an Inductor config option.
+    """
+    import dataclasses
+
+    if not options:
+        return {}, {}
+    if not isinstance(options, Mapping):
+        raise ConfigError(
+            "options", options, "a dict of Inductor options or Config fields", owner=""
+        )
+    fields = {f.name for f in dataclasses.fields(Config)}
+    ours = {k: v for k, v in options.items() if k in fields}
+    inductor = {k: v for k, v in options.items() if k not in fields}
+    if inductor:
+        import torch._inductor.config as inductor_config
+
+        known = inductor_config.get_config_copy()
+        unknown = sorted(k for k in inductor if k not in known)
+        if unknown:
+            raise ConfigError(
+                "options",
+                unknown,
+                "Inductor config options (torch._inductor.config; see "
+                "torch._inductor.list_options()) or kareus Config fields "
+                f"({', '.join(sorted(fields))})",
+                owner="",
+            )
+    return inductor, ours
+
+
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""``torch.compile``'s modes, which kareus takes too (they configure Inductor)."""
+
+
+def _inductor_options(mode: str | None, options: dict[str, Any], codegen: str) -> dict[str, Any]:
+    """Return the Inductor config patches of ``mode`` and ``options`` (as torch.compile).
+
+    Raises:
+        ConfigError: an unknown mode, both a mode and Inductor options (torch.compile
+            refuses them together too), or either with ``codegen='python'``.
+    """
+    if mode is not None and mode not in MODES:
+        raise ConfigError("mode", mode, f"one of {MODES} (torch.compile's modes)", owner="")
+    if mode in (None, "default") and not options:
+        return {}
+    if codegen != "inductor":
+        raise ConfigError(
+            "mode" if mode not in (None, "default") else "options",
+            mode if mode not in (None, "default") else options,
+            "none with codegen='python': modes and Inductor options configure Inductor, "
+            "which runs with codegen='inductor' (the default)",
+            owner="",
+        )
+    if mode not in (None, "default") and options:
+        raise ConfigError(
+            "mode",
+            mode,
+            "either mode or Inductor options, not both (as torch.compile): put the "
+            "mode's options (torch._inductor.list_mode_options(mode)) in options",
+            owner="",
+        )
+    if options:
+        return dict(options)
+    import torch._inductor
+
+    return dict(torch._inductor.list_mode_options(mode))
 
 
 def _clock_choice(clocks: ClockController | str | None) -> tuple[ClockController | None, bool]:
@@ -367,6 +485,9 @@ def compile(
     config: Config | None = None,
     fullgraph: bool = False,
     dynamic: bool | None = None,
+    mode: str | None = None,
+    options: Mapping[str, Any] | None = None,
+    disable: bool = False,
     decisions: Mapping[str, Decision] | None = None,
     plan: Plan | str | pathlib.Path | None = None,
     **backend_options: Any,
@@ -382,6 +503,12 @@ def compile(
         config: the settings; ``Config()`` when omitted.
         fullgraph: as in ``torch.compile``: raise on a graph break instead of splitting.
         dynamic: as in ``torch.compile``.
+        mode: as in ``torch.compile``: ``"default"``, ``"max-autotune"``,
+            ``"max-autotune-no-cudagraphs"``, or ``"reduce-overhead"`` (CUDA graphs) where
+            no clock plan switches clocks between kernels.
+        options: as in ``torch.compile``, Inductor's config options; Config fields are
+            taken too.
+        disable: as in ``torch.compile``: return ``model`` unchanged (a no-op).
         decisions: per partition type (keys as ``kareus.explain`` lists them, ``"*"`` for
             all), where its collective is launched and with how many SMs. Without them, each
             collective launches at the start of its partition (nanobatching as published).
@@ -400,14 +527,17 @@ def compile(
     """
     if not callable(model):
         raise TypeError(f"kareus.compile needs an nn.Module or a function, got {type(model)!r}")
-    backend = KareusBackend(config, decisions=decisions, plan=plan, **backend_options)
+    backend = KareusBackend(
+        config, decisions=decisions, plan=plan, mode=mode, options=options, **backend_options
+    )
+    if disable:
+        return model
     compiled = torch.compile(model, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
     if isinstance(compiled, nn.Module):
         if backend.config.nanobatches != 1:
-            dim = backend.config.batch_dim or 0
-            compiled.register_forward_pre_hook(
-                functools.partial(_mark_batch_dynamic, dim), with_kwargs=True
-            )
+            marks = _BatchMarks(backend.config.batch_dim or 0)
+            compiled.register_forward_pre_hook(marks.mark, with_kwargs=True)
+            compiled.register_forward_hook(marks.unmark, always_call=True)
         compiled._kareus_backend = backend  # type: ignore[assignment]
         compiled.register_state_dict_post_hook(_strip_orig_prefix)
         compiled.register_load_state_dict_pre_hook(_add_orig_prefix)
@@ -416,13 +546,40 @@ def compile(
     return compiled  # type: ignore[return-value]
 
 
-def _mark_batch_dynamic(
-    dim: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> None:
-    # The nanobatch split needs a symbolic batch: sizes like view(b, ...) must follow it.
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.dim() > dim and value.shape[dim] >= 2:
-            torch._dynamo.maybe_mark_dynamic(value, dim)
+class _BatchMarks:
+    """Mark the inputs' batch dimension dynamic for the call, and only for it.
+
+    The nanobatch split needs a symbolic batch (sizes like ``view(b, ...)`` must follow
+    it). Dynamo reads the mark from the tensor object, which the program owns: left there,
+    it made the same batch recompile with a dynamic batch under another ``torch.compile``
+    (a guard on the mark). So the mark is removed once the call returns or raises, unless
+    the program had marked the tensor itself.
+    """
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+        self.marked: list[list[torch.Tensor]] = []
+
+    def mark(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Mark the batch dimension of each tensor input (a forward pre-hook)."""
+        marked = []
+        for value in (*args, *kwargs.values()):
+            if (
+                isinstance(value, torch.Tensor)
+                and value.dim() > self.dim
+                and value.shape[self.dim] >= 2
+            ):
+                if not getattr(value, "_has_dynamo_dim_marking", False):
+                    marked.append(value)
+                torch._dynamo.maybe_mark_dynamic(value, self.dim)
+        self.marked.append(marked)
+
+    def unmark(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Remove the marks this call made (a forward hook that runs even on errors)."""
+        for value in self.marked.pop() if self.marked else ():
+            for attr in ("_dynamo_weak_dynamic_indices", "_has_dynamo_dim_marking"):
+                if hasattr(value, attr):
+                    delattr(value, attr)
 
 
 def _strip_orig_prefix(
@@ -452,11 +609,14 @@ def find_backend(compiled: object) -> KareusBackend | None:
         return backend.backend
     # torch.compile(model, backend=...) wraps the backend in a chain of callables.
     obj = getattr(getattr(compiled, "dynamo_ctx", None), "callback", None)
+    kwargs: dict[str, Any] = {}
     for _ in range(16):
         if isinstance(obj, _DefaultBackend):
-            return obj.backend
+            return obj.backend_for(**kwargs)
         if obj is None or isinstance(obj, KareusBackend):
             return obj
+        given = getattr(obj, "kwargs", None)  # torch.compile's mode and options
+        kwargs = given if isinstance(given, dict) and given else kwargs
         nxt = getattr(obj, "_torchdynamo_orig_backend", None)
         obj = nxt if nxt is not None else getattr(obj, "compiler_fn", None)
     return None

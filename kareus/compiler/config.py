@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,10 +18,19 @@ from kareus.errors import ConfigError
 _CODEGENS = ("python", "inductor")
 
 
+CODEGEN_ENV = "KAREUS_CODEGEN"
+"""The environment variable that picks the default codegen (``python`` to debug a job)."""
+
+
 def _field(default: Any, allowed: str, check: Callable[[Any], bool], doc: str) -> Any:
-    return dataclasses.field(
-        default=default, metadata={"allowed": allowed, "check": check, "doc": doc}
-    )
+    metadata = {"allowed": allowed, "check": check, "doc": doc}
+    if callable(default):
+        return dataclasses.field(default_factory=default, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _default_codegen() -> str:
+    return os.environ.get(CODEGEN_ENV, "").strip().lower() or "inductor"
 
 
 def _is_int(value: Any) -> bool:
@@ -78,19 +88,22 @@ class Config:
         "Passes to skip; a skipped pass is recorded in the pass history.",
     )
     codegen: str = _field(
-        "python",
+        _default_codegen,
         f"one of {_CODEGENS}",
         lambda v: v in _CODEGENS,
-        "How the rewritten graphs run: 'python' executes them as plain Python; 'inductor' "
-        "hands them to TorchInductor after kareus's passes.",
+        "How the rewritten graphs run. 'inductor' (default): TorchInductor compiles them "
+        "after kareus's passes, as torch.compile would (fused kernels). 'python': they run "
+        "op by op as eager PyTorch's kernels, a debugging aid (every op steppable). The "
+        f"environment variable {CODEGEN_ENV} sets the default.",
     )
-    fuse_memory_ops: bool = _field(
-        True,
-        "True or False",
-        lambda v: isinstance(v, bool),
+    fuse_memory_ops: bool | None = _field(
+        None,
+        "None (as the codegen runs them), True or False",
+        lambda v: v is None or isinstance(v, bool),
         "Cost each run of consecutive memory-bound ops as one fused kernel that reads its "
-        "outside inputs and writes its outside outputs once (as Inductor or hand-fused "
-        "kernels run them). False costs every op as eager PyTorch runs it.",
+        "outside inputs and writes its outside outputs once (as Inductor runs them); False "
+        "costs every op as eager PyTorch runs it. None: True with codegen='inductor', "
+        "False with 'python': the model prices the kernels that run.",
     )
     trace_blocks_once: bool | None = _field(
         None,
@@ -149,6 +162,13 @@ class Config:
                     allowed += f"; known passes: {', '.join(_known_pass_names())}"
                 raise ConfigError(f.name, value, allowed)
 
+    @property
+    def fuses_memory_ops(self) -> bool:
+        """Whether runs of memory-bound ops are costed as fused kernels (see the field)."""
+        if self.fuse_memory_ops is None:
+            return self.codegen == "inductor"
+        return self.fuse_memory_ops
+
     def replace(self, **changes: Any) -> Config:
         """Return a copy with ``changes`` applied (validated like the constructor).
 
@@ -191,9 +211,15 @@ class Config:
     def describe() -> str:
         """Return one line per field: name, default, allowed values and meaning."""
         return "\n".join(
-            f"{f.name} (default {f.default!r}; {f.metadata['allowed']}): {f.metadata['doc']}"
+            f"{f.name} (default {_default_of(f)!r}; {f.metadata['allowed']}): {f.metadata['doc']}"
             for f in dataclasses.fields(Config)
         )
+
+
+def _default_of(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
 
 
 def _check_names(data: Mapping[str, Any]) -> None:

@@ -28,6 +28,8 @@ class GraphRecord:
     captured: str | fx.GraphModule
     final_code: str = ""
     num_inputs: int = 0
+    final: fx.GraphModule | None = None
+    """The rewritten graph (what Inductor compiles, or what runs with codegen='python')."""
 
     @property
     def captured_code(self) -> str:

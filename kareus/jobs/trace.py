@@ -330,6 +330,10 @@ def trace_stage(
             nanobatches=None if nanobatches == 2 and dp_group is not None else nanobatches,
             extract_partitions=extract,
             gpus_per_node=work.gpus_per_node,
+            # Fake tensors: the analysis passes run, Inductor generates nothing. The
+            # kernels priced are the fused ones kareus.compile's default codegen runs.
+            codegen="python",
+            fuse_memory_ops=True,
         )
         out = compiled(x, ids if model.last else None)
         out.backward(torch.ones_like(out))

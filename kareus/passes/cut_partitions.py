@@ -72,7 +72,7 @@ class CutPartitions(GraphPass):
         """Record the partitions of this graph in the region's ``PartitionSet``."""
         pset = ctx.findings.setdefault(self.name, PartitionSet())
         blockset: BlockSet | None = ctx.findings.get("find_blocks")
-        cut_graph(gm.graph, ctx.graph, blockset, pset, fuse=ctx.config.fuse_memory_ops)
+        cut_graph(gm.graph, ctx.graph, blockset, pset, fuse=ctx.config.fuses_memory_ops)
         return PassResult(gm, modified=False)
 
 

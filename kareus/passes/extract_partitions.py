@@ -145,7 +145,7 @@ class ExtractPartitions(GraphPass):
         if not ctx.config.extract_partitions or pset is None:
             return PassResult(gm, modified=False)
         programs: dict[str, PartitionProgram] = ctx.findings.setdefault(self.name, {})
-        kind, fuse = ctx.graph, ctx.config.fuse_memory_ops
+        kind, fuse = ctx.graph, ctx.config.fuses_memory_ops
         wanted: dict[str, tuple[PartitionProgram, PartitionWork]] = {}
         for key, ptype in pset.types.items():
             if ptype.instruction == kind:
