@@ -1,6 +1,6 @@
 """One prepared GPU check: kareus on a real GPU, measured against its own model.
 
-Eight steps, each reported even when another fails:
+Nine steps, each reported even when another fails:
 
 0. ``devices``: which GPU is which — each GPU's NVML UUID, NVML index and CUDA index, clock
    and power limit (``kareus doctor``'s reading) — and the CPU time a switch's wait costs on
@@ -9,6 +9,9 @@ Eight steps, each reported even when another fails:
 1. ``compile``: kareus.compile of a tiny Llama (python and Inductor codegen, with and
    without a clock plan; the dry run leaves Inductor to the test suite) trains like eager:
    losses and gradients side by side.
+1b. ``train_step``: ``benchmarks/train_step.py`` on the H200 check's Llama (hidden 2048,
+   4 layers, bf16, batch 8 x seq 2048, TP over an NCCL group of one): eager, torch.compile,
+   kareus.compile split on and off; step ms, first call, peak memory, J/step (NVML), losses.
 2. ``switches``: the clock runtime, with a dry-run controller (nothing is changed), applies
    each instruction's clock in the plan's order, and only once the GPU reaches it: a 50 ms
    sleep kernel queued before the step delays the first switch by at least that long.
@@ -193,6 +196,40 @@ def _clock_plan(clocks: list[int]):
         decisions={},
         baselines={},
         static_power_w=80.0,
+    )
+
+
+def step_train_step(ctx: Context) -> StepResult:
+    """A training step against torch.compile and eager (``benchmarks/train_step.py``).
+
+    On a GPU: the H200 check's Llama (hidden 2048, 4 layers, bf16, batch 8 x seq 2048),
+    TP over an NCCL group of one, 3 interleaved rounds of 3 steps. The dry run times eager
+    and kareus's python codegen on a tiny Llama (Inductor compiles take tens of seconds
+    on a CPU; ``tests/test_inductor.py`` covers them).
+    """
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    import train_step
+
+    if ctx.dry_run:
+        argv = ["--batch", "4", "--seq", "32", "--steps", "1", "--rounds", "1",
+                "--variants", "eager,kareus python"]  # fmt: skip
+    else:
+        argv = ["--device", "cuda", "--preset", "h200", "--steps", "3", "--rounds", "3"]
+    rows = train_step.run_one_process(train_step.parse(argv))
+    ran = [r for r in rows if r["step_ms_median"] != "nan"]
+    losses = [float(r["loss_rel_diff_vs_eager"]) for r in ran if r["loss_rel_diff_vs_eager"]]
+    worst = max(losses, default=0.0)
+    ratios = ", ".join(
+        f"{r['variant']} {r['vs_torch_compile']}x" for r in ran if r["vs_torch_compile"]
+    )
+    ok = len(ran) == len(rows) and worst <= (1e-2 if not ctx.dry_run else 1e-5)
+    return StepResult(
+        "train_step",
+        "passed" if ok else "failed",
+        f"{len(ran)}/{len(rows)} variants trained (measured); step time against "
+        f"torch.compile: {ratios or 'no torch.compile in this run'}; losses within "
+        f"{worst:.1e} of eager's",
+        rows,
     )
 
 
@@ -800,6 +837,7 @@ def step_nccl(ctx: Context) -> StepResult:
 STEPS = (
     step_devices,
     step_compile,
+    step_train_step,
     step_switches,
     step_energy,
     step_ops,

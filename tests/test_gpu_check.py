@@ -21,7 +21,10 @@ def test_dry_run_runs_every_step_and_writes_summary_and_data(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     assert "dry run: no figure here measures a GPU" in summary
     assert "No clock, power limit or other setting was changed" in summary
-    steps = ("devices", "compile", "switches", "energy", "ops", "sizes", "profile", "nccl")
+    steps = (
+        "devices", "compile", "train_step", "switches", "energy", "ops", "sizes", "profile",
+        "nccl",
+    )  # fmt: skip
     for step in steps:
         assert f"| {step} | passed |" in summary, summary
         rows = list(csv.DictReader((tmp_path / "data" / "dry-run" / f"{step}.csv").open()))
@@ -36,6 +39,9 @@ def test_dry_run_runs_every_step_and_writes_summary_and_data(tmp_path):
         ("python", "False"),
         ("python", "True"),
     }
+    trained = list(csv.DictReader((data / "train_step.csv").open()))
+    assert {r["variant"] for r in trained} == {"eager", "kareus python"}
+    assert all(float(r["step_ms_median"]) > 0 for r in trained)
     switches = [float(r["freq_mhz"]) for r in csv.DictReader((data / "switches.csv").open())]
     assert len(switches) == 4 and len(set(switches)) == 4  # the plan's four clocks, in order
     ops = list(csv.DictReader((data / "ops.csv").open()))

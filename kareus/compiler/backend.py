@@ -221,6 +221,14 @@ class KareusBackend:
             region.history.extend(records)
             return out
 
+        if self.config.codegen == "inductor":
+            return lower_with_inductor(
+                captured,
+                example_inputs,
+                run_passes=switch_only,
+                on_graphs=lambda _compiled: None,
+                options=self.inductor_options,
+            )
         return lower_with_aot(
             captured,
             example_inputs,
@@ -255,7 +263,7 @@ class KareusBackend:
     ) -> Callable[..., Any]:
         run = functools.partial(self._run_graph_passes, region)
         plan = functools.partial(self._plan_region, region)
-        region.findings["codegen"] = self.config.codegen
+        region.findings["codegen"] = Codegen(self.config.codegen)
         if self.config.codegen == "inductor":
             return lower_with_inductor(
                 gm, example_inputs, run_passes=run, on_graphs=plan, options=self.inductor_options
@@ -330,6 +338,19 @@ class KareusBackend:
         record.final_code = out.code  # generated when the last pass that changed it ran
         record.final = out
         return out
+
+
+class Codegen(str):
+    """Which codegen ran a region's rewritten graphs, as ``kareus.explain`` shows it."""
+
+    def to_text(self) -> str:
+        """Say which codegen ran and what it means."""
+        if self == "inductor":
+            return "inductor: TorchInductor compiled the rewritten graphs (fused kernels)"
+        return (
+            "python: the rewritten graphs ran op by op as eager PyTorch's kernels (a "
+            "debugging codegen; the default is inductor)"
+        )
 
 
 _PIECES = (
