@@ -126,9 +126,6 @@ def _rank(
     rank: int, world: int, args: argparse.Namespace, port: int, out: str
 ) -> list[dict[str, str]]:
     """Run one rank of the benchmark; rank 0 reports and returns the rows."""
-    from kareus.models import Llama, LlamaConfig
-    from kareus.testing import token_batches
-
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -138,29 +135,25 @@ def _rank(
         "nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world
     )
     try:
-        results = _measure(device, args, dist.group.WORLD, Llama, LlamaConfig, token_batches)
+        results = _measure(device, args, dist.group.WORLD)
         return _report(results, args, world, out) if rank == 0 else []
     finally:
         dist.destroy_process_group()
 
 
-def _measure(
-    device: torch.device,
-    args: argparse.Namespace,
-    group: Any,
-    llama: Any,
-    llama_config: Any,
-    token_batches: Any,
-) -> list[Result]:
+def _measure(device: torch.device, args: argparse.Namespace, group: Any) -> list[Result]:
+    from kareus.models import Llama, LlamaConfig
+    from kareus.testing import token_batches
+
     preset = dict(PRESETS[args.preset])
     batch, seq = preset.pop("batch"), preset.pop("seq")
     dtype = getattr(torch, preset.pop("dtype"))
     batch = args.batch or batch
     seq = args.seq or seq
-    cfg = llama_config(**preset)
+    cfg = LlamaConfig(**preset)
     torch.manual_seed(0)
     with torch.device(device):
-        base = llama(cfg, tp_group=group).to(dtype)
+        base = Llama(cfg, tp_group=group).to(dtype)
     data = [
         (ids.to(device), labels.to(device))
         for ids, labels in token_batches(args.steps, batch, seq, cfg.vocab_size, seed=1)
