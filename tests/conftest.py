@@ -10,6 +10,36 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # codegen (the same rewritten graphs, run op by op); tests/test_inductor.py and the tests
 # that pass codegen="inductor" check the default path. The processes tests start inherit it.
 os.environ.setdefault("KAREUS_CODEGEN", "python")
+# The suite never changes a GPU's settings, on a GPU machine either: KAREUS_CLOCKS=off makes
+# every real controller refuse (here and in the processes tests start), and the real NVML's
+# setters are replaced by a recorder that refuses too (Zeus calls them through that module).
+# Tests that exercise setters install a fake NVML (tests/test_gpu_identity.py's ``nvml``
+# fixture, which turns the switch on for that test) or an emulated controller.
+os.environ["KAREUS_CLOCKS"] = "off"
+REAL_SETTER_CALLS: list[str] = []
+_SETTERS = ("nvmlDeviceSet", "nvmlDeviceReset", "nvmlDeviceClear")
+
+
+class RealSetterCalled(RuntimeError):
+    """A test reached a real NVML setter."""
+
+
+def _guard_real_nvml() -> None:
+    try:
+        import pynvml
+    except ImportError:
+        return
+    for name in dir(pynvml):
+        if name.startswith(_SETTERS) and callable(getattr(pynvml, name)):
+
+            def refuse(*_args, _name=name, **_kwargs):
+                REAL_SETTER_CALLS.append(_name)
+                raise RealSetterCalled(f"a test called the real NVML setter {_name}")
+
+            setattr(pynvml, name, refuse)
+
+
+_guard_real_nvml()
 # Traces cached by the tests stay in the test run (and reach the processes it starts),
 # shared by its workers (pytest-xdist's run id): a workload traced by a test on one worker
 # is not traced again on the other (entries are written atomically).
@@ -20,6 +50,22 @@ if _RUN:
     os.environ["KAREUS_CACHE_DIR"] = _CACHE
 else:
     os.environ["KAREUS_CACHE_DIR"] = tempfile.mkdtemp(prefix="kareus-test-cache-")
+
+
+@pytest.fixture
+def clocks_on(monkeypatch):
+    """KAREUS_CLOCKS=on for a test whose controllers reach only fake or mocked setters."""
+    monkeypatch.setenv("KAREUS_CLOCKS", "on")
+
+
+@pytest.fixture(autouse=True)
+def _no_real_setter():
+    # Kareus swallows a controller's errors so that training goes on: a refused call is
+    # caught here, after the test, whatever caught it inside.
+    before = len(REAL_SETTER_CALLS)
+    yield
+    called = REAL_SETTER_CALLS[before:]
+    assert not called, f"the test called real NVML setters: {called}"
 
 
 @pytest.fixture(autouse=True)

@@ -94,9 +94,11 @@ class FakeNvml(types.ModuleType):
 
 
 @pytest.fixture
-def nvml(monkeypatch):
+def nvml(monkeypatch, clocks_on):
+    """The fake NVML, in a process that sees no CUDA GPU (``_cuda_sees`` shows it some)."""
     fake = FakeNvml()
     monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     return fake
 
 
@@ -168,7 +170,7 @@ def test_the_running_processs_own_controller_of_the_same_kind_and_gpu_restores(t
     assert resets == [1]
 
 
-def test_a_reset_without_permission_is_not_claimed(tmp_path, monkeypatch):
+def test_a_reset_without_permission_is_not_claimed(tmp_path, monkeypatch, clocks_on):
     path = tmp_path / "journal"
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(refuse=True))
     _dead_lock(path, gpu=2, uuid=UUIDS[2], controller="nvml")
@@ -239,7 +241,10 @@ def test_doctor_on_a_machine_without_gpu_says_so_and_exits_0(tmp_path):
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
+    # the suite's KAREUS_CLOCKS=off reaches the command: on a GPU machine it skips the switch
+    assert "clock changes by kareus: off" in out.stdout
     if torch.cuda.is_available():  # pragma: no cover - a GPU machine has other things to say
+        assert "--try-switch skipped" in out.stderr and "KAREUS_CLOCKS=off" in out.stderr
         return
     assert "no GPU here" in out.stdout and "needs a GPU" in out.stderr
     assert json.loads((tmp_path / "d").read_text())["gpus"] == []
@@ -325,3 +330,130 @@ def test_a_doctor_report_prices_clock_changes_in_kareus_plan(monkeypatch, nvml, 
     args[-1] = str(empty)
     assert main(args) == EXIT_BAD_INPUT
     json.loads(empty.read_text())  # (a valid report, only without a measured change)
+
+
+def test_a_users_controller_named_only_by_name_restores_its_own_lock(tmp_path):
+    """A controller without ``journal_name`` is journalled by its ``name``; after a SIGKILL
+    the next run holding one of that name restores with it instead of saying it cannot."""
+    path = tmp_path / "journal"
+    _dead_lock(path, gpu=0, controller="file")
+    resets = []
+    own = types.SimpleNamespace(name="file", index=0, reset=lambda: resets.append(1))
+    (message,) = journal.recover(path, own=own)
+    assert "restored to the default clock" in message and resets == [1], message
+
+
+# ---- KAREUS_CLOCKS=off: no GPU setting changes, whatever a call asks ---------------------------
+
+
+@pytest.mark.parametrize("value", ["off", "0", "OFF ", "of"])  # a typo counts as off
+def test_kareus_clocks_off_refuses_every_real_setter(monkeypatch, nvml, value):
+    from kareus.runtime.clocks import ClocksOffError, DryRunClocks, default_controller
+
+    monkeypatch.setenv("KAREUS_CLOCKS", value)
+    calls = []
+    monkeypatch.setattr(nvml, "nvmlDeviceSetGpuLockedClocks", lambda *a: calls.append(a))
+    monkeypatch.setattr(nvml, "nvmlDeviceResetGpuLockedClocks", lambda *a: calls.append(a))
+    clocks = NvmlClocks(uuid=UUIDS[1])
+    assert clocks.supported_clocks()  # reading is allowed
+    for call in (lambda: clocks.set(1200), clocks.reset):
+        with pytest.raises(ClocksOffError, match="KAREUS_CLOCKS"):
+            call()
+    monkeypatch.setattr("kareus.runtime.clocks.ZeusClocks", _NoZeus)
+    dry = default_controller()  # this process's GPU, read through NVML, set by nobody
+    assert isinstance(dry, DryRunClocks) and "KAREUS_CLOCKS" in dry.why
+    dry.set(1200)
+    assert calls == [] and nvml.locked == {}
+
+
+class _NoZeus:
+    def __init__(self, *a, **k):
+        raise ClockError("no Zeus in this test")
+
+
+def test_kareus_clocks_off_keeps_doctor_runtime_and_recovery_from_the_gpu(
+    monkeypatch, nvml, tmp_path
+):
+    from kareus.jobs.doctor import diagnose, try_switches
+    from kareus.runtime.switcher import ClockRuntime, Step
+
+    monkeypatch.setenv("KAREUS_CLOCKS", "off")
+    report = diagnose()
+    assert not report.may_lock and "KAREUS_CLOCKS=off" in report.why
+    assert "clock changes by kareus: off" in report.to_text()
+    switches = try_switches(report, settle_s=0.01)  # asked anyway: every GPU says why not
+    assert all("KAREUS_CLOCKS" in sw["error"] for sw in switches.values()), switches
+    with pytest.warns(RuntimeWarning, match="KAREUS_CLOCKS=off forbids"):
+        runtime = ClockRuntime([Step("forward", 1200)], NvmlClocks(uuid=UUIDS[0]))
+        runtime.switch(0, "forward")
+    assert not runtime.enabled and "clocks NOT applied" in runtime.to_text()
+    runtime.close()
+    nvml.locked[UUIDS[2]] = 1200  # left by a killed run: kareus under off does not reset it
+    _dead_lock(tmp_path / "journal", gpu=2, uuid=UUIDS[2], controller="nvml")
+    (message,) = journal.recover(tmp_path / "journal")
+    assert "KAREUS_CLOCKS" in message and "nvidia-smi -rgc -i GPU-cccc" in message, message
+    assert nvml.locked == {UUIDS[2]: 1200}
+
+
+def test_the_suite_runs_with_clocks_off_and_real_nvml_setters_refused():
+    import conftest
+    import pynvml
+
+    assert os.environ["KAREUS_CLOCKS"] == "off"  # and the processes tests start inherit it
+    before = len(conftest.REAL_SETTER_CALLS)
+    with pytest.raises(conftest.RealSetterCalled):
+        pynvml.nvmlDeviceSetGpuLockedClocks(None, 1485, 1485)
+    assert conftest.REAL_SETTER_CALLS[before:] == ["nvmlDeviceSetGpuLockedClocks"]
+    del conftest.REAL_SETTER_CALLS[before:]  # (this one was on purpose)
+
+
+def test_emulated_clocks_switch_as_the_host_reaches_them_on_a_cuda_machine(monkeypatch):
+    """On a machine whose CUDA is initialised (another test used it), a controller of no GPU
+    is set at once; one of a GPU waits on a CUDA event (faked here) in the worker."""
+    from kareus.runtime.clocks import EmulatedClocks
+    from kareus.runtime.switcher import ClockRuntime, Step
+
+    events = []
+
+    class Event:
+        def __init__(self, blocking=False):
+            events.append(self)
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    emulated = EmulatedClocks()
+    runtime = ClockRuntime([Step("forward", 1200)], emulated)
+    runtime.switch(0, "forward")
+    assert emulated.current == 1200 and events == []
+    runtime.close()
+
+    class OnTheGpu(EmulatedClocks):
+        waits_for_gpu = True
+
+    gpu = OnTheGpu()
+    runtime = ClockRuntime([Step("forward", 1100)], gpu)
+    runtime.switch(0, "forward")
+    runtime.close()  # lets the worker apply what it queued
+    assert len(events) == 1 and runtime.switches == [1100]
+
+
+def test_compile_time_planning_plans_only_for_regions_on_the_gpu(monkeypatch):
+    """A GPU in the machine is no reason to plan clocks for a model that runs on the CPU."""
+    import kareus
+    from kareus.compiler import apply_plan
+    from kareus.models import PRESETS, Llama
+
+    monkeypatch.setattr(apply_plan, "this_gpu", lambda: "A100-SXM4-40GB")
+    model = kareus.compile(Llama(PRESETS["tiny"]))
+    ids = torch.randint(0, 128, (4, 16))
+    model(ids, ids).backward()
+    report = kareus.explain(model)
+    assert kareus.compiler.backend.find_backend(model).runtime is None
+    assert "no clock plan: the region runs on cpu" in report.summary()

@@ -183,7 +183,7 @@ class _FakeZeusGPUs:
         return [1410, 1395]
 
 
-def test_zeus_errors_are_translated():
+def test_zeus_errors_are_translated(clocks_on):
     from zeus.device.gpu.common import ZeusGPUNoPermissionError, ZeusGPUNotSupportedError
 
     with mock.patch(
@@ -202,7 +202,7 @@ def test_zeus_errors_are_translated():
         assert not isinstance(info.value, ClockPermissionError)
 
 
-def test_nvml_errors_are_translated():
+def test_nvml_errors_are_translated(clocks_on):
     import pynvml
 
     no_perm = pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)

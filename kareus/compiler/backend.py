@@ -175,7 +175,8 @@ class KareusBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         """Compile one Dynamo graph (called by Dynamo, once per graph and recompile)."""
         compile_id = torch._guards.CompileContext.current_compile_id()
-        region = Region(index=len(self.regions), compile_id=str(compile_id))
+        device = next((v.device.type for v in example_inputs if isinstance(v, torch.Tensor)), "")
+        region = Region(index=len(self.regions), compile_id=str(compile_id), device=device)
         frame = traced_frame()
         if frame.piece or any(r.compile_id == region.compile_id for r in self.regions):
             region.notes.append(_PIECES)
@@ -283,6 +284,14 @@ class KareusBackend:
         The functions already returned pick the new graphs up at their next call.
         """
         if not self._plan_for or region.findings.get("planned"):
+            return
+        if self.config.gpu is None and region.device != "cuda":
+            # The GPU this process could use is not the one this region runs on: no plan
+            # for a model on the CPU unless gpu= names one.
+            region.notes.append(
+                f"no clock plan: the region runs on {region.device or 'no device'}, not on "
+                f"this machine's {self._plan_for} (pass gpu= to plan for a GPU type anyway)"
+            )
             return
         plan = apply_plan.plan_region(region, str(self._plan_for), self.config.select)
         if plan is None:

@@ -51,10 +51,12 @@ class Region:
         history: the pass records of all graphs, in the order the passes ran.
         findings: results passes shared (blocks, split decisions...), keyed by pass name.
         notes: why something was left unchanged (a failed pass, a skipped block...).
+        device: the device type its tensors are on ("cuda", "cpu"...; "" without tensors).
     """
 
     index: int
     compile_id: str
+    device: str = ""
     graphs: dict[str, GraphRecord] = dataclasses.field(default_factory=dict)
     history: list[PassRecord] = dataclasses.field(default_factory=list)
     findings: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -19,7 +19,15 @@ import signal
 import time
 from typing import Any
 
-from kareus.runtime.clocks import PERMISSION_FIX, ClockError, NvmlClocks, cuda_uuid, nvml_str
+from kareus.runtime.clocks import (
+    PERMISSION_FIX,
+    ClockError,
+    NvmlClocks,
+    clock_changes_allowed,
+    clock_switch_state,
+    cuda_uuid,
+    nvml_str,
+)
 
 
 @dataclasses.dataclass
@@ -48,10 +56,13 @@ class Report:
     why: str
     gpus: list[GPUReport]
     switches: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    clock_changes: str = dataclasses.field(default_factory=clock_switch_state)
+    """What ``KAREUS_CLOCKS`` lets kareus do in this process."""
 
     def to_text(self) -> str:
         """Render the report for a person."""
         lines = [f"NVML: {'driver ' + self.driver if self.driver else self.nvml_error}"]
+        lines.append(f"clock changes by kareus: {self.clock_changes}")
         lines.append(f"Zeus: {self.zeus or 'not installed (pip install zeus)'}")
         if self.zeusd_socket:
             lines.append(f"Zeus daemon socket: {self.zeusd_socket}")
@@ -88,6 +99,8 @@ def _ms(value: float | None) -> str:
 
 
 def _permission(nvml_usable: bool, zeusd: str | None) -> tuple[bool, str]:
+    if not clock_changes_allowed():
+        return False, clock_switch_state()
     if os.geteuid() == 0:
         return True, "running as root"
     if _has_sys_admin():

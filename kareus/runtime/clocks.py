@@ -30,6 +30,60 @@ class ClockPermissionError(ClockError, PermissionError):
         super().__init__(f"{detail}; {PERMISSION_FIX}")
 
 
+CLOCKS_ENV = "KAREUS_CLOCKS"
+"""The process-wide switch: ``KAREUS_CLOCKS=off`` and kareus changes no GPU setting."""
+
+_ON = ("", "on", "1", "yes", "true")
+_OFF = ("off", "0", "no", "false")
+
+
+def clock_changes_allowed() -> bool:
+    """Return whether kareus may change a GPU's settings in this process (``KAREUS_CLOCKS``).
+
+    Unset or ``on``: allowed (kareus still changes clocks only where asked: ``clocks=``,
+    ``--lock-clocks``, ``--try-switch``). ``off``: never, whatever a call asks, for users of
+    shared nodes and for the test suite. Any other value counts as ``off``: a mistyped
+    switch must not let clocks change.
+    """
+    return os.environ.get(CLOCKS_ENV, "").strip().lower() in _ON
+
+
+def clock_switch_state() -> str:
+    """Say in one line what ``KAREUS_CLOCKS`` lets kareus do (``kareus doctor`` shows it)."""
+    raw = os.environ.get(CLOCKS_ENV)
+    if clock_changes_allowed():
+        shown = f"{CLOCKS_ENV}={raw}" if raw else f"{CLOCKS_ENV} unset"
+        return f"allowed where asked ({shown}; set {CLOCKS_ENV}=off to forbid them)"
+    unknown = raw is not None and raw.strip().lower() not in _OFF
+    why = f" ({raw!r} is neither on nor off: read as off)" if unknown else ""
+    return f"off: kareus changes no GPU setting in this process ({CLOCKS_ENV}={raw}){why}"
+
+
+class ClocksOffError(ClockPermissionError):
+    """``KAREUS_CLOCKS=off`` forbids changing GPU settings in this process."""
+
+    def __init__(self, detail: str) -> None:
+        ClockError.__init__(
+            self,
+            f"{detail}: {CLOCKS_ENV}={os.environ.get(CLOCKS_ENV)} forbids kareus to change "
+            f"any GPU setting in this process; unset it (or {CLOCKS_ENV}=on) to allow it",
+        )
+
+
+def refuse_if_off(detail: str) -> None:
+    """Raise :class:`ClocksOffError` when ``KAREUS_CLOCKS`` forbids setting changes.
+
+    Every controller that changes a real GPU calls it before each setter.
+    """
+    if not clock_changes_allowed():
+        raise ClocksOffError(detail)
+
+
+def journal_name_of(controller: object) -> str:
+    """Return how the clock journal names ``controller`` (``journal_name``, else ``name``)."""
+    return str(getattr(controller, "journal_name", None) or getattr(controller, "name", ""))
+
+
 class ClockController(Protocol):
     """Sets and resets the locked SM clock of one GPU.
 
@@ -39,7 +93,11 @@ class ClockController(Protocol):
     ``device_key`` names the physical device it controls on this host (None when nothing
     outlives the process), so that two processes controlling one GPU are caught. Real GPUs
     also have ``uuid``, NVML's name of the GPU, the same whatever ``CUDA_VISIBLE_DEVICES``
-    and ``CUDA_DEVICE_ORDER`` say (controllers without one need not have it).
+    and ``CUDA_DEVICE_ORDER`` say (controllers without one need not have it). A controller
+    whose clock is no GPU's (emulated ones) sets ``waits_for_gpu = False``: the runtime then
+    applies its switches as the host reaches them instead of when a CUDA stream does
+    (controllers without the attribute wait). A controller that changes a real GPU calls
+    :func:`refuse_if_off` before each setter.
     """
 
     name: str
@@ -99,11 +157,13 @@ class ZeusClocks:
 
     def set(self, freq_mhz: float) -> None:
         """Lock the SM clock."""
+        refuse_if_off(f"Zeus may not lock the clock of GPU {self.index}")
         f = int(freq_mhz)
         self._call("lock the clock", self._gpus.set_gpu_locked_clocks, f, f)
 
     def reset(self) -> None:
         """Reset the locked clock."""
+        refuse_if_off(f"Zeus may not reset the clock of GPU {self.index}")
         self._call("reset the clock", self._gpus.reset_gpu_locked_clocks)
 
 
@@ -159,11 +219,13 @@ class NvmlClocks:
 
     def set(self, freq_mhz: float) -> None:
         """Lock the SM clock."""
+        refuse_if_off(f"NVML may not lock the clock of GPU {self.index}")
         f = int(freq_mhz)
         self._call("lock the clock", self._nvml.nvmlDeviceSetGpuLockedClocks, f, f)
 
     def reset(self) -> None:
         """Reset the locked clock."""
+        refuse_if_off(f"NVML may not reset the clock of GPU {self.index}")
         self._call("reset the clock", self._nvml.nvmlDeviceResetGpuLockedClocks)
 
 
@@ -174,6 +236,7 @@ class EmulatedClocks:
     journal_name = "emulated"
     index = 0
     device_key: str | None = None
+    waits_for_gpu = False  # its clock is no GPU's: nothing to wait for
 
     def __init__(self, clocks_mhz: list[int] | None = None, *, refuse: bool = False) -> None:
         self._clocks = clocks_mhz or list(range(1410, 209, -15))
@@ -203,10 +266,20 @@ class DryRunClocks:
     journal_name = "dry-run"
     device_key: str | None = None  # changes nothing: may watch a GPU another process controls
 
-    def __init__(self, inner: ClockController | None = None, *, index: int | None = None) -> None:
-        """Wrap ``inner``, or stand for the GPU of CUDA index ``index`` (default 0)."""
+    def __init__(
+        self,
+        inner: ClockController | None = None,
+        *,
+        index: int | None = None,
+        why: str = "",
+    ) -> None:
+        """Wrap ``inner``, or stand for the GPU of CUDA index ``index`` (default 0).
+
+        ``why`` says why nothing is changed (shown by ``explain``), when not asked for.
+        """
         self.inner = inner
         self.index = inner.index if inner is not None else (index or 0)
+        self.why = why
 
     def supported_clocks(self) -> list[int]:
         """Return the wrapped controller's clocks (reading is allowed)."""
@@ -229,6 +302,7 @@ class FileClocks:
     name = "file"
     index = 0
     device_key: str | None
+    waits_for_gpu = False
 
     def __init__(self, path: str, *, fail_reset: bool = False) -> None:
         import pathlib
@@ -340,10 +414,18 @@ def physical_gpu(cuda_index: int) -> str:
 
 
 def default_controller() -> ClockController:
-    """Return this process's GPU through Zeus, else NVML, else the emulated GPU."""
+    """Return this process's GPU through Zeus, else NVML, else the emulated GPU.
+
+    Under ``KAREUS_CLOCKS=off``, a dry run of that GPU (it reads, never sets).
+    """
     for cls in (ZeusClocks, NvmlClocks):
         try:
-            return cls()
+            found: ClockController = cls()
+            break
         except (ClockError, ImportError):
             continue
-    return EmulatedClocks()
+    else:
+        found = EmulatedClocks()
+    if not clock_changes_allowed() and not isinstance(found, EmulatedClocks):
+        return DryRunClocks(found, why=f"{CLOCKS_ENV}={os.environ.get(CLOCKS_ENV)}")
+    return found

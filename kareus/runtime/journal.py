@@ -217,7 +217,9 @@ def _recover_one(path: pathlib.Path, item: dict[str, Any], own: Any) -> str:
 
 
 def _same_gpu(own: Any, name: str, uuid: str | None) -> bool:
-    ours = getattr(own, "journal_name", None)
+    from kareus.runtime.clocks import journal_name_of
+
+    ours = journal_name_of(own)  # as the run that wrote the record named it
     return ours == name and (uuid is None or getattr(own, "uuid", None) == uuid)
 
 

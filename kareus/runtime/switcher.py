@@ -18,7 +18,8 @@ reported once. One runtime serves one GPU, whatever the number of
 stages (interleaved schedules) and regions on it.
 
 On CUDA the switch takes effect when the GPU reaches that point: an event is recorded on
-the current stream and a worker thread waits for it before setting the clock. Clocks are
+the current stream and a worker thread waits for it before setting the clock (a controller
+of no GPU, ``waits_for_gpu = False``, is set as the host reaches the switch). Clocks are
 restored on normal exit, on exceptions (``with runtime:``), on SIGTERM and SIGINT (after
 the handler that was there before: one that ignores the signal or lets training go on keeps
 the clocks), and by :meth:`ClockRuntime.close`, which first lets the worker finish its
@@ -48,7 +49,12 @@ from typing import Any
 import torch
 
 from kareus.runtime import journal as _journal
-from kareus.runtime.clocks import ClockController, ClockError, ClockPermissionError
+from kareus.runtime.clocks import (
+    ClockController,
+    ClockError,
+    ClockPermissionError,
+    journal_name_of,
+)
 
 _KEEP = 4096
 """Applied instructions and switches kept for ``explain`` (older ones are dropped: a long
@@ -415,7 +421,8 @@ class ClockRuntime:
                 warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=4)
 
     def _apply(self, freq: float) -> None:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        waits = getattr(self.controller, "waits_for_gpu", True)
+        if waits and torch.cuda.is_available() and torch.cuda.is_initialized():
             # blocking: the worker's synchronize() sleeps until the GPU gets there instead of
             # spinning a CPU core per rank
             event = torch.cuda.Event(blocking=True)
@@ -503,6 +510,10 @@ class ClockRuntime:
     def to_text(self) -> str:
         """Describe the schedule, what was applied and the iterations (for ``explain``)."""
         lines = [f"clock controller: {self.controller.name} (GPU {self.controller.index})"]
+        dry = self.controller.name == "dry-run"
+        if dry:
+            why = getattr(self.controller, "why", "") or "asked for"
+            lines[0] += f": a dry run ({why}), no clock is changed"
         for stage in self.stages():
             sched = " ".join(
                 f"{s.kind[0].upper()}{s.microbatch}@{s.freq_mhz:g}"
@@ -512,7 +523,7 @@ class ClockRuntime:
             lines.append(f"stage {stage} per iteration (MHz): {sched}")
         lines += [
             f"switches applied: {self.switch_count}; clocks "
-            + ("applied" if self.enabled else "NOT applied")
+            + ("applied" if self.enabled and not dry else "NOT applied")
             + (f"; {self.failed_switches} switch(es) failed" if self.failed_switches else ""),
         ]
         if self.switch_calls:
@@ -611,7 +622,7 @@ class ClockRuntime:
                 self.journal,
                 event,
                 gpu=getattr(self.controller, "index", 0),
-                controller=getattr(self.controller, "journal_name", self.controller.name),
+                controller=journal_name_of(self.controller),
                 uuid=getattr(self.controller, "uuid", None),
                 **extra,
             )
