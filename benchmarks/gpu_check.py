@@ -19,21 +19,24 @@ Nine steps, each reported even when another fails:
    busy power, and how much windows of 0.1 s scatter.
 4. ``ops``: the GEMMs of the Llama 3.2 3B, 3.1 8B and 3.3 70B tensor-parallel (TP 8) layers
    for one nanobatch (4 x 4096 tokens), causal flash attention forward and backward, and
-   memory-bound ops, timed with CUDA events at the clock as found, each against the hardware
-   model at that clock (the ratio per op class is what recalibration needs).
+   memory-bound ops, timed with CUDA events after a warm-up, each against the hardware
+   model at the clock its kernels ran at (NVML, sampled in the timed window; the ratio
+   per op class is what recalibration needs).
 5. ``sizes``: GEMMs (square, the 3B FC1 shape at four token counts, and shapes whose tiles
    leave SMs idle, beside the model's ``matmul_fill``), causal attention
    forward and backward at four sequence lengths, the masked prefix attention of
    ``kareus.models``' context parallelism, and copies of 1 MiB to 1 GiB: achieved
-   throughput as a fraction of the peak at the clock as found, beside the model (what
-   efficiencies by size would be fitted to).
+   throughput as a fraction of the peak at the clock read in the timed window, beside the
+   model (what efficiencies by size would be fitted to).
 6. ``profile``: one partition type of Llama 3.2 3B (TP 8) extracted and measured as
    ``kareus profile`` does, on this one GPU (its collective left out), against the model.
 7. ``nccl``: with 2+ GPUs, all-reduce time of a 64 MiB tensor under NCCL CTA limits
    (the SM share) against the model.
 
 It never changes clocks, the power limit or any other setting: the clock controller is a
-dry run, measurements run at the clock as found (read from NVML and recorded). It writes
+dry run, measurements run at the clock the GPU chooses, read from NVML (with the power) in
+every timed window and recorded per row; the model is priced at that clock, never at the
+idle clock read before work. It writes
 ``OUT/summary.md`` and CSVs with a README under ``benchmarks/data/<gpu>/`` (``--data``);
 it takes about 5 minutes on one H200.
 
@@ -67,6 +70,7 @@ from kareus.hardware import Emulator, GPUSpec, gpu
 from kareus.hardware.emulator import matmul_fill
 from kareus.hardware.specs import spec_name_for_device
 from kareus.ir.costs import CollectiveCost, Knobs, OpCost, PartitionWork
+from kareus.jobs.gpu_watch import GpuWatch, Reader, fixed_reader, nvml_reader
 
 
 @dataclasses.dataclass
@@ -80,10 +84,20 @@ class Context:
     clock_source: str  # "NVML" or "taken as the model's maximum"
     out: pathlib.Path
     data: pathlib.Path
+    reader: Reader = dataclasses.field(default=fixed_reader(None))
+    """Reads the GPU's SM clock and power (NVML; the dry run: the model's maximum clock)."""
 
     @property
     def emulator(self) -> Emulator:
         return Emulator(self.spec)
+
+    def watch(self) -> GpuWatch:
+        """A watch of this GPU's clock and power, for one timed window."""
+        return GpuWatch(self.reader, period_s=0.005 if self.device.type == "cuda" else None)
+
+    def clock_of(self, watch: GpuWatch) -> float:
+        """The clock the window's kernels ran at (the clock found before, if none was read)."""
+        return watch.clock_mhz or self.clock_mhz
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -129,6 +143,7 @@ def step_devices(ctx: Context) -> StepResult:
     ]
     waits = {}
     for blocking in (True, False):
+        _timed_wait(ctx, blocking, seconds=0.005)  # warm-up: CUDA's start-up is not a wait
         cpu, wall = _timed_wait(ctx, blocking)
         waits[blocking] = cpu
         rows.append({"what": "wait", "blocking": blocking, "cpu_s": cpu, "wall_s": wall})
@@ -148,21 +163,44 @@ def step_devices(ctx: Context) -> StepResult:
     )
 
 
-def _timed_wait(ctx: Context, blocking: bool) -> tuple[float, float]:
-    """CPU and wall seconds of this thread waiting 50 ms for the device."""
+def _timed_wait(ctx: Context, blocking: bool, seconds: float = 0.05) -> tuple[float, float]:
+    """CPU and wall seconds of this thread waiting ``seconds`` for the device."""
+    cycles = _sleep_cycles(ctx, seconds) if ctx.device.type == "cuda" else 0
     cpu, wall = time.thread_time(), time.perf_counter()
     if ctx.device.type == "cuda":  # pragma: no cover - needs a GPU
-        torch.cuda._sleep(int(0.05 * 1.5e9))
+        torch.cuda._sleep(cycles)
         event = torch.cuda.Event(blocking=blocking)
         event.record()
         event.synchronize()
     elif blocking:
-        time.sleep(0.05)
+        time.sleep(seconds)
     else:  # what a spinning wait does on the CPU
-        end = time.perf_counter() + 0.05
+        end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             pass
     return time.thread_time() - cpu, time.perf_counter() - wall
+
+
+_CYCLES_PER_S: dict[str, float] = {}
+
+
+def _sleep_cycles(ctx: Context, seconds: float) -> int:  # pragma: no cover - needs a GPU
+    """Cycles of ``torch.cuda._sleep`` that keep the GPU busy ``seconds``, timed by events.
+
+    A cycle count is no duration: it lasts as long as the clock the GPU runs it at, which
+    is not the idle clock ``torch.cuda.clock_rate()`` reports before work. The rate is
+    measured once, on a 20 ms sleep after a warm-up one, with CUDA events.
+    """
+    if "rate" not in _CYCLES_PER_S:
+        guess = int(0.02 * 1.5e9)
+        torch.cuda._sleep(guess)  # warm-up (and lets the clock rise)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        torch.cuda._sleep(guess)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_S["rate"] = guess / (begin.elapsed_time(end) / 1e3)
+    return int(seconds * _CYCLES_PER_S["rate"])
 
 
 # ---- 1. compile -------------------------------------------------------------------------------
@@ -291,15 +329,20 @@ def step_compile(ctx: Context) -> StepResult:
 
 
 class _Recorder:
-    """A dry-run controller that records when each clock would have been set."""
+    """A dry-run controller that records when each clock would have been set.
+
+    ``waits_for_gpu=False`` is the check's control: a runtime that sets clocks as the host
+    reaches the switch, which must come out early where the real one comes out late.
+    """
 
     name = "recorder"
     journal_name = "dry-run"
     device_key = None
     index = 0
 
-    def __init__(self, clocks: list[int]) -> None:
+    def __init__(self, clocks: list[int], *, waits_for_gpu: bool = True) -> None:
         self.clocks = clocks
+        self.waits_for_gpu = waits_for_gpu
         self.sets: list[tuple[float, float]] = []
 
     def supported_clocks(self) -> list[int]:
@@ -312,52 +355,93 @@ class _Recorder:
         """Nothing was changed."""
 
 
-def step_switches(ctx: Context) -> StepResult:
-    plan = _clock_plan(ctx.spec.clocks_mhz())
-    recorder = _Recorder(ctx.spec.clocks_mhz())
+def _switch_timing(
+    ctx: Context, plan: Any, *, waits: bool
+) -> tuple[list[tuple[float, float]], float, float]:
+    """Run two micro-batches after a GPU sleep; return the switches (time from the start,
+    MHz), the sleep's length on the GPU (CUDA events; 0 without one) and when its last
+    kernel was queued (host seconds from the start)."""
+    recorder = _Recorder(ctx.spec.clocks_mhz(), waits_for_gpu=waits)
     torch._dynamo.reset()
     model = kareus.compile(_tiny_llama().to(ctx.device), plan=plan, clocks=recorder)
     x = torch.randint(0, 128, (2, 4, 32), generator=torch.Generator().manual_seed(1))
     x = x.to(ctx.device)
-    model(x[0], x[0]).backward()  # compile outside the timed step
-    model(x[1], x[1]).backward()
-    ctx.sync()
-    recorder.sets.clear()
-    sleep_s = 0.05
-    start = time.perf_counter()
-    if ctx.device.type == "cuda":  # the GPU is busy for 50 ms before the step's first switch
-        cycles = (
-            int(sleep_s * torch.cuda.clock_rate() * 1e3)
-            if hasattr(torch.cuda, "clock_rate")
-            else int(sleep_s * 1.5e9)
-        )
-        torch.cuda._sleep(cycles)
-    for m in range(2):
+    for m in range(2):  # compile and warm up outside the timed step
         model(x[m], x[m]).backward()
     ctx.sync()
-    runtime = kareus.compiler.backend.find_backend(model).runtime
-    runtime.close()  # drains the switch queue
+    recorder.sets.clear()
+    sleep_s = 0.0
+    if ctx.device.type == "cuda":  # pragma: no cover - needs a GPU
+        cycles = _sleep_cycles(ctx, 0.05)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start = time.perf_counter()
+    if ctx.device.type == "cuda":  # pragma: no cover - the GPU is busy before the first switch
+        begin.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+    for m in range(2):
+        model(x[m], x[m]).backward()
+    queued = time.perf_counter() - start
+    ctx.sync()
+    if ctx.device.type == "cuda":  # pragma: no cover
+        sleep_s = begin.elapsed_time(end) / 1e3
+    kareus.compiler.backend.find_backend(model).runtime.close()  # drains the switch queue
+    return [(t - start, f) for t, f in recorder.sets], sleep_s, queued
+
+
+def step_switches(ctx: Context) -> StepResult:
+    """The runtime's switches: the plan's clocks in order, each once the GPU reaches it.
+
+    On a GPU a sleep kernel (its length measured with CUDA events, not assumed from a
+    cycle count) runs before the step; the runtime's first switch must come after it ends.
+    The control, a controller that does not wait for the GPU, must switch before it ends:
+    where it does not (the host itself waited), the check cannot tell and fails.
+    """
+    plan = _clock_plan(ctx.spec.clocks_mhz())
+    sets, sleep_s, _queued = _switch_timing(ctx, plan, waits=True)
     want = [s.freq_mhz for s in plan.schedule]
-    got = [f for _t, f in recorder.sets]
-    first_after = recorder.sets[0][0] - start if recorder.sets else float("nan")
-    rows = [
-        {"switch": i, "freq_mhz": f, "after_start_s": round(t - start, 6)}
-        for i, (t, f) in enumerate(recorder.sets)
-    ]
+    got = [f for _t, f in sets]
     in_order = _dedup(want) == _dedup(got)
-    waited = ctx.device.type != "cuda" or first_after >= sleep_s * 0.9
-    how = (
-        f"first switch {first_after * 1e3:.1f} ms after a {sleep_s * 1e3:.0f} ms GPU sleep"
-        if ctx.device.type == "cuda"
-        else "no CUDA stream in a dry run: switches applied as the host reaches them"
-    )
-    return StepResult(
+    first = sets[0][0] if sets else float("nan")
+    rows = [
+        {"run": "runtime", "switch": i, "freq_mhz": f, "after_start_s": round(t, 6)}
+        for i, (t, f) in enumerate(sets)
+    ]
+    if ctx.device.type != "cuda":
+        return StepResult(
+            "switches",
+            "passed" if in_order else "failed",
+            f"{len(got)} switches, {'in' if in_order else 'NOT in'} the plan's order "
+            f"({' '.join(f'{f:g}' for f in got)}); dry run: no CUDA stream, so whether the "
+            "runtime waits for the GPU is checked only on a GPU",
+            rows,
+        )
+    control, _s, _q = _switch_timing(ctx, plan, waits=False)  # pragma: no cover - GPU
+    rows += [  # pragma: no cover
+        {"run": "control (no wait)", "switch": i, "freq_mhz": f, "after_start_s": round(t, 6)}
+        for i, (t, f) in enumerate(control)
+    ]
+    early = control[0][0] if control else float("nan")  # pragma: no cover
+    waited = first >= 0.95 * sleep_s  # pragma: no cover
+    telling = early < 0.5 * sleep_s  # pragma: no cover
+    verdict = in_order and waited and telling  # pragma: no cover
+    return StepResult(  # pragma: no cover
         "switches",
-        "passed" if in_order and waited else "failed",
-        f"{len(got)} switches, {'in' if in_order else 'NOT in'} the plan's order "
-        f"({' '.join(f'{f:g}' for f in got)}); {how}",
+        "passed" if verdict else "failed",
+        f"{len(got)} switches, {'in' if in_order else 'NOT in'} the plan's order; first "
+        f"switch {first * 1e3:.1f} ms after a GPU sleep of {sleep_s * 1e3:.1f} ms (CUDA "
+        f"events); control without waiting switched at {early * 1e3:.1f} ms"
+        + ("" if telling else " (the control did not switch early: the check cannot tell)"),
         rows,
     )
+
+
+def _clocks_seen(rows: list[dict[str, Any]]) -> str:
+    """The clocks the rows' kernels ran at, in a few words."""
+    clocks = sorted({float(r["clock_mhz"]) for r in rows})
+    if len(clocks) == 1:
+        return f"{clocks[0]:g} MHz"
+    return f"{clocks[0]:g}-{clocks[-1]:g} MHz (median {statistics.median(clocks):g})"
 
 
 def _dedup(values: list[float]) -> list[float]:
@@ -406,17 +490,22 @@ def step_energy(ctx: Context) -> StepResult:
     monitor = ZeusMonitor(gpu_indices=[index])
     rows = []
 
+    a = torch.randn(8192, 8192, device=ctx.device, dtype=torch.bfloat16)
+    for _ in range(20):  # warm-up: cuBLAS's start-up, and the clock and power settle
+        a @ a
+    ctx.sync()
+
     def window(name: str, seconds: float, busy: bool) -> float:
-        monitor.begin_window(name)
-        end = time.perf_counter() + seconds
-        a = torch.randn(8192, 8192, device=ctx.device, dtype=torch.bfloat16) if busy else None
-        while time.perf_counter() < end:
-            if busy:
-                a @ a
-                ctx.sync()
-            else:
-                time.sleep(0.01)
-        m = monitor.end_window(name)
+        with ctx.watch() as watch:
+            monitor.begin_window(name)
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                if busy:
+                    a @ a
+                    ctx.sync()
+                else:
+                    time.sleep(0.01)
+            m = monitor.end_window(name)
         power = m.total_energy / m.time
         rows.append(
             {
@@ -424,7 +513,9 @@ def step_energy(ctx: Context) -> StepResult:
                 "seconds": m.time,
                 "energy_j": m.total_energy,
                 "power_w": power,
-                "clock_mhz": _sm_clock(index),
+                "nvml_power_w": watch.power_w,  # NVML's power samples in the window
+                "clock_mhz": watch.clock_mhz,
+                "clock_range_mhz": "-".join(f"{c:g}" for c in watch.clock_range or ()),
                 "source": "measured",
             }
         )
@@ -438,7 +529,8 @@ def step_energy(ctx: Context) -> StepResult:
         "energy",
         "passed" if busy > idle > 0 else "failed",
         f"idle {idle:.0f} W (model's static power {ctx.spec.calibration.static_power_w:.0f} W), "
-        f"busy GEMM {busy:.0f} W (TDP {ctx.spec.tdp_w:.0f} W); 0.1 s idle windows scatter "
+        f"busy GEMM {busy:.0f} W at {rows[1]['clock_mhz']} MHz (TDP {ctx.spec.tdp_w:.0f} W); "
+        "0.1 s idle windows scatter "
         f"{spread * 100:.0f} % (measured)",
         rows,
     )
@@ -466,26 +558,33 @@ def _costs(fn: Callable[..., Any], inputs: list[torch.Tensor]) -> tuple[OpCost, 
 
 def _time(
     ctx: Context, fn: Callable[..., Any], inputs: list[torch.Tensor], window_s: float
-) -> float:
-    for _ in range(3):
+) -> tuple[float, GpuWatch]:
+    """Seconds per call of ``fn`` over a window of ``window_s``, after a warm-up; and the
+    watch of the GPU's clock and power in that window (sampled after each synchronisation,
+    where the kernels have just run, and on a thread)."""
+    for _ in range(3):  # warm-up: first-call costs, and the clock rises from idle
         fn(*inputs)
     ctx.sync()
-    reps, start = 0, time.perf_counter()
-    if ctx.device.type == "cuda":
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-    while True:
-        fn(*inputs)
-        reps += 1
-        if reps % 10 == 0:
-            ctx.sync()
-            if time.perf_counter() - start >= window_s:
-                break
-    if ctx.device.type == "cuda":
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end) / 1e3 / reps
-    return (time.perf_counter() - start) / reps
+    reps = 0
+    with ctx.watch() as watch:
+        start = time.perf_counter()
+        if ctx.device.type == "cuda":
+            begin = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            begin.record()
+        while True:
+            fn(*inputs)
+            reps += 1
+            if reps % 10 == 0:
+                ctx.sync()
+                watch.sample()
+                if time.perf_counter() - start >= window_s:
+                    break
+        if ctx.device.type == "cuda":
+            end.record()
+            end.synchronize()
+            return begin.elapsed_time(end) / 1e3 / reps, watch
+    return (time.perf_counter() - start) / reps, watch
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -546,8 +645,9 @@ def step_ops(ctx: Context) -> StepResult:
     rows = []
     for model, name, cls, fn, inputs in _op_cases(ctx):
         costs = _costs(fn, inputs)
-        measured = _time(ctx, fn, inputs, window)
-        modelled = emu.ops(costs, ctx.clock_mhz).time_s
+        measured, watch = _time(ctx, fn, inputs, window)
+        clock = ctx.clock_of(watch)  # the clock its kernels ran at, not the one before
+        modelled = emu.ops(costs, clock).time_s
         rows.append(
             {
                 "model": model,
@@ -556,7 +656,9 @@ def step_ops(ctx: Context) -> StepResult:
                 "kernels_costed": len(costs),
                 "gflop": round(sum(c.flops for c in costs) / 1e9, 3),
                 "mbytes": round(sum(c.bytes for c in costs) / 1e6, 3),
-                "clock_mhz": ctx.clock_mhz,
+                "clock_mhz": clock,
+                "clock_range_mhz": "-".join(f"{c:g}" for c in watch.clock_range or ()),
+                "power_w": watch.power_w if watch.power_w is not None else "",
                 "measured_s": measured,
                 "modelled_s": modelled,
                 "ratio": measured / modelled,
@@ -572,7 +674,8 @@ def step_ops(ctx: Context) -> StepResult:
     return StepResult(
         "ops",
         "passed",
-        f"{len(rows)} ops at {ctx.clock_mhz:g} MHz; median time ratio per class ({what}): "
+        f"{len(rows)} ops at {_clocks_seen(rows)} (read in each timed window); median time "
+        f"ratio per class at that clock ({what}): "
         + ", ".join(f"{c} {v:.2f}" for c, v in per_class.items()),
         rows,
     )
@@ -639,14 +742,15 @@ def _size_cases(ctx: Context) -> list[tuple[str, str, str, Callable[..., Any], l
 
 
 def step_sizes(ctx: Context) -> StepResult:
-    """Achieved throughput by size, against the peak at the clock as found and the model."""
+    """Achieved throughput by size, against the peak at the clock read in the window."""
     emu = ctx.emulator
     window = 0.3 if ctx.device.type == "cuda" else 0.02
-    speed = ctx.clock_mhz / ctx.spec.clock_max_mhz
     rows = []
     for family, name, cls, fn, inputs in _size_cases(ctx):
         costs = _costs(fn, inputs)
-        measured = _time(ctx, fn, inputs, window)
+        measured, watch = _time(ctx, fn, inputs, window)
+        clock = ctx.clock_of(watch)
+        speed = clock / ctx.spec.clock_max_mhz
         flops, nbytes = sum(c.flops for c in costs), sum(c.bytes for c in costs)
         if cls == "memory":
             achieved = nbytes / measured / 1e9
@@ -665,9 +769,10 @@ def step_sizes(ctx: Context) -> StepResult:
                 "modelled_fill": round(min(fills), 3) if fills else "",
                 "gflop": round(flops / 1e9, 3),
                 "mbytes": round(nbytes / 1e6, 3),
-                "clock_mhz": ctx.clock_mhz,
+                "clock_mhz": clock,
+                "power_w": watch.power_w if watch.power_w is not None else "",
                 "measured_s": measured,
-                "modelled_s": emu.ops(costs, ctx.clock_mhz).time_s,
+                "modelled_s": emu.ops(costs, clock).time_s,
                 "achieved": achieved,
                 "unit": unit,
                 "fraction_of_peak": achieved / peak,
@@ -684,7 +789,8 @@ def step_sizes(ctx: Context) -> StepResult:
     return StepResult(
         "sizes",
         "passed",
-        f"{len(rows)} sizes at {ctx.clock_mhz:g} MHz ({what}): " + ", ".join(parts),
+        f"{len(rows)} sizes at {_clocks_seen(rows)} (read in each timed window; {what}): "
+        + ", ".join(parts),
         rows,
     )
 
@@ -734,14 +840,17 @@ def step_profile(ctx: Context) -> StepResult:
         static_power_w=static,
         min_window_s=1.0 if cuda else 0.05,
     )
-    knobs = Knobs(ctx.clock_mhz, 0, launch_slot=None)
-    got = profiler.partition(type_work, knobs)
+    with ctx.watch() as watch:
+        got = profiler.partition(type_work, Knobs(ctx.clock_mhz, 0, launch_slot=None))
+        watch.sample()
+    clock = ctx.clock_of(watch)  # the clock the partition ran at, not the one before
+    knobs = Knobs(clock, 0, launch_slot=None)
     want = ctx.emulator.partition(PartitionWork(ptype.compute, None), knobs)
     row = {
         "workload": work.describe(),
         "type": key,
         "ops": len(ptype.compute),
-        "clock_mhz": ctx.clock_mhz,
+        "clock_mhz": clock,
         "measured_s": got.time_s,
         "modelled_s": want.time_s,
         "time_ratio": got.time_s / want.time_s,
@@ -754,7 +863,8 @@ def step_profile(ctx: Context) -> StepResult:
     return StepResult(
         "profile",
         "passed",
-        f"{key} of {work.describe()} ({len(ptype.compute)} ops, collective left out): time "
+        f"{key} of {work.describe()} ({len(ptype.compute)} ops, collective left out) at "
+        f"{clock:g} MHz (read while it ran): time "
         f"{got.time_s * 1e3:.3f} ms measured vs {want.time_s * 1e3:.3f} ms modelled "
         f"({row['time_ratio']:.2f}x), energy {row['energy_ratio']:.2f}x "
         f"({device.energy_source})",
@@ -873,6 +983,7 @@ def _context(args: argparse.Namespace) -> Context:
                 "name the closest with --gpu"
             )
         spec = gpu(name)
+        reader = nvml_reader(0) or fixed_reader(None)
         found = _sm_clock(0)
         clock, how = (
             (found, "read from NVML")
@@ -880,7 +991,9 @@ def _context(args: argparse.Namespace) -> Context:
             else (float(spec.clock_max_mhz), "taken as the model's maximum (NVML unreadable)")
         )
         data = args.data or pathlib.Path(__file__).parent / "data" / spec.name.lower()
-    return Context(args.dry_run, device, spec, clock, how, args.out, pathlib.Path(data))
+        return Context(args.dry_run, device, spec, clock, how, args.out, pathlib.Path(data), reader)
+    reader = fixed_reader(clock)  # the dry run: the model's clock stands for a reading
+    return Context(args.dry_run, device, spec, clock, how, args.out, pathlib.Path(data), reader)
 
 
 def _write_csv(path: pathlib.Path, rows: list[dict[str, Any]]) -> None:
@@ -928,7 +1041,8 @@ def main(argv: list[str] | None = None) -> int:
         f"# kareus GPU check{' (dry run: no figure here measures a GPU)' if ctx.dry_run else ''}",
         "",
         f"Device: {device}; compared with kareus's model of {ctx.spec.name}; SM clock "
-        f"{ctx.clock_mhz:g} MHz ({ctx.clock_source}); torch {torch.__version__}, "
+        f"{ctx.clock_mhz:g} MHz before any work ({ctx.clock_source}; each step prices the "
+        f"clock read while its kernels ran); torch {torch.__version__}, "
         f"python {platform.python_version()}. No clock, power limit or other setting was "
         "changed. CSVs: " + str(ctx.data),
         "",
@@ -940,8 +1054,8 @@ def main(argv: list[str] | None = None) -> int:
     (ctx.data / "README.md").write_text(
         f"# GPU check data: {device}\n\nWritten by `benchmarks/gpu_check.py"
         f"{' --dry-run' if ctx.dry_run else ''}` (see its docstring for each step). Times are "
-        f"measured on {device} at the SM clock as found ({ctx.clock_mhz:g} MHz, "
-        f"{ctx.clock_source}); `modelled_*` columns are kareus's model of {ctx.spec.name} at "
+        f"measured on {device}; `clock_mhz` is the SM clock read (NVML) while each row's "
+        f"kernels ran, and `modelled_*` columns are kareus's model of {ctx.spec.name} at "
         "that clock; `ratio` is measured / modelled. Energies say their source.\n\n"
         + "\n".join(f"- `{r.name}.csv`: {r.summary}" for r in results if r.rows)
         + "\n"

@@ -64,3 +64,41 @@ def test_without_a_gpu_it_says_to_use_the_dry_run(tmp_path):
     )
     assert run.returncode != 0 and "--dry-run" in run.stderr
     assert not (tmp_path / "summary.md").exists()
+
+
+def test_each_step_prices_the_clock_its_kernels_ran_at_not_the_idle_one(tmp_path, monkeypatch):
+    """A fake GPU history: 345 MHz (idle) read before any work, 1455 MHz (the power cap)
+    while kernels run. Every timed row reports and is priced at 1455 MHz."""
+    import importlib.util
+    import pathlib
+
+    from kareus.hardware import Emulator, gpu
+    from kareus.jobs.gpu_watch import fixed_reader
+
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gpu_check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # (its dataclasses look it up)
+    spec.loader.exec_module(gpu_check)
+    h200 = gpu("h200")
+    ctx = gpu_check.Context(
+        dry_run=True,
+        device=torch.device("cpu"),
+        spec=h200,
+        clock_mhz=345.0,  # read before the run: the idle clock
+        clock_source="read from NVML (fake)",
+        out=tmp_path,
+        data=pathlib.Path(tmp_path),
+        reader=fixed_reader(1455.0, 665.0),  # what NVML says while the kernels run
+    )
+    emu = Emulator(h200)
+    for step in (gpu_check.step_ops, gpu_check.step_sizes, gpu_check.step_profile):
+        result = step(ctx)
+        assert result.rows and "1455 MHz" in result.summary, result.summary
+        for row in result.rows:
+            assert float(row["clock_mhz"]) == 1455.0, (step.__name__, row)
+    ops = gpu_check.step_ops(ctx)
+    gemm = next(r for r in ops.rows if r["class"] == "gemm")
+    case = next(c for c in gpu_check._op_cases(ctx) if c[1] == gemm["op"] and c[0] == gemm["model"])
+    costs = gpu_check._costs(case[3], case[4])
+    assert gemm["modelled_s"] == emu.ops(costs, 1455.0).time_s != emu.ops(costs, 345.0).time_s
+    assert gemm["power_w"] == 665.0

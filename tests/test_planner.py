@@ -824,9 +824,36 @@ def test_profiler_never_changes_clocks_when_told_so():
     )
     prof.partition(attention_partition(), Knobs(900, 8, launch_slot=0))
     assert device_clock.current is None and set(device.runs) == {SPEC.clock_max_mhz}
-    # Too short a window under-reads energy, as with NVML's counter: the minimum matters.
-    short = ProfilerEvaluator(EmulatedProfilingDevice(emu), DryRunClocks(), min_window_s=0.0)
-    assert short.partition(attention_partition(), Knobs(1410, 8)).energy_j == 0.0
+
+
+def test_a_window_shorter_than_the_energy_counters_period_never_reads_0_j():
+    """NVML's counter updates every ~0.1 s: a window within one update reads 0 J, which
+    is no measurement. The window covers several updates where the device names its
+    period, grows until the counter moves where it does not, and fails where it never does."""
+    from kareus.planner.measured import (
+        EmulatedProfilingDevice,
+        MeasurementError,
+        ProfilerEvaluator,
+    )
+    from kareus.runtime.clocks import DryRunClocks
+
+    emu = Emulator(SPEC)
+    want = emu.partition(attention_partition(), Knobs(1410, 8)).energy_j
+    told = EmulatedProfilingDevice(emu)
+    short = ProfilerEvaluator(told, DryRunClocks(), min_window_s=0.0)
+    assert short.partition(attention_partition(), Knobs(1410, 8)).energy_j == pytest.approx(
+        want, rel=0.25
+    )
+    assert told.now_s() >= 5 * told.period  # the window covered five counter updates
+    blind = EmulatedProfilingDevice(emu)
+    blind.counter_period_s = 0.0  # a device that does not say how often its counter moves
+    grown = ProfilerEvaluator(blind, DryRunClocks(), min_window_s=0.0)
+    assert grown.partition(attention_partition(), Knobs(1410, 8)).energy_j > 0
+    capped = ProfilerEvaluator(
+        EmulatedProfilingDevice(emu, counter_period_s=10.0), DryRunClocks(), max_reps=3
+    )
+    with pytest.raises(MeasurementError, match="not 0 J"):
+        capped.partition(attention_partition(), Knobs(1410, 8))
 
 
 def test_frontier_plot_is_written(small_plan, tmp_path):

@@ -238,3 +238,42 @@ def test_a_traced_backward_does_each_forward_gemm_twice_and_no_more(stage):
 
     assert gemm_flops("forward") > 0
     assert gemm_flops("backward") == pytest.approx(2 * gemm_flops("forward"), rel=1e-9)
+
+
+def test_a_partition_runs_with_inductors_kernels_and_computes_what_its_ops_do(traced, one_rank):
+    """On a GPU, ``kareus profile`` runs each partition as Inductor compiles it (the kernels
+    training runs, not one per aten op); compiled or op by op, it computes the same."""
+    from kareus.hardware import Emulator, gpu
+    from kareus.ir.costs import Knobs
+    from kareus.jobs.profile import Piece, ProgramDevice
+    from kareus.planner.knobs import _digest
+
+    key = next(k for k, t in traced.pset.types.items() if t.collective is not None)
+    program = traced.programs[key]
+    ptype = traced.pset.types[key]
+    work = PartitionWork(ptype.compute, ptype.collective)
+    outputs = {}
+    for codegen in ("python", "inductor"):
+        device = ProgramDevice(
+            {_digest(work): [Piece(program)]},
+            {"tp": None},
+            torch.device("cpu"),
+            model=Emulator(gpu("a100-40gb")),
+            static_power_w=80.0,
+            codegen=codegen,
+        )
+        device.run(work, Knobs(1410, 0, launch_slot=None))
+        ((_piece, runs),) = next(iter(device._graphs.values()))
+        outputs[codegen] = runs(*device._inputs_of(program))
+        assert isinstance(runs, torch.fx.GraphModule) == (codegen == "python")
+    assert ProgramDevice({}, {}, torch.device("cpu"), model=None, static_power_w=0).codegen == (
+        "python"
+    )
+    # bf16 on random inputs: Inductor rounds once per fused kernel, eager once per op, so a
+    # few attention outputs (softmax over random, unnormalised scores) differ more
+    for a, b in zip(outputs["python"], outputs["inductor"], strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        close = (a.float() - b.float()).abs() <= 0.05 * b.float().abs().max() + 1e-6
+        assert close.float().mean() >= 0.95, close.float().mean()
+    with pytest.raises(ValueError, match="'inductor' or 'python'"):
+        ProgramDevice({}, {}, torch.device("cpu"), model=None, static_power_w=0, codegen="x")

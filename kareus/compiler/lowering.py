@@ -568,3 +568,15 @@ def copy_module(gm: fx.GraphModule) -> fx.GraphModule:
         if isinstance(child, fx.GraphModule):
             setattr(work, name, copy_module(child))
     return work
+
+
+def inductor_inference(gm: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
+    """Compile an aten graph run without gradients with Inductor.
+
+    For ``kareus profile``'s partitions: the fused kernels training runs, not one kernel
+    per aten op. Returns a callable taking the graph's inputs and returning its outputs as a list.
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    with torch.no_grad():
+        return compile_fx(gm, list(inputs))  # type: ignore[return-value]

@@ -54,7 +54,11 @@ from kareus.planner import PlannerSettings
 from kareus.planner.iteration import evaluate_options
 from kareus.planner.knobs import CountingEvaluator, RecordingEvaluator, _digest, default_clocks
 from kareus.planner.measured import ProfilerEvaluator
-from kareus.runtime.clocks import ClockController, ClockError, EmulatedClocks
+from kareus.runtime.clocks import (
+    ClockController,
+    ClockError,
+    EmulatedClocks,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -94,9 +98,15 @@ class ProgramDevice:
         static_power_w: static power added over measured time to modelled energy.
         gpu_index: the CUDA index (energy and observed clock).
         seed: seed of the random inputs.
+        codegen: "inductor" runs each program as Inductor compiles it, with the kernels
+            training runs (fused memory-bound ops, SDPA's fused attention); "python" runs
+            it op by op. Default: Inductor on a GPU, python on a CPU (tens of seconds a
+            compile there, and the CPU's figures stand for no GPU's).
     """
 
     time_source = "measured"
+    counter_period_s = 0.1
+    """NVML's energy counter moves about every 0.1 s: windows cover several updates."""
 
     def __init__(
         self,
@@ -108,8 +118,13 @@ class ProgramDevice:
         static_power_w: float,
         gpu_index: int = 0,
         seed: int = 0,
+        codegen: str | None = None,
     ) -> None:
         from kareus.runtime.comm_pool import job_pool
+
+        if codegen not in (None, "inductor", "python"):
+            raise ValueError(f"codegen must be 'inductor' or 'python', got {codegen!r}")
+        self.codegen = codegen or ("inductor" if device.type == "cuda" else "python")
 
         self.programs = programs
         self.groups = groups
@@ -160,10 +175,13 @@ class ProgramDevice:
             self._graphs[graph_key] = [
                 (
                     piece,
-                    piece.program.scheduled(
-                        Decision(slot, share),
-                        None if piece.alone else self._group(piece.program),
-                        self.pool if share is not None else None,
+                    self._lowered(
+                        piece.program,
+                        piece.program.scheduled(
+                            Decision(slot, share),
+                            None if piece.alone else self._group(piece.program),
+                            self.pool if share is not None else None,
+                        ),
                     ),
                 )
                 for piece in self.programs[key]
@@ -179,6 +197,14 @@ class ProgramDevice:
                 ran = PartitionWork(work.ops) if alone else work  # collective left out
                 self._model_cache[(key, knobs)] = self.model.partition(ran, knobs)
             self._modelled_j += self._model_cache[(key, knobs)].dynamic_energy_j
+
+    def _lowered(self, program: PartitionProgram, gm: Any) -> Any:
+        """Return ``gm`` as it runs: compiled by Inductor, or op by op (python)."""
+        if self.codegen == "python":
+            return gm
+        from kareus.compiler.lowering import inductor_inference
+
+        return inductor_inference(gm, self._inputs_of(program))
 
     def _group(self, program: PartitionProgram) -> str | None:
         """Return the real group of the program's collective (None: left out)."""
@@ -665,6 +691,10 @@ def _groups(tp: int, cp: int, rank: int) -> dict[str, str | None]:
 def _can_lock(controller: ClockController, lock: bool, notes: list[str]) -> bool:
     """Return whether ``controller`` may lock clocks; without permission say so, never fail."""
     if not lock:
+        return False
+    if controller.name == "dry-run":  # it would accept the lock and change nothing
+        why = getattr(controller, "why", "") or "asked for"
+        notes.append(f"clocks not locked (a dry run: {why}): measured at the clock as found")
         return False
     try:
         controller.set(max(controller.supported_clocks()))

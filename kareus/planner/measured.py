@@ -24,8 +24,19 @@ import dataclasses
 import math
 from typing import Protocol
 
+from kareus.errors import KareusError
 from kareus.ir.costs import Estimate, Knobs, OpCost, PartitionWork
 from kareus.runtime.clocks import ClockController
+
+COUNTER_UPDATES = 5
+"""A measurement window covers at least this many updates of the energy counter."""
+
+_GROW = 4
+"""How much a window grows when its energy counter did not move (at most eight times)."""
+
+
+class MeasurementError(KareusError, RuntimeError):
+    """A measurement could not be made (an energy counter that never moved)."""
 
 
 class ProfilingDevice(Protocol):
@@ -72,8 +83,14 @@ class ProfilerEvaluator:
             False no clock is ever changed.
         static_power_w: static power, to split off dynamic energy.
         warmup: executions before measuring.
-        min_window_s: shortest measurement window.
+        min_window_s: shortest measurement window; it is also at least
+            :data:`COUNTER_UPDATES` periods of the device's energy counter
+            (``counter_period_s``, where the device says).
         max_reps: most repetitions of one measurement.
+
+    An energy that reads 0 J over a window (the counter did not update within it) is never
+    returned: the window grows, and where it still reads 0 J the measurement raises
+    :class:`MeasurementError`.
     """
 
     device: ProfilingDevice
@@ -91,7 +108,11 @@ class ProfilerEvaluator:
         return self.device.source
 
     def partition(self, work: PartitionWork, knobs: Knobs) -> Estimate:
-        """Measure one partition under one knob setting."""
+        """Measure one partition under one knob setting.
+
+        Raises:
+            MeasurementError: the energy counter did not move over the longest window.
+        """
         if self.lock_clocks:
             self.clocks.set(knobs.freq_mhz)
         try:
@@ -100,20 +121,36 @@ class ProfilerEvaluator:
                 self.device.run(work, knobs)
             self.device.synchronize()
             each = (self.device.now_s() - start) / max(self.warmup, 1)
-            wanted = math.ceil(self.min_window_s / each) if each > 0 else 1
+            period = float(getattr(self.device, "counter_period_s", 0.0) or 0.0)
+            window = max(self.min_window_s, COUNTER_UPDATES * period)
+            wanted = math.ceil(window / each) if each > 0 else 1
             reps = self.device.agree(min(max(wanted, 1), self.max_reps))
-            t0, e0 = self.device.now_s(), self.device.energy_j()
-            for _ in range(reps):
-                self.device.run(work, knobs)
-            self.device.synchronize()
-            time_s, energy_j = self.device.combine(
-                (self.device.now_s() - t0) / reps, (self.device.energy_j() - e0) / reps
-            )
+            for _attempt in range(9):
+                time_s, energy_j = self._window(work, knobs, reps)
+                if energy_j > 0 or reps >= self.max_reps:
+                    break
+                reps = min(reps * _GROW, self.max_reps)  # the same on every rank (combined)
         finally:
             if self.lock_clocks:
                 self.clocks.reset()
+        if energy_j <= 0:
+            raise MeasurementError(
+                f"the energy counter did not move over {reps} runs ({reps * time_s:.3g} s) "
+                "of the partition: its energy is unknown, not 0 J. Raise the window "
+                "(min_window_s) or the repetition cap (max_reps)"
+            )
         self.measurements += 1
         return Estimate(time_s, energy_j, energy_j - self.static_power_w * time_s, self.source)  # type: ignore[arg-type]
+
+    def _window(self, work: PartitionWork, knobs: Knobs, reps: int) -> tuple[float, float]:
+        """Run ``reps`` times back to back; return the time and energy of one run."""
+        t0, e0 = self.device.now_s(), self.device.energy_j()
+        for _ in range(reps):
+            self.device.run(work, knobs)
+        self.device.synchronize()
+        return self.device.combine(
+            (self.device.now_s() - t0) / reps, (self.device.energy_j() - e0) / reps
+        )
 
     def ops(self, ops: tuple[OpCost, ...], freq_mhz: float) -> Estimate:
         """Measure compute alone at one clock."""
@@ -136,6 +173,7 @@ class EmulatedProfilingDevice:
         self.emulator = emulator
         self.clocks = clocks
         self.period = counter_period_s
+        self.counter_period_s = counter_period_s
         self._t = 0.0
         self._e = 0.0
         self.runs: list[float] = []
