@@ -1,5 +1,6 @@
 import dataclasses
 import itertools
+import pathlib
 import statistics
 
 import pytest
@@ -307,7 +308,8 @@ def test_partition_without_collective_equals_its_ops():
 def test_shipped_a100_calibration_is_fitted_and_says_so():
     spec = gpu("a100-sxm4-40gb")
     assert "fitted by kareus.hardware.calibrate" in spec.calibration_source
-    assert "borrowed from the A100" in gpu("h200").calibration_source
+    assert "borrowed from the A100" in gpu("h100-sxm").calibration_source
+    assert "fitted by kareus.hardware.calibrate_check" in gpu("h200").calibration_source
     # The fitted static power agrees with the measured ~85 W the design notes cite.
     assert 70 <= spec.calibration.static_power_w <= 100
 
@@ -320,7 +322,7 @@ def test_other_gpus_scale_the_a100_efficiencies_by_their_published_ceilings():
     attention = h100.calibration.eff_attention / a100.calibration.eff_attention
     assert gemm == pytest.approx((792.1 / 989) / (267.9 / 312), rel=2e-3)
     assert attention == pytest.approx(0.35 / 0.73)
-    for spec in (a100, h100, gpu("h200"), gpu("a40")):
+    for spec in (a100, h100, gpu("h200"), gpu("a40")):  # (the H200: measured since)
         cited = " ".join(k for k in spec.sources)
         assert "gemm_ceiling" in cited and "attention_ceiling" in cited
     # Every other fitted factor is the A100's.
@@ -464,3 +466,32 @@ def test_a_collective_whose_group_spans_nodes_is_carried_by_the_network(name):
     beside = emu.partition(PartitionWork((gemm,), across), knobs)
     assert beside == on_network.partition(PartitionWork((gemm,), ALL_REDUCE), knobs)
     assert beside.time_s > emu.partition(PartitionWork((gemm,), ALL_REDUCE), knobs).time_s
+
+
+H200_CHECK = pathlib.Path(__file__).resolve().parents[2] / "shared" / "gpu" / "h200-2026-12-04"
+
+
+@pytest.mark.skipif(not H200_CHECK.is_dir(), reason="the H200 check's data is not here")
+def test_the_h200_calibration_refits_from_its_check_and_meets_its_targets():
+    """In-sample: fitted to the 2026-12-04 H200 gpu_check (its rows ran at 1980 MHz)."""
+    import json
+
+    import kareus.hardware
+    from kareus.hardware.calibrate_check import BUSY_GEMM, fit_check, load_rows, ratios
+
+    cal, _report = fit_check("h200", H200_CHECK, ran_at=1980)
+    shipped = gpu("h200")
+    for field in ("eff_gemm", "eff_attention", "static_power_w"):
+        assert getattr(shipped.calibration, field) == pytest.approx(getattr(cal, field))
+    assert shipped.calibration.activity == pytest.approx(cal.activity)
+    rows = load_rows(H200_CHECK, 1980)
+    for cls in ("gemm", "attention"):
+        assert 0.9 <= statistics.median(ratios(shipped, rows, cls)) <= 1.1, cls
+    emu = Emulator(shipped)
+    assert abs(emu.idle(1.0).energy_j - 123.9) <= 10  # W: the idle window
+    assert emu.running_clock(BUSY_GEMM, 1980) == pytest.approx(1455, rel=0.05)  # the cap
+    # not fitted to it: the busy window's power
+    busy = emu.ops((BUSY_GEMM,), 1980)
+    assert busy.energy_j / busy.time_s == pytest.approx(664.6, rel=0.05)
+    shipped_file = pathlib.Path(kareus.hardware.__file__).parent / "calibration" / "h200.json"
+    assert json.loads(shipped_file.read_text())["fit"]["in_sample"] is True

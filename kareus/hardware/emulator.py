@@ -270,6 +270,16 @@ class Emulator:
     def _mem_power(self, bytes_per_s: float) -> float:
         return self.cal.mem_power_w_per_tbs * bytes_per_s / 1e12
 
+    def running_clock(self, op: OpCost, freq_mhz: float) -> float:
+        """Return the clock ``op`` runs at, alone on every SM, when ``freq_mhz`` is asked for.
+
+        Below ``freq_mhz`` where its power would pass the TDP: the power cap's clock (an
+        H200 runs a large bf16 GEMM at about 1455 MHz of its 1980).
+        """
+        probe = self.run_op(op, freq_mhz, self.spec.sm_count)
+        sm_p = self._sm_power(probe, op.op_class, self.spec.sm_count, 0)
+        return self._throttled_clock(freq_mhz, sm_p, self._mem_power(probe.mem_bytes_per_s))
+
     def _throttled_clock(self, freq_mhz: float, sm_power_at_max: float, mem_power: float) -> float:
         """Return the clock the chip actually runs at: ``freq_mhz`` unless power exceeds TDP."""
         spec = self.spec

@@ -460,6 +460,17 @@ GPUS: dict[str, GPUSpec] = {
 }
 """Known GPUs by kareus name (``--gpu``), before calibration is applied."""
 
+CALIBRATIONS = {"a100-sxm4-40gb": "a100_sxm4", "a100-sxm4-80gb": "a100_sxm4", "h200": "h200"}
+"""GPUs calibrated on measurements of their own: the file in ``calibration/`` of each.
+
+``a100_sxm4``: :mod:`kareus.hardware.calibrate` (partitions measured on two A100s).
+``h200``: :mod:`kareus.hardware.calibrate_check` (a gpu_check run on one H200). The
+others borrow the A100's, scaled.
+"""
+
+_BASE = "a100_sxm4"
+"""The calibration other GPUs borrow (it has none to borrow itself)."""
+
 _STATIC_SCALED = {"h100-sxm": 700 / 400, "h200": 700 / 400, "a40": 300 / 400}
 
 
@@ -493,8 +504,11 @@ def spec_name_for_device(device_name: str) -> str | None:
     return None
 
 
-def gpu(name: str) -> GPUSpec:
+def gpu(name: str, *, own_calibration: bool = True) -> GPUSpec:
     """Return the calibrated spec of a GPU by kareus name (case-insensitive).
+
+    ``own_calibration=False``: the A100's calibration scaled to this GPU, even where one
+    was measured on it (what :mod:`kareus.hardware.calibrate_check` starts from).
 
     Raises:
         UnknownGPUError: the name is not one of :data:`GPUS`.
@@ -507,9 +521,10 @@ def gpu(name: str) -> GPUSpec:
             f"(also {', '.join(sorted(ALIASES))})"
         )
     spec = GPUS[key]
+    own = CALIBRATIONS.get(key)
+    if own is not None and (own_calibration or own == _BASE):  # measured on this GPU
+        return spec.with_calibration(*load_calibration(own))
     cal, provenance = load_calibration()
-    if key.startswith("a100"):
-        return spec.with_calibration(cal, provenance)
     # Other GPUs: the A100's fitted factors, with the GEMM and attention efficiencies scaled
     # by what each GPU's kernels reach of its peak against the A100's, static power by TDP.
     a100 = GPUS["a100-sxm4-40gb"]
