@@ -33,7 +33,8 @@ Nine steps, each reported even when another fails:
 7. ``nccl``: with 2+ GPUs, all-reduce time of a 64 MiB tensor under NCCL CTA limits
    (the SM share) against the model.
 
-It never changes clocks, the power limit or any other setting: the clock controller is a
+It never changes clocks, the power limit or any other setting (it runs under
+``KAREUS_CLOCKS=off``, so every kareus clock controller refuses): the clock controller is a
 dry run, measurements run at the clock the GPU chooses, read from NVML (with the power) in
 every timed window and recorded per row; the model is priced at that clock, never at the
 idle clock read before work. It writes
@@ -1015,6 +1016,9 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(s.__name__.removeprefix("step_") for s in STEPS),
     )
     args = parser.parse_args(argv)
+    # Whatever a step asks, kareus changes no setting of this GPU in this process (and the
+    # processes it starts): every real clock controller refuses, clocks="auto" is a dry run.
+    os.environ["KAREUS_CLOCKS"] = "off"
     ctx = _context(args)
     ctx.out.mkdir(parents=True, exist_ok=True)
     ctx.data.mkdir(parents=True, exist_ok=True)
@@ -1044,7 +1048,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{ctx.clock_mhz:g} MHz before any work ({ctx.clock_source}; each step prices the "
         f"clock read while its kernels ran); torch {torch.__version__}, "
         f"python {platform.python_version()}. No clock, power limit or other setting was "
-        "changed. CSVs: " + str(ctx.data),
+        "changed (the run sets KAREUS_CLOCKS=off: every kareus clock controller refuses). "
+        "CSVs: " + str(ctx.data),
         "",
         "| step | status | seconds | what it found |",
         "|---|---|---|---|",

@@ -21,6 +21,7 @@ def test_dry_run_runs_every_step_and_writes_summary_and_data(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     assert "dry run: no figure here measures a GPU" in summary
     assert "No clock, power limit or other setting was changed" in summary
+    assert "KAREUS_CLOCKS=off" in summary
     steps = (
         "devices", "compile", "train_step", "switches", "energy", "ops", "sizes", "profile",
         "nccl",
