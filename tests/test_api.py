@@ -13,6 +13,8 @@ from kareus.compiler.backend import find_backend
 from kareus.models import PRESETS, Llama
 from kareus.testing import (
     assert_same_history,
+    blocks_run,
+    clocks_on_device,
     compare_training,
     hf_tiny,
     token_batches,
@@ -204,7 +206,7 @@ def test_inductor_lowers_a_split_region_with_static_sizes(monkeypatch):
     # depends on the processor's vector width (bitwise on one machine, 5.0941 vs 5.0941
     # off by an ulp on another), which kareus does not control.
     torch.testing.assert_close(loss, model(ids, ids), rtol=1e-5, atol=1e-6)
-    assert kareus.explain(compiled).regions[0].findings["find_blocks"].split, "nothing split"
+    assert blocks_run(kareus.explain(compiled).regions[0]).split, "nothing split"
     report = kareus.explain(compiled)
     for kind in ("forward", "backward"):
         assert "sym_size" not in report.graph(kind, captured=True), kind
@@ -265,7 +267,6 @@ for name in ("nvmlInit", "nvmlInit_v2", "nvmlDeviceGetCount", "nvmlDeviceGetHand
 
 import kareus, kareus.cli, kareus.compiler.backend as backend, kareus.runtime.switcher
 import kareus.jobs.workload, kareus.jobs.profile, kareus.planner.measured
-
 assert not backend.default_backend._backends, "the default backend was made at import"
 print("touched:", touched)
 sys.exit(1 if touched else 0)
@@ -307,6 +308,7 @@ def test_compile_time_plans_record_clocks_but_change_none_unless_asked():
     asked(ids, ids).backward()
     controller = find_backend(asked).runtime.controller
     assert not isinstance(controller, DryRunClocks) and controller.name == "emulated"
+    assert clocks_on_device(find_backend(asked).runtime), "asked: the clocks were set"
     find_backend(asked).runtime.close()
     runtime.close()
     with pytest.raises(ValueError, match="clocks='always'.*'auto'"):

@@ -242,6 +242,8 @@ class EmulatedClocks:
         self._clocks = clocks_mhz or list(range(1410, 209, -15))
         self.refuse = refuse
         self.current: float | None = None
+        self.history: list[float | None] = []
+        """Every state the device took, in order: a clock, or None (the default)."""
 
     def supported_clocks(self) -> list[int]:
         """Return the emulated GPU's clocks."""
@@ -252,11 +254,13 @@ class EmulatedClocks:
         if self.refuse:
             raise ClockPermissionError("the emulated GPU refuses clock changes (refuse=True)")
         self.current = freq_mhz
+        self.history.append(freq_mhz)
 
     def reset(self) -> None:
         """Record the reset."""
         if not self.refuse:
             self.current = None
+            self.history.append(None)
 
 
 class DryRunClocks:

@@ -344,10 +344,6 @@ class ClockRuntime:
         if not self.enabled or freq == self._current:
             return None
         self._current = freq
-        self.switch_count += 1
-        self.switches.append(freq)
-        if len(self.switches) > 2 * _KEEP:
-            del self.switches[:-_KEEP]
         return freq
 
     def _after_backward(self, stage: int, region: int) -> None:
@@ -469,6 +465,11 @@ class ClockRuntime:
             self.switch_call_s += took
             self.switch_call_max_s = max(self.switch_call_max_s, took)
             self.switch_calls += 1
+            # recorded once the controller has set it, not when the switch was reached
+            self.switch_count += 1
+            self.switches.append(freq)
+            if len(self.switches) > 2 * _KEEP:
+                del self.switches[:-_KEEP]
             if not self._locked:  # one record per lock, not per switch: the journal stays small
                 self._locked = True
                 self._log("lock", freq_mhz=freq)
