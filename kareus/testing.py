@@ -179,6 +179,140 @@ def overlap_problems(region: Any) -> list[str]:
     return problems
 
 
+def _running_graph(region: Any, kind: str | None) -> torch.fx.GraphModule | None:
+    """Return the rewritten graph of ``kind`` that runs (default: forward, else inference)."""
+    for k in (kind,) if kind else ("forward", "inference"):
+        record = region.graphs.get(k)
+        if record is not None and record.final is not None:
+            return record.final  # type: ignore[no-any-return]
+    return None
+
+
+def split_blocks(region: Any, kind: str | None = None) -> list[str]:
+    """Return the blocks the region's graph computes as two nanobatch copies, as it runs.
+
+    Read from the rewritten graph that runs (the forward's, or ``kind``'s), not from what
+    the split pass recorded: a block is split when its compute ops appear tagged with
+    nanobatch 0 and with nanobatch 1, the same ops in both copies. In graph order. For a
+    block whose tags AOTAutograd dropped (an activation-checkpointed body), the rewritten
+    Dynamo graph it was traced from is read instead. ``region``: one of
+    ``kareus.explain(model).regions``.
+    """
+    gm = _running_graph(region, kind)
+    if gm is None:
+        return []
+    copies = _nanobatch_copies(gm)
+    dynamo = region.graphs.get("dynamo")
+    if kind is None and dynamo is not None and dynamo.final is not None:
+        for block, pair in _nanobatch_copies(dynamo.final).items():
+            copies.setdefault(block, pair)  # a block whose tags AOTAutograd dropped
+    return [b for b, (first, second) in copies.items() if first and first == second]
+
+
+def _nanobatch_copies(gm: torch.fx.GraphModule) -> dict[str, tuple[Any, Any]]:
+    """Count each block's compute ops per nanobatch copy (graphs it calls included)."""
+    from collections import Counter
+
+    from kareus.passes.annotate_costs import moves_freely
+    from kareus.passes.tags import get_tag
+
+    copies: dict[str, tuple[Counter[str], Counter[str]]] = {}
+    nodes = [n for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]
+    for node in nodes:
+        tag = get_tag(node)
+        if node.op != "call_function" or tag is None or tag.nanobatch not in (0, 1):
+            continue
+        body = isinstance(node.target, torch._ops.HigherOrderOperator)  # a checkpointed body
+        if (moves_freely(node) and not body) or "_c10d_functional" in str(node.target):
+            continue
+        copies.setdefault(tag.block, (Counter(), Counter()))[tag.nanobatch][str(node.target)] += 1
+    return copies
+
+
+def blocks_run(region: Any) -> Any:
+    """Return the region's blocks (``findings["find_blocks"]``) once the graph confirms them.
+
+    The blocks kareus records as split must be the blocks the graph that runs computes in
+    two nanobatch copies (:func:`split_blocks`): a record the graph does not bear out fails
+    here (AssertionError). Tests read what was split through it, never the record alone.
+    """
+    recorded = region.findings["find_blocks"]
+    if _running_graph(region, None) is not None:
+        ran = split_blocks(region)
+        assert set(ran) == set(recorded.split), (
+            f"kareus records {recorded.split} as split; the graph that runs splits {ran}"
+        )
+    return recorded
+
+
+def clocks_on_device(runtime: Any) -> list[float]:
+    """Return the clocks the runtime's device was set to, in order (resets left out).
+
+    Read from the device (an emulated GPU's ``history``), not the runtime's records: a
+    runtime that records a switch and sets nothing shows nothing here.
+    """
+    history = getattr(runtime.controller, "history", None)
+    assert history is not None, (
+        f"the {runtime.controller.name} controller keeps no history: test on an emulated GPU"
+    )
+    return [f for f in history if f is not None]
+
+
+def overlapped_collectives(region: Any, kind: str = "forward") -> list[str]:
+    """Return the collectives of the running ``kind`` graph that fly over the other copy.
+
+    A collective flies over the other nanobatch's compute when a compute op of the other
+    nanobatch runs between its issue and its wait.
+
+    Read from the order of the rewritten graph that runs (what the python codegen runs op
+    by op, and what Inductor is given); :func:`inductor_windows` reads Inductor's code.
+    """
+    from kareus.passes.annotate_costs import moves_freely
+    from kareus.passes.tags import get_tag
+
+    gm = _running_graph(region, kind)
+    if gm is None:
+        return []
+    nodes = list(gm.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    flying = []
+    for node in nodes:
+        target = str(node.target)
+        if "_c10d_functional" not in target or "wait_tensor" in target:
+            continue
+        nanobatch = _nanobatch_of(node)
+        waits = [u for u in node.users if "wait_tensor" in str(u.target)]
+        if nanobatch is None or not waits:
+            continue
+        between = nodes[at[node] + 1 : min(at[w] for w in waits)]
+        other = [
+            n
+            for n in between
+            if n.op == "call_function"
+            and not moves_freely(n)
+            and "_c10d_functional" not in str(n.target)
+            and (t := get_tag(n)) is not None
+            and t.nanobatch == 1 - nanobatch
+        ]
+        if other:
+            flying.append(node.name)
+    return flying
+
+
+def _nanobatch_of(node: torch.fx.Node) -> int | None:
+    """Return the nanobatch of the nearest tagged ops ``node`` reads (collectives have none)."""
+    from kareus.passes.tags import get_tag
+
+    seen, frontier = set(), list(node.all_input_nodes)
+    while frontier:
+        found = {t.nanobatch for n in frontier if (t := get_tag(n)) and t.nanobatch in (0, 1)}
+        if found:
+            return found.pop() if len(found) == 1 else None
+        seen.update(frontier)
+        frontier = [i for n in frontier for i in n.all_input_nodes if i not in seen]
+    return None
+
+
 @dataclasses.dataclass
 class Window:
     """One collective in Inductor's code: its line, its nanobatch, what runs while it flies.

@@ -17,6 +17,7 @@ from kareus.testing import (
     InplaceTPLayer,
     InplaceTPNet,
     assert_same_history,
+    blocks_run,
     compare_training,
     node_lines,
     run_ranks,
@@ -81,7 +82,7 @@ def _train(sequence_parallel, **options):
     ref, got, counts, region = _trained(make, _batches(sequence_parallel), **options)
     pset = region.findings["cut_partitions"]
     with_collective = sum(1 for p in pset.partitions if p.collective is not None)
-    blocks = region.findings["find_blocks"]
+    blocks = blocks_run(region)
     return ref, got, counts, blocks.split, with_collective, region.notes
 
 
@@ -171,7 +172,7 @@ def _fsdp_runs(rank):
             return _FSDPNet(tp)
 
         ref, got, counts, region = _trained(make, _batches(False), strict=True)
-        blocks = region.findings["find_blocks"]
+        blocks = blocks_run(region)
         out[tp] = ref, got, counts, blocks.split, dict(blocks.skipped)
     return out
 
@@ -210,7 +211,7 @@ def _gathered_whole_runs(rank):
     pset = region.findings["cut_partitions"]
     codes = {kind: region.graphs[kind].final_code for kind in ("forward", "backward")}
     decisions = dict(region.findings["decisions"])
-    split = region.findings["find_blocks"].split
+    split = blocks_run(region).split
     return ref, got, pset, codes, decisions, split, region.findings.get("plan")
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import kareus
 from kareus.models import Llama, LlamaConfig
-from kareus.testing import inductor_buffers, inductor_windows, token_batches
+from kareus.testing import blocks_run, inductor_buffers, inductor_windows, token_batches
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +56,7 @@ def test_kareus_compile_on_cuda_trains_like_eager_with_blocks_split_and_overlapp
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=name)
     region = kareus.explain(compiled).regions[0]
     assert region.findings["codegen"] == "inductor"
-    assert set(region.findings["find_blocks"].split) == {"layers.0", "layers.1"}
+    assert set(blocks_run(region).split) == {"layers.0", "layers.1"}
     for kind, code, buffers in zip(("forward", "backward"), codes, made, strict=True):
         flying = [w for w in inductor_windows(code, buffers) if w.overlapped]
         assert flying, f"no collective of the {kind} flies over the other nanobatch's kernels"

@@ -21,7 +21,7 @@ from kareus.compiler.backend import find_backend
 from kareus.models import Llama, LlamaConfig
 from kareus.passes.schedule_overlap import decision_for
 from kareus.runtime.clocks import EmulatedClocks
-from kareus.testing import inductor_buffers, inductor_windows, token_batches
+from kareus.testing import blocks_run, inductor_buffers, inductor_windows, token_batches
 
 CFG = LlamaConfig(num_layers=2, hidden_size=64, intermediate_size=128)
 
@@ -93,7 +93,7 @@ def test_the_default_codegen_is_inductor_and_trains_as_eager(split):
     region = kareus.explain(compiled).regions[0]
     assert region.findings["codegen"] == "inductor"
     assert len(codes) == 2  # Inductor compiled the forward and the backward
-    assert set(region.findings["find_blocks"].split) == {"layers.0", "layers.1"}
+    assert set(blocks_run(region).split) == {"layers.0", "layers.1"}
     for step, (a, b) in enumerate(zip(ref_losses, losses, strict=True)):
         torch.testing.assert_close(b, a, msg=f"loss at step {step}")
     for ref, got in zip(ref_grads, grads, strict=True):

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import kareus
 from kareus.models import PRESETS, Llama, LlamaConfig, cp_shard, preset
 from kareus.runtime.clocks import EmulatedClocks
-from kareus.testing import run_ranks
+from kareus.testing import blocks_run, run_ranks
 
 CFG = LlamaConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
 
@@ -118,7 +118,7 @@ def _sharded_vs_full(rank, mode):
         split = None
         if how != "eager":
             region = kareus.explain(run).regions[0]
-            split = region.findings["find_blocks"].split
+            split = blocks_run(region).split
             pset = region.findings["cut_partitions"]
             ops = list(pset.outside("forward"))
             for p in pset.partitions:
@@ -222,7 +222,7 @@ def _tensor_parallel_with_plan(rank, plan_json):
         if how == "planned":
             region = kareus.explain(run).regions[0]
             backend = kareus.compiler.backend.find_backend(run)
-            out["split"] = region.findings["find_blocks"].split
+            out["split"] = blocks_run(region).split
             out["switches"] = backend.runtime.switches
             backend.runtime.close()
     return out

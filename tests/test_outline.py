@@ -20,7 +20,7 @@ from kareus._torch_internals import outlining_problem
 from kareus.models import PRESETS, Llama
 from kareus.passes.base import GraphPass, PassResult, same_structure, structure
 from kareus.passes.outline import outline_blocks
-from kareus.testing import compare_training, token_batches
+from kareus.testing import blocks_run, compare_training, token_batches
 
 needs_outlining = pytest.mark.skipif(
     outlining_problem() is not None,
@@ -104,12 +104,12 @@ def test_blocks_traced_once_train_bitwise_as_traced_op_by_op(grab):
     for kind in ("forward", "backward"):
         assert ops[kind] == flat_ops[kind], kind
         assert not any("invoke_subgraph" in t for t in ops[kind])
-    blocks = region.findings["find_blocks"]
+    blocks = blocks_run(region)
     assert blocks.split == [f"layers.{i}" for i in range(4)]
     # Every inlined node is tagged as the call that ran it (a backward call as the forward
     # call it differentiates): each block copy spans as many nodes as traced op by op, in
     # the last lowering (batch 5) too.
-    flat_blocks = flat_region.findings["find_blocks"]
+    flat_blocks = blocks_run(flat_region)
     for kind in ("forward", "backward"):
         assert set(blocks.spans[kind]) == {f"layers.{i}" for i in range(4)}
         assert _sizes(blocks.spans[kind]) == _sizes(flat_blocks.spans[kind]), kind
@@ -266,7 +266,7 @@ def _symbolic_losses(once):
 def test_a_region_lowered_symbolically_traces_blocks_once_for_every_shape():
     flat_losses, flat_grads, _notes, _r = _symbolic_losses(False)
     losses, grads, notes, report = _symbolic_losses(True)
-    assert len(report.regions) == 1 and report.regions[0].findings["find_blocks"].split
+    assert len(report.regions) == 1 and blocks_run(report.regions[0]).split
     assert any("8 block calls traced" in n for n in notes), notes
     assert not any("lowered again" in n for n in notes), notes
     for a, b in zip(flat_losses, losses, strict=True):
@@ -325,8 +325,8 @@ def test_a_pytorch_without_call_numbers_lowers_op_by_op_and_warns(grab, changed_
     assert f"blocks traced one by one: {problem}" in region.notes, region.notes
     assert not any("block calls traced" in n for n in region.notes)
     # kareus still did its job: every layer split, as without outlining.
-    assert region.findings["find_blocks"].split == [f"layers.{i}" for i in range(4)]
-    assert flat_region.findings["find_blocks"].split == region.findings["find_blocks"].split
+    assert blocks_run(region).split == [f"layers.{i}" for i in range(4)]
+    assert blocks_run(flat_region).split == blocks_run(region).split
 
 
 def test_a_pytorch_that_numbers_backward_ops_otherwise_finds_blocks_by_data_flow(
@@ -339,7 +339,7 @@ def test_a_pytorch_that_numbers_backward_ops_otherwise_finds_blocks_by_data_flow
     assert internals.seq_nr_pairs() is False
     got, region, _ = _train(False, grab, batches=ONE_BATCH, nanobatches=2)
     _assert_bitwise(flat, got)
-    blocks, flat_blocks = region.findings["find_blocks"], flat_region.findings["find_blocks"]
+    blocks, flat_blocks = blocks_run(region), blocks_run(flat_region)
     assert blocks.split == flat_blocks.split == [f"layers.{i}" for i in range(4)]
     for kind in ("forward", "backward"):
         assert _sizes(blocks.spans[kind]) == _sizes(flat_blocks.spans[kind]), kind

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import kareus
+from kareus.testing import blocks_run
 
 # (name, function, op the skip reason names, or None when the op acts per sample)
 OPS = [
@@ -83,7 +84,7 @@ def _compile_and_compare(ops, batch):
     compiled = kareus.compile(model, nanobatches=2)
     x = torch.randn(batch, 8)
     got, want = compiled(x), ref(x)
-    blocks = kareus.explain(compiled).regions[0].findings["find_blocks"]
+    blocks = blocks_run(kareus.explain(compiled).regions[0])
     return got, want, blocks
 
 
@@ -330,7 +331,7 @@ def test_meta_llama_complex_rotary_blocks_are_split_and_train_the_same():
     ]
     ref, got = compare_training(make, comp, batches, resync=True)
     assert_same_history(ref, got, bitwise_loss=False)
-    blocks = kareus.explain(holder["m"]).regions[0].findings["find_blocks"]
+    blocks = blocks_run(kareus.explain(holder["m"]).regions[0])
     assert blocks.split == ["layers.0", "layers.1"], blocks.skipped
 
 
@@ -462,7 +463,7 @@ def test_random_blocks_of_aten_and_custom_ops_train_as_eager_or_stay_whole_sayin
         got = compiled(x)
         torch.manual_seed(1)
         want = ref(x)
-        blocks = kareus.explain(compiled).regions[0].findings["find_blocks"]
+        blocks = blocks_run(kareus.explain(compiled).regions[0])
     finally:
         del OPS[len(OPS) - len(chosen) :]
     torch.testing.assert_close(got, want)

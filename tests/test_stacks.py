@@ -12,7 +12,14 @@ import torch
 from torch import nn
 
 import kareus
-from kareus.testing import assert_same_history, compare_training, run_ranks, train
+from kareus.testing import (
+    assert_same_history,
+    blocks_run,
+    clocks_on_device,
+    compare_training,
+    run_ranks,
+    train,
+)
 
 DIM = 16
 
@@ -60,9 +67,7 @@ def compile_blocks(model: Model, **options) -> Model:
 def block_sets(model: Model) -> list:
     """Each layer's regions' block sets."""
     return [
-        region.findings["find_blocks"]
-        for layer in model.layers
-        for region in kareus.explain(layer).regions
+        blocks_run(region) for layer in model.layers for region in kareus.explain(layer).regions
     ]
 
 
@@ -144,11 +149,11 @@ def test_compiled_autograd_trains_the_same_and_its_graph_says_why_it_has_no_bloc
     assert_same_history(ref, got, bitwise_loss=False)
     forward, *backwards = made
     [region] = kareus.explain(forward).regions
-    assert region.findings["find_blocks"].split == ["layers.0", "layers.1", "layers.2"]
+    assert blocks_run(region).split == ["layers.0", "layers.1", "layers.2"]
     assert backwards
     for compiled in backwards:
         for region in kareus.explain(compiled).regions:
-            assert region.findings["find_blocks"].to_text() == COMPILED_AUTOGRAD
+            assert blocks_run(region).to_text() == COMPILED_AUTOGRAD
 
 
 def _seeded(cls, *args):
@@ -209,7 +214,7 @@ def _tp_per_block(rank):
     out["whole types"] = _partition_types(kareus.explain(holder["whole"]).regions)
     regions = [r for layer in holder["blocks"].layers for r in kareus.explain(layer).regions]
     out["block types"] = _partition_types(regions)
-    out["split"] = [r.findings["find_blocks"].split for r in regions]
+    out["split"] = [blocks_run(r).split for r in regions]
     return out
 
 
@@ -267,10 +272,7 @@ def _fsdp(rank, per_block, reshard=True, hsdp=False):
     return (
         ref,
         got,
-        [
-            (r.findings["find_blocks"].whole_region, r.findings["find_blocks"].skipped)
-            for r in regions
-        ],
+        [(blocks_run(r).whole_region, blocks_run(r).skipped) for r in regions],
     )
 
 
@@ -334,6 +336,9 @@ def _second_iteration(model):
     runtime = find_backend(model.layers[0]).runtime
     applied = [a[2:] for a in runtime.applied if a[0] == 1]
     iterations = len(runtime.iterations)
+    if runtime.controller.name != "dry-run":  # the clocks were set on the (emulated) GPU
+        on_device = clocks_on_device(runtime)
+        assert on_device and on_device == runtime.switches, (on_device, runtime.switches)
     runtime.close()
     return applied, iterations
 
@@ -407,7 +412,7 @@ def _overlaps(region):
     }
     alone = {kind: [c.kind for c in colls] for kind, colls in pset.exposed.items()}
     whole = all(p.whole for p in pset.partitions)
-    return region.findings["find_blocks"].split, kinds, alone, whole, overlap_problems(region)
+    return blocks_run(region).split, kinds, alone, whole, overlap_problems(region)
 
 
 @pytest.mark.distributed
@@ -450,7 +455,7 @@ def _fsdp_tp(rank):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     ref, got, model = _train_fsdp_tp(mesh, steps=2)
     regions = [r for layer in model.layers for r in kareus.explain(layer).regions]
-    return ref, got, [r.findings["find_blocks"].split for r in regions], _partition_types(regions)
+    return ref, got, [blocks_run(r).split for r in regions], _partition_types(regions)
 
 
 @pytest.mark.distributed
@@ -515,7 +520,7 @@ def _ddp(rank, per_block, dim, optimize_ddp=True):
         if per_block
         else kareus.explain(model).regions
     )
-    split = [b for r in regions for b in r.findings["find_blocks"].split]
+    split = [b for r in regions for b in blocks_run(r).split]
     return ref, got, split, [n for r in regions for n in r.notes]
 
 
@@ -687,9 +692,7 @@ def _fsdp_tp_planned(rank):
     plan = _whole_model_plan(mesh["tp"])
     ref, got, model = _train_fsdp_tp(mesh, steps=3, plan=plan, clocks=EmulatedClocks())
     applied, iterations = _second_iteration(model)
-    split = [
-        r.findings["find_blocks"].split for m in model.layers for r in kareus.explain(m).regions
-    ]
+    split = [blocks_run(r).split for m in model.layers for r in kareus.explain(m).regions]
     planned = [(s.kind, s.microbatch, s.freq_mhz) for s in plan.schedule]
     return ref, got, applied, planned, iterations, split
 

@@ -8,7 +8,13 @@ from kareus import Decision
 from kareus._torch_internals import outlining_problem
 from kareus.models import Llama, LlamaConfig
 from kareus.passes.base import GraphPass, PassResult
-from kareus.testing import assert_same_history, compare_training, run_ranks, token_batches
+from kareus.testing import (
+    assert_same_history,
+    blocks_run,
+    compare_training,
+    run_ranks,
+    token_batches,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -261,9 +267,9 @@ def _dtensor_run(rank):
     return (
         ref,
         got,
-        region.findings["find_blocks"].split,
+        blocks_run(region).split,
         pset.counts("forward"),
-        region.findings["find_blocks"].skipped,
+        blocks_run(region).skipped,
     )
 
 

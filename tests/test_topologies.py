@@ -15,7 +15,7 @@ import torch.distributed as dist
 import kareus
 from kareus import Decision
 from kareus.models import Llama, LlamaConfig
-from kareus.testing import run_ranks, token_batches
+from kareus.testing import blocks_run, run_ranks, token_batches
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(420)]
 
@@ -121,7 +121,7 @@ def _tp_dp_cp(rank, sizes, how, decisions, net="llama"):
             out["grads"][i].append(_grads(model))
             _dp_step(model, opt, groups["dp"])
     report = kareus.explain(compiled)
-    return out, report.summary(), report.regions[0].findings["find_blocks"].split
+    return out, report.summary(), blocks_run(report.regions[0]).split
 
 
 def _check_same(results):
