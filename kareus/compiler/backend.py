@@ -288,10 +288,12 @@ class KareusBackend:
         if self.config.gpu is None and region.device != "cuda":
             # The GPU this process could use is not the one this region runs on: no plan
             # for a model on the CPU unless gpu= names one.
-            region.notes.append(
+            note = (
                 f"no clock plan: the region runs on {region.device or 'no device'}, not on "
                 f"this machine's {self._plan_for} (pass gpu= to plan for a GPU type anyway)"
             )
+            if note not in region.notes:  # (lowered again for each batch size)
+                region.notes.append(note)
             return
         plan = apply_plan.plan_region(region, str(self._plan_for), self.config.select)
         if plan is None:

@@ -54,11 +54,7 @@ from kareus.planner import PlannerSettings
 from kareus.planner.iteration import evaluate_options
 from kareus.planner.knobs import CountingEvaluator, RecordingEvaluator, _digest, default_clocks
 from kareus.planner.measured import ProfilerEvaluator
-from kareus.runtime.clocks import (
-    ClockController,
-    ClockError,
-    EmulatedClocks,
-)
+from kareus.runtime.clocks import ClockController, ClockError, EmulatedClocks
 
 _log = logging.getLogger(__name__)
 

@@ -172,7 +172,6 @@ class EmulatedProfilingDevice:
     ) -> None:
         self.emulator = emulator
         self.clocks = clocks
-        self.period = counter_period_s
         self.counter_period_s = counter_period_s
         self._t = 0.0
         self._e = 0.0
@@ -204,7 +203,7 @@ class EmulatedProfilingDevice:
 
     def energy_j(self) -> float:
         """Return the energy counter as of its last update."""
-        ticks = math.floor(self._t / self.period)
+        ticks = math.floor(self._t / self.counter_period_s)
         if self._t <= 0:
             return 0.0
-        return self._e * (ticks * self.period) / self._t
+        return self._e * (ticks * self.counter_period_s) / self._t

@@ -7,6 +7,7 @@ vendor's error chained. Nothing here is imported by ``import kareus``.
 
 from __future__ import annotations
 
+import collections
 import os
 from typing import Protocol
 
@@ -242,8 +243,8 @@ class EmulatedClocks:
         self._clocks = clocks_mhz or list(range(1410, 209, -15))
         self.refuse = refuse
         self.current: float | None = None
-        self.history: list[float | None] = []
-        """Every state the device took, in order: a clock, or None (the default)."""
+        self.history: collections.deque[float | None] = collections.deque(maxlen=4096)
+        """The states the device took, in order (the last 4096): a clock, or None."""
 
     def supported_clocks(self) -> list[int]:
         """Return the emulated GPU's clocks."""
