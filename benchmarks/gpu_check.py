@@ -958,12 +958,6 @@ STEPS = (
 )
 
 
-def _sm_clock(index: int) -> float | None:
-    from kareus.jobs.profile import _sm_clock as read
-
-    return read(index)
-
-
 def _context(args: argparse.Namespace) -> Context:
     if args.dry_run:
         device = torch.device("cpu")
@@ -985,7 +979,7 @@ def _context(args: argparse.Namespace) -> Context:
             )
         spec = gpu(name)
         reader = nvml_reader(0) or fixed_reader(None)
-        found = _sm_clock(0)
+        found = reader()[0]
         clock, how = (
             (found, "read from NVML")
             if found

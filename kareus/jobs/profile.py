@@ -101,8 +101,11 @@ class ProgramDevice:
     """
 
     time_source = "measured"
-    counter_period_s = 0.1
-    """NVML's energy counter moves about every 0.1 s: windows cover several updates."""
+
+    @property
+    def counter_period_s(self) -> float:
+        """NVML's energy counter moves about every 0.1 s (0: energy modelled, no counter)."""
+        return 0.1 if self._monitor is not None else 0.0
 
     def __init__(
         self,
@@ -712,15 +715,11 @@ def _controller(device: torch.device, spec: GPUSpec) -> ClockController:
 
 
 def _sm_clock(index: int) -> float | None:  # pragma: no cover - needs a CUDA GPU
-    """Return the GPU's SM clock now (NVML), or None when it cannot be read."""
-    try:
-        import pynvml
+    """Return the SM clock of CUDA device ``index`` now (NVML), or None when unreadable."""
+    from kareus.jobs.gpu_watch import nvml_reader
 
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        return float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM))
-    except Exception:
-        return None
+    reader = nvml_reader(index)
+    return reader()[0] if reader is not None else None
 
 
 def profile_markdown(result: ProfileResult, out: str = "DIR") -> str:
