@@ -323,6 +323,29 @@ def custom_partitioner_base() -> type | None:
     return CustomPartitionerFn  # type: ignore[no-any-return]
 
 
+def dynamo_context(compiled: Any) -> Any:
+    """Return the Dynamo context of what ``torch.compile`` returned, or None.
+
+    The context's ``callback`` calls the backend. An ``OptimizedModule`` holds it as
+    ``dynamo_ctx``; a compiled function (and the call of a module compiled in place,
+    ``module.compile()``, kept as ``_compiled_call_impl``) holds it in its closure, as
+    ``self``.
+    """
+    inner = getattr(compiled, "_compiled_call_impl", None)
+    if isinstance(compiled, torch.nn.Module) and inner is not None:
+        compiled = inner
+    ctx = getattr(compiled, "dynamo_ctx", None)
+    if ctx is not None:
+        return ctx
+    code = getattr(compiled, "__code__", None)
+    cells = getattr(compiled, "__closure__", None) or ()
+    for name, cell in zip(getattr(code, "co_freevars", ()), cells, strict=False):
+        with contextlib.suppress(ValueError):  # an empty cell
+            if name == "self" and hasattr(cell.cell_contents, "callback"):
+                return cell.cell_contents
+    return None
+
+
 def self_test() -> dict[str, bool]:
     """Compile tiny modules and say which internals this PyTorch still provides."""
     import torch._dynamo
@@ -346,6 +369,8 @@ def self_test() -> dict[str, bool]:
     x = torch.ones(2)
     for module in (_Whole(), _Broken()):
         torch.compile(module, backend=backend)(x)
+    in_place = _Whole()
+    in_place.compile(backend=backend)
     whole = seen[0] if seen else TracedFrame(None, None)
     broken = seen[1] if len(seen) > 1 else TracedFrame(None, None)
     return {
@@ -356,6 +381,10 @@ def self_test() -> dict[str, bool]:
         "invoke_subgraph calls paired and differentiated": outlining_problem() is None,
         "backward ops numbered as their forward op": seq_nr_pairs(),
         "Inductor takes a custom partitioner": custom_partitioner_base() is not None,
+        "the backend of a module compiled in place found": getattr(
+            dynamo_context(in_place), "callback", None
+        )
+        is not None,
     }
 
 

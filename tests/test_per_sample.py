@@ -7,14 +7,16 @@ to eager, or left whole with the offending op named.
 """
 
 import copy
+import functools
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import kareus
-from kareus.testing import blocks_run
+from kareus.testing import blocks_run, run_ranks
 
 # (name, function, op the skip reason names, or None when the op acts per sample)
 OPS = [
@@ -477,3 +479,84 @@ def test_random_blocks_of_aten_and_custom_ops_train_as_eager_or_stay_whole_sayin
         assert blocks.split == [], [n for n, _f, _x in chosen]
         for reason in blocks.skipped.values():
             assert any(f"({n})" in reason or n in reason for n in named), (reason, named)
+
+
+def _gathers_and_scatters(rank):
+    """Each functional gather and scatter along each dimension of a [batch, seq, hidden]
+    tensor (and of rows flattened from batch and sequence), put to kareus and to the
+    numbers: (case, along the batch, claimed, holds, reason)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from kareus.testing import per_sample_verdict
+
+    group = dist.group.WORLD
+    world = dist.get_world_size()
+
+    def wait(x):
+        return funcol.wait_tensor(x)
+
+    def raw_gather(x):  # the collective alone: ranks stacked along dimension 0
+        return wait(torch.ops._c10d_functional.all_gather_into_tensor(x, world, group.group_name))
+
+    def raw_scatter(x):
+        return wait(
+            torch.ops._c10d_functional.reduce_scatter_tensor(x, "sum", world, group.group_name)
+        )
+
+    def gather_split_wrong(x):  # blocks taken apart, but not one per rank
+        g = raw_gather(x.contiguous())
+        return torch.cat(torch.chunk(g, 2 * world, dim=0), dim=1)
+
+    def gather_then_use(x):  # blocks used before they are taken apart
+        g = raw_gather(x.contiguous()) * 2
+        return torch.cat(torch.chunk(g, world, dim=0), dim=1)
+
+    def scatter_of_mixed_blocks(x):  # blocks cut along the batch, not per rank
+        return raw_scatter(x.contiguous())
+
+    cases = {}  # case: (function, along the batch)
+    for dim in (0, 1, 2):
+        cases[f"gather along {dim}"] = (
+            functools.partial(funcol.all_gather_single, gather_dim=dim, group=group),
+            dim == 0,
+        )
+        cases[f"scatter along {dim}"] = (
+            functools.partial(
+                funcol.reduce_scatter_single, reduceOp="sum", scatter_dim=dim, group=group
+            ),
+            dim == 0,
+        )
+    for dim in (0, 1):  # batch and sequence flattened into rows
+        cases[f"gather rows along {dim}"] = (
+            lambda x, d=dim: funcol.all_gather_single(x.flatten(0, 1), d, group),
+            dim == 0,
+        )
+    cases["gather, a chunk per half rank"] = (gather_split_wrong, True)
+    cases["gather, used before the chunk"] = (gather_then_use, True)
+    cases["scatter of the batch"] = (scatter_of_mixed_blocks, True)
+    x = torch.randn(8, 4, 6, generator=torch.Generator().manual_seed(rank))
+    out = []
+    for case, (fn, along_batch) in cases.items():
+        verdict = per_sample_verdict(fn, x)
+        out.append((case, along_batch, verdict.claimed, verdict.holds, verdict.reason))
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_gathers_and_scatters_along_each_dimension_are_split_exactly_when_samples_stay_whole():
+    """Sequence parallelism's collectives (funcol's gather and scatter along a dimension:
+    the collective along dimension 0, with chunks per rank and a cat around it): kareus
+    claims a split exactly where each sample stays whole, and every claim holds when run
+    on 2 gloo ranks; gathers and scatters along the batch, and blocks not taken apart by
+    rank, are named."""
+    for per_rank in run_ranks(_gathers_and_scatters):
+        assert len(per_rank) == 11
+        for case, along_batch, claimed, holds, reason in per_rank:
+            assert not (claimed and holds is False), f"{case}: unsound claim"
+            if along_batch:
+                assert not claimed, (case, reason)
+                assert "batch" in reason, (case, reason)
+            else:
+                assert claimed and holds is True, (case, claimed, holds, reason)

@@ -709,3 +709,54 @@ def test_fsdp2_with_tensor_parallel_runs_every_instruction_at_its_planned_clock(
         assert_same_history(ref, got, bitwise_loss=False)
         assert split == [["Layer.0"], ["Layer.0"]]
         assert applied == planned and iterations == 2
+
+
+def _backend_kareus(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    out, seen = {}, set()
+    for how in ("torch.compile", "module.compile"):
+        for sources in ("", "L['x']:0"):
+            torch._dynamo.reset()  # Dynamo would reuse the graphs of the same code
+            holder = {}
+
+            def comp(model, how=how, holder=holder):
+                for i, layer in enumerate(model.layers):
+                    if how == "module.compile":
+                        layer.compile(backend="kareus")
+                    else:
+                        model.layers[i] = torch.compile(layer, backend="kareus")
+                holder["m"] = model
+                return model
+
+            with torch.compiler.config.patch(dynamic_sources=sources):
+                ref, got = compare_training(lambda: _tp_model(mesh), comp, batches(2), resync=True)
+            # the "kareus" backend is one for every model compiled with it: its new regions
+            regions = [
+                r for r in kareus.explain(holder["m"].layers[0]).regions if id(r) not in seen
+            ]
+            seen.update(id(r) for r in regions)
+            out[how, sources] = (ref, got, [blocks_run(r) for r in regions])
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_blocks_compiled_with_the_kareus_backend_say_how_to_make_the_batch_dynamic():
+    """``torch.compile(block, backend="kareus")`` and ``block.compile(backend="kareus")``
+    (torchtitan's in-place per-block compile; 2 gloo ranks, DTensor TP): kareus has no hook
+    on the call to mark the batch dynamic, so each block runs whole and explain (which finds
+    the backend of a module compiled in place) names the input to list in
+    ``torch.compiler.config.dynamic_sources``; listed, every block is split. Training is as
+    without kareus either way."""
+    for out in run_ranks(_backend_kareus):
+        for (how, sources), (ref, got, block_sets) in out.items():
+            assert_same_history(ref, got, bitwise_loss=False)
+            assert len(block_sets) == 2, how
+            for bs in block_sets:
+                if sources:
+                    assert bs.split == ["Layer.0"], (how, bs.skipped)
+                else:
+                    assert bs.split == [], how
+                    assert "dynamic_sources (\"L['x']:0\")" in bs.skipped["Layer.0"], bs.skipped

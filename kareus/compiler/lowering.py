@@ -537,11 +537,7 @@ def tracing_context(static_inputs: Sequence[Any] | None = None) -> Any:
     from torch._dynamo.source import LocalSource
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import (
-        DimDynamic,
-        ShapeEnv,
-        StatefulSymbolicContext,
-    )
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     if TracingContext.try_get() is not None:
         return contextlib.nullcontext()
@@ -550,11 +546,37 @@ def tracing_context(static_inputs: Sequence[Any] | None = None) -> Any:
     context = TracingContext(FakeTensorMode(shape_env=ShapeEnv()))
     for i, value in enumerate(static_inputs):
         if isinstance(value, torch.Tensor):
-            context.tensor_to_context[value] = StatefulSymbolicContext(
-                dynamic_sizes=[DimDynamic.STATIC] * value.dim(),
-                tensor_source=LocalSource(f"kareus_input_{i}"),
+            context.tensor_to_context[value] = static_context(
+                value, LocalSource(f"kareus_input_{i}")
             )
     return tracing(context)
+
+
+def static_context(value: torch.Tensor, source: Any) -> Any:
+    """Return a symbolic context that keeps every size of ``value`` static.
+
+    For a tensor subclass (a DTensor parameter of a TP layer), one per inner tensor too, as
+    Dynamo builds them: a plain context for a DTensor failed AOTAutograd's fake-tensor
+    conversion.
+    """
+    from torch._dynamo.source import AttrSource
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        StatefulSymbolicContext,
+        SubclassSymbolicContext,
+    )
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    static = [DimDynamic.STATIC] * value.dim()
+    if not is_traceable_wrapper_subclass(value):
+        return StatefulSymbolicContext(dynamic_sizes=static, tensor_source=source)
+    attrs, _ = type(value).__tensor_flatten__(value)  # type: ignore[attr-defined]
+    inner = {
+        attr: static_context(getattr(value, attr), AttrSource(source, attr))
+        for attr in attrs
+        if isinstance(getattr(value, attr), torch.Tensor)
+    }
+    return SubclassSymbolicContext(dynamic_sizes=static, tensor_source=source, inner_contexts=inner)
 
 
 def copy_module(gm: fx.GraphModule) -> fx.GraphModule:

@@ -429,6 +429,8 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
         if _keeps_samples(source, carrying[0][1], value, out_dim, sym):  # type: ignore[arg-type]
             return ""
         return f"{label} moves elements of different samples into one row"
+    if (by_rank := _rank_blocks_reason(node, name, carrying, sym, label)) is not None:
+        return by_rank
     if name in _ALONG:
         return _aligned_reason(node, name, carrying, sym, label) or _along_reason(
             node, name, carrying, label
@@ -477,6 +479,142 @@ def _dtensor_reason(
     if any(isinstance(d, int) and d in batch_dims for d in sharded):
         return f"{label} shards the batch dimension across ranks"
     return ""
+
+
+def _rank_blocks_reason(
+    node: fx.Node, name: str, carrying: list[tuple[fx.Node, Any]], sym: Any, label: str
+) -> str | None:
+    """Judge the ops that stack the ranks' batches along dimension 0 and take them apart.
+
+    A functional all-gather concatenates the ranks' tensors along dimension 0, and a
+    reduce-scatter's input holds one block per rank there. With the batch at dimension 0,
+    such a dimension holds rank blocks, each a whole batch: a nanobatch's gather is not a
+    slice of the batch's. It is per sample all the same where the blocks are taken apart
+    again before anything else reads them, as a gather along another dimension does
+    (``funcol.all_gather_tensor(x, gather_dim=1)``: gather, ``chunk`` per rank, ``cat``
+    along the sequence), and where the blocks were put together just before the
+    reduce-scatter (``funcol.reduce_scatter_tensor(x, scatter_dim=1)``: ``chunk`` along the
+    sequence, ``cat`` per rank, reduce-scatter). Returns "" for those, a reason for a
+    gather or a scatter whose blocks escape or mix, and None for other ops (the other rules
+    judge them).
+    """
+    dims = [d for _i, d in carrying]
+    if name == "all_gather_into_tensor" and dims == [0]:
+        ranks = _arg(node, 1, "group_size")
+        if _taken_apart(node, ranks, sym):
+            return ""
+        return (
+            f"{label} gathers the ranks' batches along the batch dimension, and they are "
+            "not taken apart by rank (a chunk per rank) before use"
+        )
+    if name in ("chunk", "split", "tensor_split") and dims == [0] and _along_0(node):
+        source = _through_waits(carrying[0][0])
+        if _op_is(source, "all_gather_into_tensor") and _taken_apart(source, None, sym):
+            return ""
+        return None
+    if name in ("cat", "concat", "concatenate") and 0 in dims and _along_0(node):
+        if _stacked_for_scatter(node, sym):
+            return ""
+        return None
+    if name == "reduce_scatter_tensor" and dims == [0]:
+        source = carrying[0][0]
+        ranks = _arg(node, 2, "group_size")
+        if _stacked_for_scatter(source, sym) and _cat_parts(source) == ranks:
+            return ""
+        return (
+            f"{label} scatters along the batch dimension an input that is not one block "
+            "per rank of whole batches (a cat of a chunk per rank)"
+        )
+    return None
+
+
+def _op_is(node: Any, name: str) -> bool:
+    return isinstance(node, fx.Node) and node.op != "placeholder" and op_name(node) == name
+
+
+def _through_waits(node: fx.Node) -> fx.Node:
+    """Return the node whose value ``node`` is, through ``wait_tensor`` calls."""
+    while _op_is(node, "wait_tensor") and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _along_0(node: fx.Node) -> bool:
+    name = op_name(node)
+    default = 0
+    index = 1 if name in ("cat", "concat", "concatenate") else 2
+    dim = _arg(node, index, "dim", default)
+    first = node.args[0] if node.args else None
+    if isinstance(first, (list, tuple)):
+        first = first[0] if first else None
+    value = first.meta.get("example_value") if isinstance(first, fx.Node) else None
+    ndim = value.dim() if isinstance(value, torch.Tensor) else 1
+    return isinstance(dim, int) and dim % max(ndim, 1) == 0
+
+
+def _rank_parts(node: fx.Node, sym: Any) -> int | None:
+    """Return how many equal parts along dimension 0 a chunk/split node makes, or None.
+
+    Each part must be a whole-batch block (the same rows per sample).
+    """
+    parts = node.meta.get("example_value")
+    if not isinstance(parts, (list, tuple)) or not parts:
+        return None
+    rows = {
+        _rows(p.shape[0], sym) if isinstance(p, torch.Tensor) and p.dim() else None for p in parts
+    }
+    if len(rows) != 1 or None in rows:
+        return None
+    return len(parts)
+
+
+def _taken_apart(gather: fx.Node, ranks: Any, sym: Any) -> bool:
+    """Whether every use of ``gather`` (through waits) splits it into one block per rank."""
+    ranks = _arg(gather, 1, "group_size") if ranks is None else ranks
+    pending = list(gather.users)
+    while pending:
+        user = pending.pop()
+        if _op_is(user, "wait_tensor"):
+            pending.extend(user.users)
+            continue
+        name = op_name(user)
+        if name not in ("chunk", "split", "tensor_split") or not _along_0(user):
+            return False
+        if not isinstance(ranks, int) or _rank_parts(user, sym) != ranks:
+            return False
+    return True
+
+
+def _cat_parts(node: fx.Node) -> int | None:
+    tensors = node.args[0] if node.args else node.kwargs.get("tensors")
+    return len(tensors) if isinstance(tensors, (list, tuple)) else None
+
+
+def _stacked_for_scatter(node: Any, sym: Any) -> bool:
+    """Return whether ``node`` stacks whole-batch blocks for reduce-scatters.
+
+    That is: a cat along dimension 0 of equal blocks with the batch at dimension 0 of each,
+    used only by reduce-scatters of as many ranks as blocks.
+    """
+    if not isinstance(node, fx.Node) or op_name(node) not in ("cat", "concat", "concatenate"):
+        return False
+    if not _along_0(node):
+        return False
+    tensors = node.args[0] if node.args else node.kwargs.get("tensors")
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        return False
+    rows = set()
+    for t in tensors:
+        value = t.meta.get("example_value") if isinstance(t, fx.Node) else None
+        if batch_dim_of(value, sym) != 0:
+            return False
+        rows.add(_rows(value.shape[0], sym))  # type: ignore[union-attr]
+    if len(rows) != 1 or None in rows or not node.users:
+        return False
+    return all(
+        _op_is(u, "reduce_scatter_tensor") and _arg(u, 2, "group_size") == len(tensors)
+        for u in node.users
+    )
 
 
 _ALIGNED = {

@@ -55,6 +55,8 @@ class BatchInfo:
 
     size: torch.SymInt | int | None
     source: str
+    dynamo_source: str = "L['x']"  # the input as Dynamo names it (dynamic_sources' syntax)
+    dim: int = 0
 
     @property
     def symbol(self) -> Any:
@@ -178,8 +180,21 @@ def batch_info(graph: fx.Graph, batch_dim: int) -> BatchInfo:
         if not isinstance(value, torch.Tensor) or _is_state(node):
             continue
         if value.dim() > batch_dim:
-            return BatchInfo(value.shape[batch_dim], f"{node.name}.shape[{batch_dim}]")
+            return BatchInfo(
+                value.shape[batch_dim],
+                f"{node.name}.shape[{batch_dim}]",
+                _source_name(node) or "L['x']",
+                batch_dim,
+            )
     return BatchInfo(None, "no tensor input")
+
+
+def _source_name(node: fx.Node) -> str | None:
+    """Return the name Dynamo gives a placeholder's input (``L['x']``), if it kept one."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", None)
+    name = name() if callable(name) else name
+    return name if isinstance(name, str) else None
 
 
 def _is_state(node: fx.Node) -> bool:
@@ -205,8 +220,12 @@ def find_split(
     sym = batch.symbol
     if sym is None:
         return (
-            f"the batch dimension ({batch.source}) is static; compile with kareus.compile, "
-            "which marks it dynamic, or call torch._dynamo.maybe_mark_dynamic on the input"
+            f"the batch dimension ({batch.source}) is static: compile the block with "
+            "kareus.compile, which marks it dynamic at each call (under FSDP2's hooks too); "
+            "under torch.compile(..., backend='kareus') or module.compile(backend='kareus'), "
+            f'name it in torch.compiler.config.dynamic_sources ("{batch.dynamo_source}:'
+            f'{batch.dim}"), or call torch._dynamo.mark_dynamic on the input before the '
+            "call where no hook replaces it"
         )
     if batch.hint is not None and batch.hint // 2 < 2:
         return (
