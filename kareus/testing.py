@@ -430,7 +430,8 @@ def _where(name: str, step: int, message: str) -> str:
 
 
 def _plain(name: str) -> str:
-    return name.replace("_orig_mod.", "")  # torch.compile's wrapper, at any depth
+    # torch.compile's and checkpoint_wrapper's wrappers, at any depth
+    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 _GPT2: dict[str, Any] = dict(

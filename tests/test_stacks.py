@@ -610,27 +610,39 @@ def test_ddp_under_compiled_autograd_overlaps_its_all_reduces_in_the_backward_gr
             assert problems == []
 
 
-def test_blocks_under_activation_checkpointing_compiled_one_by_one_are_split():
-    """torchtitan's order: checkpoint_wrapper on each block, then compile each block; with
-    gradient accumulation (two micro-batches per step)."""
+@pytest.mark.parametrize(
+    "wrap_first", [True, False], ids=["wrap-then-compile", "compile-then-wrap"]
+)
+def test_blocks_under_activation_checkpointing_compiled_one_by_one_are_split(wrap_first):
+    """torchtitan's order (checkpoint_wrapper on each block, then compile each block) and
+    the reverse (a kareus-compiled block wrapped afterwards: the wrapper enters it, and
+    recomputes it in the backward); with gradient accumulation (two micro-batches a step)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     holder = {}
 
     def make():
         model = _seeded(Model, 3)
-        for i, layer in enumerate(model.layers):
-            model.layers[i] = checkpoint_wrapper(layer)
+        if wrap_first:
+            for i, layer in enumerate(model.layers):
+                model.layers[i] = checkpoint_wrapper(layer)
         return model
 
     def comp(model):
         holder["m"] = compile_blocks(model, nanobatches=2)
+        if not wrap_first:
+            for i, layer in enumerate(model.layers):
+                model.layers[i] = checkpoint_wrapper(layer)
         return holder["m"]
 
     ref, got = compare_training(make, comp, batches(4), resync=True, accumulate=2)
     assert_same_history(ref, got, bitwise_loss=False)
-    for bs in block_sets(holder["m"]):
-        assert bs.whole_region and bs.split == ["CheckpointWrapper.0"], bs.skipped
+    family = "CheckpointWrapper" if wrap_first else "Layer"
+    for layer in holder["m"].layers:
+        compiled = layer if wrap_first else layer._checkpoint_wrapped_module
+        for region in kareus.explain(compiled).regions:
+            bs = blocks_run(region)
+            assert bs.whole_region and bs.split == [f"{family}.0"], bs.skipped
 
 
 def _plan_then_blocks(rank):
