@@ -44,3 +44,46 @@ def test_report_shows_each_graph_as_code():
     assert "partition types (count" not in short  # no table without rows
     assert "-- region_index --" not in short and "-- clock_stage --" not in short
     assert re.search(r"│ \d+/\d+ \+\d+ shared", short) and "shared: nodes of both" in short
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x.sum()
+
+
+def _summary_head(**options) -> list[str]:
+    torch.manual_seed(0)
+    compiled = kareus.compile(_Stack(), **options)
+    for _ in range(2):
+        compiled(torch.randn(8, 8)).backward()
+    return kareus.explain(compiled).summary().splitlines()[1:4]
+
+
+def test_the_summary_starts_with_the_verdict_on_split_overlap_and_clocks():
+    """The three lines after the title answer "split?", "overlapped?", "clocks?", with the
+    count or the first reason; here on one process (no collective), left as it is, split
+    anyway, and planned for a GPU type (recorded, not applied)."""
+    split, overlapped, clocks = _summary_head()
+    assert split.startswith("split: no, 0 of 2 blocks: it holds no collective"), split
+    assert overlapped == "overlapped: no, the graphs hold no collective to overlap"
+    assert clocks.startswith("clocks: not planned: no gpu= and no plan= given"), clocks
+    split, _overlapped, clocks = _summary_head(nanobatches=2, gpu="a100-40gb")
+    assert split == "split: yes, 2 of 2 blocks into nanobatches"
+    assert clocks.startswith("clocks: planned for A100-SXM4-40GB (modelled"), clocks
+    assert clocks.endswith(
+        "dry run (clocks= not given: planned clocks are recorded only): NOT applied"
+    )
+
+
+def test_the_summary_keeps_internal_counters_out():
+    torch.manual_seed(0)
+    compiled = kareus.compile(_Stack())
+    compiled(torch.randn(8, 8)).backward()
+    text = kareus.explain(compiled).summary()
+    assert "early_forward_runs" not in text and "region_index" not in text

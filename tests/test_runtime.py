@@ -649,7 +649,7 @@ def test_measured_energy_per_rank_and_summed_over_the_job():
             (0.5, 300.0, "measured")
         ] * 2
         assert "300.000 J over 2 GPU(s) (measured)" in job.to_text()
-        assert f"{100.0 * (rank + 1):.3f} J (measured)" in summary
+        assert f"{100.0 * (rank + 1):.3f} J of this GPU (measured)" in summary
 
 
 def test_measure_without_zeus_is_a_clear_error(monkeypatch):

@@ -215,6 +215,7 @@ def _tp_per_block(rank):
     regions = [r for layer in holder["blocks"].layers for r in kareus.explain(layer).regions]
     out["block types"] = _partition_types(regions)
     out["split"] = [blocks_run(r).split for r in regions]
+    out["verdict"] = kareus.explain(holder["whole"]).summary().splitlines()[1:4]
     return out
 
 
@@ -232,6 +233,10 @@ def test_tensor_parallel_blocks_compiled_one_by_one_split_like_the_whole_model()
             ref, got = out[how]
             assert_same_history(ref, got, bitwise_loss=False)
         assert out["split"] == [["Layer.0"], ["Layer.0"]]
+        split, overlapped, clocks = out["verdict"]  # the summary's first lines say so
+        assert split == "split: yes, 2 of 2 blocks into nanobatches"
+        assert overlapped.startswith("overlapped: yes, "), overlapped
+        assert clocks.startswith("clocks: not planned"), clocks
         whole, blocks = out["whole types"], out["block types"]
         assert {(k, d) for k, d, _c in blocks} == {(k, d) for k, d, _c in whole}
         for kind in ("forward", "backward"):

@@ -305,7 +305,13 @@ class KareusBackend:
         # numbered by region, so that its switches apply its own clocks. Clocks planned here
         # are applied only when asked (clocks="auto" or a controller): else a dry run.
         # (the dry run stands for this process's GPU: measured energy reads that one)
-        dry = None if self._apply_planned_clocks else DryRunClocks(index=local_cuda_index())
+        dry = (
+            None
+            if self._apply_planned_clocks
+            else DryRunClocks(
+                index=local_cuda_index(), why="clocks= not given: planned clocks are recorded only"
+            )
+        )
         uid = region.findings["region_index"]
         steps = apply_plan.steps(plan, 0, as_stage=uid)
         self.runtime = self._runtime_with(steps, plan, dry)

@@ -55,14 +55,96 @@ class Report:
     def __str__(self) -> str:
         return self._text(with_code=True)
 
+    def verdict(self) -> list[str]:
+        """Return the verdict: were blocks split, collectives overlapped, clocks planned.
+
+        Three lines; each says how many, or the first reason why not (clocks: whether
+        applied or a dry run, and why).
+        """
+        return [_split_line(self.regions), _overlap_line(self.regions), _clock_line(self)]
+
     def _text(self, *, with_code: bool) -> str:
-        parts = [f"kareus report: {len(self.regions)} compiled region(s)", f"config: {self.config}"]
+        head = [f"kareus report: {len(self.regions)} compiled region(s)", *self.verdict()]
+        parts = ["\n".join(head), f"config: {self.config}"]
         parts.extend(_region_text(region, with_code) for region in self.regions)
         return "\n\n".join(parts)
 
 
+def _findings(regions: tuple[Region, ...], name: str) -> list[tuple[Region, Any]]:
+    return [(r, r.findings[name]) for r in regions if r.findings.get(name) is not None]
+
+
+def _split_line(regions: tuple[Region, ...]) -> str:
+    found = _findings(regions, "find_blocks")
+    total = sum(len(bs.blocks) for _r, bs in found)
+    split = sum(len(bs.split) for _r, bs in found)
+    reasons = [why for _r, bs in found for why in bs.skipped.values()]
+    if not total:
+        why = next((bs.why_none for _r, bs in found if bs.why_none), "no repeated layers found")
+        return f"split: no, no block to split: {why}"
+    if not split:
+        return f"split: no, 0 of {total} blocks: {reasons[0] if reasons else 'no reason kept'}"
+    line = f"split: yes, {split} of {total} blocks into nanobatches"
+    return line + (f"; left whole: {reasons[0]}" if reasons else "")
+
+
+def _overlap_line(regions: tuple[Region, ...]) -> str:
+    found = _findings(regions, "cut_partitions")
+    flying: dict[str, int] = {}
+    exposed = 0
+    for _r, pset in found:
+        for p in pset.partitions:
+            if p.collective is not None:
+                flying[p.instruction] = flying.get(p.instruction, 0) + 1
+        exposed += sum(len(c) for c in pset.exposed.values())
+    if flying:
+        each = ", ".join(f"{kind} {n}" for kind, n in flying.items())
+        tail = f"; {exposed} exposed (overlapping no compute)" if exposed else ""
+        return f"overlapped: yes, {sum(flying.values())} collectives beside compute ({each}){tail}"
+    if exposed:
+        return (
+            f"overlapped: no, {exposed} collectives overlap no compute (no block split around them)"
+        )
+    if not found:
+        return "overlapped: no, no graph was partitioned (see the pass history)"
+    return "overlapped: no, the graphs hold no collective to overlap"
+
+
+def _clock_line(report: Report) -> str:
+    plans = _findings(report.regions, "plan")
+    runtimes = _findings(report.regions, "clock_runtime")
+    if not plans:
+        note = next(
+            (n for r in report.regions for n in r.notes if n.startswith("no clock plan")), ""
+        )
+        if note:
+            return f"clocks: not planned ({note})"
+        return (
+            "clocks: not planned: no gpu= and no plan= given (gpu='a100-40gb' plans for a GPU "
+            "type at compile time; plan= applies a saved kareus plan)"
+        )
+    plan = plans[0][1]
+    line = f"clocks: planned for {plan.gpu} ({plan.source}, policy {plan.policy})"
+    if not runtimes:
+        return line + "; no clock runtime: not applied"
+    runtime = runtimes[0][1]
+    controller = runtime.controller
+    if controller.name == "dry-run" or not runtime.enabled:
+        why = getattr(controller, "why", "") or "asked for"
+        return line + f"; dry run ({why}): NOT applied"
+    return line + f"; applied by the {controller.name} controller ({runtime.switch_count} switches)"
+
+
 _INTERNAL = frozenset(
-    {"region_index", "region_code", "compiled_autograd", "clock_stage", "plan_stage", "planned"}
+    {
+        "region_index",
+        "region_code",
+        "compiled_autograd",
+        "clock_stage",
+        "plan_stage",
+        "planned",
+        "early_forward_runs",
+    }
 )
 """Findings the passes share for their own bookkeeping; the report shows what they lead to."""
 

@@ -537,8 +537,14 @@ class ClockRuntime:
                 f"switch worker CPU time waiting on the GPU (measured): "
                 f"{self.worker_cpu_s * 1e3:.1f} ms in all"
             )
+        if self.iterations:
+            lines.append(
+                f"iterations recorded: {len(self.iterations)} (one ends when the next starts; "
+                "the last, at close)"
+            )
         lines += [
-            f"iteration {r.iteration}: {r.time_s:.6f} s, {r.energy_j:.3f} J ({r.source})"
+            f"iteration {r.iteration}: {r.time_s:.6f} s, {r.energy_j:.3f} J of this GPU "
+            f"({r.source})"
             for r in self.iterations[-5:]
         ]
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
