@@ -15,6 +15,8 @@ from kareus.errors import (
     NotCompiledError,
     NotYetCapturedError,
     PassError,
+    PlanMismatchError,
+    install_excepthook,
 )
 from kareus.ir.partitions import Decision, PartitionSet
 from kareus.ir.plan_file import Plan
@@ -22,6 +24,7 @@ from kareus.ir.plan_file import Plan
 __version__ = "0.1.0"
 
 _moved.install()
+install_excepthook()
 
 __all__ = [
     "Config",
@@ -36,6 +39,7 @@ __all__ = [
     "PartitionSet",
     "PassError",
     "Plan",
+    "PlanMismatchError",
     "Report",
     "compile",
     "explain",

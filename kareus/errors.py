@@ -11,7 +11,15 @@ from collections.abc import Sequence
 
 
 class KareusError(Exception):
-    """Base class of every error kareus raises on purpose."""
+    """Base class of every error kareus raises on purpose.
+
+    Attributes:
+        one_line: its message says all a user needs (what differs and the command that
+            fixes it): left uncaught, it ends the program with that one line, without a
+            traceback (``KAREUS_TRACEBACK=1`` shows it).
+    """
+
+    one_line = False
 
 
 class ConfigError(KareusError, ValueError):
@@ -30,6 +38,8 @@ class FileFormatError(KareusError, ValueError):
 
 class PlanMismatchError(KareusError, ValueError):
     """A plan was made for another workload (or stage) than the model it is applied to."""
+
+    one_line = True
 
 
 class NotCompiledError(KareusError, TypeError):
@@ -74,3 +84,35 @@ class NodeError(KareusError):
         self.node = str(getattr(node, "name", node))
         self.message = message
         super().__init__(f"{self.node}: {message}")
+
+
+TRACEBACK_ENV = "KAREUS_TRACEBACK"
+"""Set to 1 to see the traceback of an uncaught one-line kareus error."""
+
+
+def install_excepthook() -> None:
+    """End the program on an uncaught one-line kareus error with its message alone.
+
+    One line on stderr, exit status 1, instead of a traceback through Dynamo and the model
+    per rank (``torch.distributed`` prefixes each line with ``[rankN]:``); any other
+    exception goes to the hook that was installed before. Installed once, when kareus is
+    imported.
+    """
+    import os
+    import sys
+
+    previous = sys.excepthook
+    if getattr(previous, "_kareus", False):
+        return
+
+    def hook(kind: type[BaseException], error: BaseException, tb: object) -> None:
+        one_line = isinstance(error, KareusError) and error.one_line
+        if not one_line or os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            previous(kind, error, tb)  # type: ignore[arg-type]
+            return
+        text = " ".join(str(error).split())
+        hint = f"{TRACEBACK_ENV}=1 shows the traceback"
+        print(f"kareus: {kind.__name__}: {text} ({hint})", file=sys.stderr)
+
+    hook._kareus = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

@@ -15,7 +15,7 @@ import kareus
 from kareus.cli import EXIT_BAD_INPUT, main
 from kareus.errors import FileFormatError, PlanMismatchError
 from kareus.ir.plan_file import FrontierPoint, Plan, ScheduledInstruction
-from kareus.testing import blocks_run, clocks_on_device
+from kareus.testing import blocks_run, clocks_on_device, token_batches
 
 
 def good_plan(fingerprint=None):
@@ -253,3 +253,94 @@ def test_a_stage_outside_the_plan_is_refused_at_compile():
         PlanMismatchError, match=r"stage=3 is not in the plan: it schedules stages \[0\]"
     ):
         kareus.compile(MLP(), plan=good_plan(), stage=3)
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    """``kareus plan`` of the tiny preset: fp32, TP 1, micro-batch 4 x 16 tokens."""
+    from kareus.jobs.trace import Workload
+    from kareus.jobs.workload import plan_workload
+    from kareus.planner.iteration import PlannerSettings
+
+    work = Workload(model="tiny", microbatch_size=4, seq_len=16, microbatches=1, dtype="fp32")
+    settings = PlannerSettings(clocks_mhz=(1410, 1200))
+    return plan_workload(work, "a100-40gb", settings=settings, cache=False).result.plan
+
+
+@pytest.mark.parametrize(
+    ("field", "change", "said"),
+    [
+        ("dtype", {"dtype": torch.bfloat16}, "dtype: plan fp32, model bf16"),
+        ("micro-batch", {"batch": 6}, "micro-batch: plan 4, model 6"),
+        ("sequence", {"seq": 8}, "sequence: plan 16, model 8"),
+        ("hidden", {"hidden_size": 64, "intermediate_size": 128}, "hidden: plan 32, model 64"),
+        ("layers", {"num_layers": 3}, "layers: plan 2, model 3"),
+    ],
+)
+def test_a_plan_that_does_not_fit_names_the_field_and_both_values(tiny_plan, field, change, said):
+    """Applied to a model that differs in one field from the workload it was made for, a
+    ``kareus plan`` plan is refused at the first call with one line naming the field, both
+    values and (for what ``kareus plan`` takes) the command that makes a fitting plan."""
+    from kareus.models import Llama
+    from kareus.models.llama import preset
+
+    shape = {k: v for k, v in change.items() if k not in ("dtype", "batch", "seq")}
+    torch.manual_seed(0)
+    model = Llama(dataclasses.replace(preset("tiny"), **shape)).to(
+        change.get("dtype", torch.float32)
+    )
+    compiled = kareus.compile(model, plan=tiny_plan)
+    ids, labels = token_batches(1, change.get("batch", 4), change.get("seq", 16), 128)[0]
+    with pytest.raises(PlanMismatchError) as err:
+        compiled(ids, labels)
+    message = str(err.value)
+    assert "\n" not in message and said in message, message
+    if field in ("dtype", "micro-batch", "sequence"):
+        flag = {"dtype": "--dtype bf16", "micro-batch": "--microbatch-size 6"}
+        assert "kareus plan --model tiny" in message
+        assert flag.get(field, "--seq-len 8") in message, message
+
+
+def test_a_plan_that_fits_is_applied(tiny_plan):
+    from kareus.models import Llama
+    from kareus.models.llama import preset
+
+    torch.manual_seed(0)
+    compiled = kareus.compile(Llama(preset("tiny")), plan=tiny_plan)
+    ids, labels = token_batches(1, 4, 16, 128)[0]
+    compiled(ids, labels).backward()  # no mismatch: the plan (TP 1: layers whole) applies
+    skipped = blocks_run(kareus.explain(compiled).regions[0]).skipped
+    assert skipped and all("the plan runs the layers whole" in r for r in skipped.values())
+
+
+def test_an_uncaught_plan_mismatch_ends_the_program_with_one_line(tiny_plan, tmp_path):
+    """Left uncaught (as in a training script under torchrun), a plan that does not fit ends
+    the program with exit status 1 and its one line on stderr, not a traceback through
+    Dynamo; ``KAREUS_TRACEBACK=1`` shows the traceback."""
+    import os
+
+    path = tmp_path / "plan.json"
+    tiny_plan.save(path)
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch, kareus\n"
+        "from kareus.models import Llama\n"
+        "from kareus.models.llama import preset\n"
+        "from kareus.testing import token_batches\n"
+        "model = kareus.compile(Llama(preset('tiny')).to(torch.bfloat16), plan=sys.argv[1])\n"
+        "ids, labels = token_batches(1, 4, 16, 128)[0]\n"
+        "model(ids, labels).backward()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "KAREUS_TRACEBACK"}
+    run = subprocess.run(
+        [sys.executable, str(script), str(path)], capture_output=True, text=True, env=env
+    )
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert run.returncode == 1
+    assert len(lines) == 1 and lines[0].startswith("kareus: PlanMismatchError: "), run.stderr
+    assert "dtype: plan fp32, model bf16" in lines[0] and "--dtype bf16" in lines[0]
+    env["KAREUS_TRACEBACK"] = "1"
+    run = subprocess.run(
+        [sys.executable, str(script), str(path)], capture_output=True, text=True, env=env
+    )
+    assert run.returncode == 1 and "Traceback (most recent call last)" in run.stderr

@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from kareus.errors import PlanMismatchError
@@ -36,10 +37,12 @@ class CheckPlan(GraphPass):
         stage = ctx.findings.get("plan_stage", 0)
         if plan is None or pset is None or ctx.findings.get("planned"):
             return PassResult(gm, modified=False)
+        blockset = ctx.findings.get("find_blocks")
         check_group_sizes(plan, gm)
+        if ctx.graph != "backward":  # the forward's inputs are the workload's
+            check_workload(plan, stage, gm)
         if not plan.fingerprint:
             return PassResult(gm, modified=False)
-        blockset = ctx.findings.get("find_blocks")
         if getattr(blockset, "whole_region", False):
             # One block compiled on its own: the plan is checked and applied per block type.
             differences, mapping = compare_block(plan, stage, ctx.graph, pset)
@@ -48,11 +51,21 @@ class CheckPlan(GraphPass):
                 return PassResult(gm, modified=False)
         else:
             differences = compare(plan, stage, ctx.graph, pset)
+            layers = _layers_differ(plan, blockset)
+            if layers and differences:
+                raise PlanMismatchError(
+                    f"the plan does not fit this model: {layers}. Make a plan for it: "
+                    + _plan_command(plan, {})
+                    + " (a model config of as many layers)"
+                )
         if not differences:
             return PassResult(gm, modified=False)
+        made_for = plan.workload.get("describe")
         message = (
             f"the plan was made for another workload than this model's stage {stage} "
-            f"{ctx.graph} ({plan.workload.get('describe', 'workload not recorded')}): "
+            f"{ctx.graph}"
+            + (f" (the plan's: {made_for})" if made_for else "")
+            + ", partition types differ: "
             + "; ".join(differences[:6])
             + (f"; and {len(differences) - 6} more" if len(differences) > 6 else "")
             + ". Plan this model (kareus plan with its shape and parallel sizes), or pass "
@@ -70,6 +83,145 @@ class CheckPlan(GraphPass):
         return PassResult(gm, modified=False)
 
 
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+_FLAGS = {
+    "TP degree": "--tp",
+    "dtype": "--dtype",
+    "micro-batch": "--microbatch-size",
+    "sequence": "--seq-len",
+}
+"""The ``kareus plan`` option that sets each field a fit check compares."""
+
+
+def check_workload(plan: Plan, stage: int, gm: fx.GraphModule) -> None:
+    """Raise when the model differs from the workload the plan was made for.
+
+    Compares what a forward graph shows for certain (the dtype its matrix products run in;
+    at the embedding, the micro-batch and sequence of the token ids and the hidden size)
+    with the plan's workload record, field by field. Plans without a record (planned at
+    compile time) are not checked here; the partition fingerprints are checked after.
+
+    Raises:
+        PlanMismatchError: one line naming each differing field with both values, and the
+            ``kareus plan`` command that makes a fitting plan.
+    """
+    want = plan_facts(plan, stage)
+    have = model_facts(gm)
+    differ = [f for f in want if f in have and want[f] != have[f]]
+    if not differ:
+        return
+    fields = "; ".join(f"{f}: plan {want[f]}, model {have[f]}" for f in differ)
+    command = _plan_command(plan, {f: have[f] for f in differ})
+    raise PlanMismatchError(
+        f"the plan does not fit this model: {fields}. Make a plan for it: {command}"
+    )
+
+
+def plan_facts(plan: Plan, stage: int) -> dict[str, Any]:
+    """Return the fields of the plan's workload a graph can be checked against."""
+    work = plan.workload
+    if not work:
+        return {}
+    facts: dict[str, Any] = {}
+    if isinstance(work.get("dtype"), str):
+        facts["dtype"] = work["dtype"]
+    if isinstance(work.get("microbatch_size"), int):
+        facts["micro-batch"] = work["microbatch_size"]
+    if isinstance(work.get("seq_len"), int):
+        facts["sequence"] = work["seq_len"] // int(work.get("cp") or 1)
+    config = _model_config(work)
+    if config is not None:
+        facts["hidden"] = config.hidden_size
+        if int(work.get("pp") or 1) == 1:
+            facts["layers"] = config.num_layers
+    return facts
+
+
+def _layers_differ(plan: Plan, blockset: Any) -> str:
+    """Say how the layers differ (a whole model's blocks against the plan's), or ""."""
+    want = plan_facts(plan, 0).get("layers")
+    blocks = getattr(blockset, "blocks", None)
+    if want is None or not blocks or getattr(blockset, "whole_region", False):
+        return ""
+    from collections import Counter
+
+    have = Counter(b.family for b in blocks).most_common(1)[0][1]
+    return f"layers: plan {want}, model {have}" if have != want else ""
+
+
+def _model_config(work: dict[str, Any]) -> Any:
+    from kareus.models.llama import LlamaConfig, preset
+
+    model, config = work.get("model"), work.get("config")
+    try:
+        if isinstance(config, dict):
+            return LlamaConfig(**config)
+        if isinstance(model, dict):
+            return LlamaConfig(**model)
+        if isinstance(model, str):
+            return preset(model)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return None
+
+
+def model_facts(gm: fx.GraphModule) -> dict[str, Any]:
+    """Return what a forward graph shows of its workload for certain.
+
+    The dtype most matrix products run in; at the token embedding, the hidden size (the
+    table's width) and, when the token ids are an input of the graph, the micro-batch and
+    the sequence (their shape).
+    """
+    from collections import Counter
+
+    facts: dict[str, Any] = {}
+    dtypes: Counter[str] = Counter()
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        name = getattr(node.target, "__name__", "").split(".")[0]
+        mm = name in ("mm", "addmm", "bmm")
+        if mm and isinstance(val, torch.Tensor) and val.dtype in _DTYPE_NAMES:
+            dtypes[_DTYPE_NAMES[val.dtype]] += 1
+        if name == "embedding" and len(node.args) > 1 and "hidden" not in facts:
+            weight, ids = (getattr(a, "meta", {}).get("val") for a in node.args[:2])
+            if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+                facts["hidden"] = _int(weight.shape[-1])
+            placeholder = getattr(node.args[1], "op", None) == "placeholder"
+            if placeholder and isinstance(ids, torch.Tensor) and ids.dim() == 2:
+                facts["micro-batch"], facts["sequence"] = map(_int, ids.shape)
+    if dtypes:
+        facts["dtype"] = dtypes.most_common(1)[0][0]
+    return {k: v for k, v in facts.items() if v is not None}
+
+
+def _int(size: Any) -> int | None:
+    return None if isinstance(size, torch.SymInt) else int(size)
+
+
+def _plan_command(plan: Plan, fixes: dict[str, Any]) -> str:
+    work = plan.workload
+    model = work.get("model")
+    parts = ["kareus plan", f"--model {model}" if isinstance(model, str) else "--model ..."]
+    parts.append(f"--gpu {plan.gpu}")
+    values = {
+        "TP degree": work.get("tp"),
+        "dtype": work.get("dtype"),
+        "micro-batch": work.get("microbatch_size"),
+        "sequence": work.get("seq_len"),
+    } | {k: v for k, v in fixes.items() if k in _FLAGS}
+    if "sequence" in fixes:
+        values["sequence"] = fixes["sequence"] * int(work.get("cp") or 1)
+    parts += [f"{_FLAGS[k]} {v}" for k, v in values.items() if v is not None]
+    for key, flag in (("cp", "--cp"), ("pp", "--pp"), ("microbatches", "--microbatches")):
+        if isinstance(work.get(key), int) and (work[key] > 1 or key == "microbatches"):
+            parts.append(f"{flag} {work[key]}")
+    for field in ("hidden", "layers"):
+        if field in fixes:
+            parts.append(f"(a model config with {fixes[field]} {field})")
+    return " ".join(parts)
+
+
 def check_group_sizes(plan: Plan, gm: fx.GraphModule) -> None:
     """Raise when the plan's TP (or CP) size is not the size of this graph's groups.
 
@@ -84,7 +236,13 @@ def check_group_sizes(plan: Plan, gm: fx.GraphModule) -> None:
     wanted = {n for n in (tp, cp) if n > 1}
     if not wanted or sizes == wanted:
         return
-    have = ", ".join(f"{len(g.split(','))} ({g})" for g in groups) or "none"
+    if not groups:
+        raise PlanMismatchError(
+            f"the plan was made for TP {tp} x CP {cp}, but this model runs no collective "
+            "across ranks (one process, or TP 1): run it on the ranks the plan was made "
+            "for, or plan for this one (kareus plan --tp 1 ...)"
+        )
+    have = ", ".join(f"{len(g.split(','))} ({g})" for g in groups)
     raise PlanMismatchError(
         f"the plan was made for TP {tp} x CP {cp}, but this model's collectives run over "
         f"groups of sizes {have}: build the model on the mesh the plan was made for, or "
