@@ -37,16 +37,32 @@ def check_output_dir(out: str | pathlib.Path, option: str = "--out") -> pathlib.
 
 @contextlib.contextmanager
 def atomic_path(path: str | pathlib.Path) -> Iterator[pathlib.Path]:
-    """Yield a temporary path beside ``path``; on success it replaces ``path`` at once."""
+    """Yield a temporary path beside ``path``; on success it replaces ``path`` at once.
+
+    The file gets the permissions a plain ``open`` would give it (``0666`` less the umask),
+    not ``mkstemp``'s private ``0600``: plans and reports are read by others.
+    """
     final = pathlib.Path(path)
     fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=final.suffix)
     os.close(fd)
     try:
         yield pathlib.Path(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, final)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+
+
+def _umask() -> int:
+    """Return the process's umask, read without changing it where Linux tells it."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)  # elsewhere, reading it sets it: set it back at once
+    os.umask(mask)
+    return mask
 
 
 def write_text(path: str | pathlib.Path, text: str) -> None:

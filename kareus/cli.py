@@ -169,7 +169,7 @@ def _data_parallel_options(p: argparse.ArgumentParser) -> None:
         default=8,
         metavar="N",
         help="GPUs an NVLink domain joins: data-parallel groups wider than a node use the "
-        "GPU's network (default 8)",
+        "GPU's network",
     )
     p.add_argument(
         "--reshard-after-forward",
@@ -449,9 +449,9 @@ def _bad_input(err: Exception) -> bool:
 def _restore_clocks(journal: pathlib.Path) -> int:
     from kareus.runtime.journal import recover
 
-    if not journal.is_file():
-        print(f"kareus: error: no clock journal at {journal}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    if not journal.is_file():  # nothing was ever locked there: nothing to restore
+        print(f"nothing to restore: no clock journal at {journal}")
+        return EXIT_OK
     messages = recover(journal)
     for message in messages:
         print(message)

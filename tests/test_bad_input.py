@@ -344,3 +344,32 @@ def test_an_uncaught_plan_mismatch_ends_the_program_with_one_line(tiny_plan, tmp
         [sys.executable, str(script), str(path)], capture_output=True, text=True, env=env
     )
     assert run.returncode == 1 and "Traceback (most recent call last)" in run.stderr
+
+
+def test_a_partitions_file_passed_as_a_plan_is_named_so(tmp_path):
+    """The partitions.json `kareus plan` writes beside plan.json, given where a plan goes,
+    is named as what it is (not "plan version None"), with what to pass instead."""
+    path = tmp_path / "partitions.json"
+    path.write_text(json.dumps({"workload": {"model": "tiny"}, "stages": [0], "sets": []}))
+    with pytest.raises(FileFormatError, match="is a partitions file .*not a plan"):
+        kareus.compile(MLP(), plan=path)
+
+
+def test_small_newcomer_frictions(tmp_path, capsys):
+    """restore-clocks with no journal has nothing to restore (exit 0); plan files are
+    readable by others (the umask's permissions, not mkstemp's 0600); the help says each
+    default once."""
+    import os
+    import stat
+
+    assert main(["restore-clocks", "--journal", str(tmp_path / "none.json")]) == 0
+    assert "nothing to restore" in capsys.readouterr().out
+    path = tmp_path / "plan.json"
+    good_plan().save(path)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~mask
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    helptext = capsys.readouterr().out
+    assert "default 8" not in helptext and "(default: 8)" in helptext

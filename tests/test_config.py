@@ -31,11 +31,16 @@ def test_bad_values_name_field_value_and_range(field, value, hint):
     assert isinstance(info.value, ValueError)
 
 
-def test_unknown_field_lists_the_fields():
-    with pytest.raises(ConfigError, match="one of the Config fields: .*nanobatches"):
+def test_unknown_field_lists_the_fields_and_the_closest():
+    with pytest.raises(ConfigError, match="the Config fields: .*nanobatches"):
         Config.from_dict({"nanobatch": 2})
-    with pytest.raises(ConfigError, match="nanobatchs"):
+    with pytest.raises(ConfigError, match=r"nanobatchs=2 .*\(did you mean nanobatches\?\)"):
         kareus.compile(lambda x: x, nanobatchs=2)
+    with pytest.raises(ConfigError, match=r"\(did you mean clocks\?\)"):  # a compile option
+        kareus.compile(lambda x: x, clock="auto")
+    with pytest.raises(ConfigError) as err:
+        kareus.compile(lambda x: x, zzz=1)
+    assert "did you mean" not in str(err.value)
 
 
 def test_replace_validates():

@@ -222,11 +222,39 @@ def _default_of(f: dataclasses.Field[Any]) -> Any:
     return f.default
 
 
+COMPILE_OPTIONS = [
+    "config",
+    "decisions",
+    "plan",
+    "stage",
+    "clocks",
+    "journal",
+    "on_iteration",
+    "measure",
+    "schedule",
+    "mode",
+    "options",
+    "fullgraph",
+    "dynamic",
+    "disable",
+]
+"""The keywords of ``kareus.compile`` and ``KareusBackend`` besides the Config fields."""
+
+
 def _check_names(data: Mapping[str, Any]) -> None:
+    import difflib
+
     names = {f.name for f in dataclasses.fields(Config)}
     for key, value in data.items():
         if key not in names:
-            raise ConfigError(key, value, f"one of the Config fields: {', '.join(sorted(names))}")
+            close = difflib.get_close_matches(key, [*names, *COMPILE_OPTIONS], n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(
+                key,
+                value,
+                f"a Config field or a kareus.compile option{hint}; the Config fields: "
+                + ", ".join(sorted(names)),
+            )
 
 
 def _coerce(data: Mapping[str, Any]) -> dict[str, Any]:

@@ -141,6 +141,12 @@ class Plan:
             head = json.loads(text)
         except ValueError:
             head = None  # parse() reports where the JSON breaks
+        if isinstance(head, dict) and {"workload", "stages", "sets"} <= head.keys():
+            raise FileFormatError(
+                f"{source} is a partitions file (what `kareus plan` traced), not a plan: "
+                "pass the plan.json written beside it, or re-plan from it with "
+                f"`kareus plan ... --partitions {source}`"
+            )
         if isinstance(head, dict) and head.get("version") != PLAN_VERSION:
             raise FileFormatError(
                 f"{source}: plan version {head.get('version')!r} is not supported (this kareus "
