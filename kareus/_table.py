@@ -19,3 +19,18 @@ def render_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[obj
     buf = io.StringIO()
     Console(file=buf, width=160, color_system=None, force_terminal=False).print(table)
     return buf.getvalue().rstrip()
+
+
+def fig(value: float, digits: int = 5) -> str:
+    """Format a time or an energy with ``digits`` significant digits (no exponent).
+
+    ``0.000461`` stays ``0.000461``, not ``0.0005`` (tiny workloads are not all equal);
+    ``1234.567`` is ``1234.6``; a figure of more digits keeps them (``123457``).
+    """
+    if value == 0 or abs(value) >= 10**digits:
+        return f"{value:.0f}"
+    text = f"{value:.{digits}g}"
+    if "e" in text:  # .5g writes small numbers with an exponent
+        decimals = digits - 1 - int(f"{value:e}".split("e")[1])
+        text = f"{value:.{max(decimals, 0)}f}".rstrip("0").rstrip(".")
+    return text

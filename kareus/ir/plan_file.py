@@ -17,7 +17,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
-from kareus._table import render_table
+from kareus._table import fig, render_table
 from kareus.ir.partitions import Decision
 
 PLAN_VERSION = 1
@@ -246,12 +246,12 @@ class Plan:
             )
         front = render_table(
             f"kareus frontier ({src})",
-            ("#", "iteration time s", "energy J", "proven gap", "graphs", "chosen"),
+            ("#", "iteration time s", "energy J (all GPUs)", "proven gap", "graphs", "chosen"),
             [
                 (
                     i,
-                    f"{p.time_s:.6f}",
-                    f"{p.energy_j:.3f}",
+                    fig(p.time_s),
+                    fig(p.energy_j),
                     "n/a" if p.gap is None else f"{100 * p.gap:.1f} %",
                     "split" if p.nanobatches == 2 else "original",
                     "<-" if p == self.chosen else "",
@@ -267,14 +267,14 @@ class Plan:
                 (
                     name,
                     len(pts),
-                    f"{fastest.time_s:.6f}",
-                    f"{fastest.energy_j:.3f}",
-                    f"{frugal.energy_j:.3f}",
+                    fig(fastest.time_s),
+                    fig(fastest.energy_j),
+                    fig(frugal.energy_j),
                 )
             )
         bases = render_table(
             f"baselines ({src})",
-            ("method", "points", "fastest time s", "its energy J", "least energy J"),
+            ("method", "points", "fastest time s", "its energy J", "least energy J (all GPUs)"),
             base_rows,
         )
         dec_rows = [

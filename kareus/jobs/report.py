@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kareus._files import check_output_dir, write_text
+from kareus._table import fig
 from kareus.ir.plan_file import FrontierPoint, Plan
 from kareus.jobs.stages_file import save_stages
 from kareus.jobs.workload import WorkloadPlan
@@ -36,10 +37,10 @@ def comparison_rows(plan: Plan) -> list[tuple[str, ...]]:
         rows.append(
             (
                 name,
-                f"{fast_t:.4f}",
-                f"{fast_e:.1f}",
+                fig(fast_t),
+                fig(fast_e),
                 f"{100 * (fast_e - mega[1]) / mega[1]:+.1f} %" if mega else "",
-                f"{least:.1f}",
+                fig(least),
                 _pct(iso_t),
                 _pct(iso_e),
             )
@@ -50,7 +51,7 @@ def comparison_rows(plan: Plan) -> list[tuple[str, ...]]:
 COMPARISON_HEADER = (
     "method",
     "fastest time s",
-    "its energy J",
+    "its energy J (all GPUs)",
     "energy vs Megatron",
     "least energy J",
     "kareus iso-time energy saving",
@@ -81,22 +82,30 @@ def contribution_lines(plan: Plan, default_sm_share: int) -> list[str]:
         ok = [p.energy_j for p in fronts.get(method, ()) if no_slower(p.time_s, t_ref)]
         return min(ok) if ok else None
 
+    best = least_at_ref("kareus")
+    if best is None or mega.energy_j - best <= 5e-4 * mega.energy_j:
+        return [
+            "kareus saves nothing over Megatron-LM (max clock, no overlap) at "
+            f"{fig(t_ref)} s on this workload: no plan of its options is as fast with less "
+            "energy, so there is no saving to split into clocks and overlap.",
+            "",
+        ]
     steps = [
         ("per-instruction clocks, no overlap (Perseus)", least_at_ref("perseus")),
         ("overlap at nanobatching's defaults, then clocks", least_at_ref("nanobatch+perseus")),
         ("overlap decisions and clocks chosen together (kareus)", least_at_ref("kareus")),
     ]
-    rows = [("Megatron-LM: max clock, no overlap", f"{mega.energy_j:.1f}", "", "")]
+    rows = [("Megatron-LM: max clock, no overlap", fig(mega.energy_j), "", "")]
     prev = mega.energy_j
     for label, energy in steps:
         if energy is None:
             rows.append((label, "no plan as fast", "n/a", ""))
             continue
         share = f"{100 * (prev - energy) / mega.energy_j:.1f} %"
-        rows.append((label, f"{energy:.1f}", f"{prev - energy:.1f}", share))
+        rows.append((label, fig(energy), fig(prev - energy), share))
         prev = energy
     lines = [
-        f"Each method's least energy at {t_ref:.4f} s or faster (the slower of the chosen "
+        f"Each method's least energy at {fig(t_ref)} s or faster (the slower of the chosen "
         "plan and Megatron-LM), read off its frontier on the same options; each step's "
         "saving is against the step before, as a share of Megatron-LM's energy.",
         "",
@@ -428,8 +437,8 @@ def _frontiers_section(plan: Plan) -> list[str]:
         rows = [
             (
                 i,
-                f"{p.time_s:.4f}",
-                f"{p.energy_j:.1f}",
+                fig(p.time_s),
+                fig(p.energy_j),
                 _pct(p.gap),
                 "split" if p.nanobatches == 2 else "original",
                 "chosen" if name == "kareus" and p == plan.chosen else "",
