@@ -180,3 +180,15 @@ def test_memory_ops_outside_partitions_fuse_only_where_adjacent_in_the_graph():
     assert [o.op_class for o in fused] == ["memory", "memory"]
     assert fused[0].name.startswith("fused[") and fused[1].name == mine[2].name
     assert len(partition_costs(mine, fuse=True)) == 1  # what a list without breaks would say
+
+
+def test_the_pass_names_config_accepts_are_the_pipeline_s_in_order():
+    """``Config.disable_passes`` is checked against ``PASS_NAMES`` (which imports nothing);
+    the passes run from ``PIPELINE``: the two lists are the same, so a name is accepted
+    exactly when it disables a pass."""
+    from kareus.passes.names import PASS_NAMES
+    from kareus.passes.pipeline import PIPELINE
+
+    assert tuple(p.name for p in PIPELINE) == PASS_NAMES
+    with pytest.raises(kareus.ConfigError, match="disable_passes"):
+        kareus.Config(disable_passes=("no_such_pass",))

@@ -612,7 +612,7 @@ class _BatchMarks:
     def __init__(self, dim: int, module: Any, *, mark: bool = True) -> None:
         self.dim = dim
         self.do_mark = mark
-        self.forward = getattr(module, "forward", None)
+        self.signature = _signature(getattr(module, "forward", None))  # read once
         self.marked: list[tuple[list[torch.Tensor], Any]] = []
 
     def mark(
@@ -653,12 +653,13 @@ class _BatchMarks:
 
     def _by_name(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Return a config patch naming the forward's tensor arguments dynamic, or None."""
-        import inspect
         import re
 
+        if self.signature is None:
+            return None
         try:
-            bound = inspect.signature(self.forward).bind(*args, **kwargs)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError:
             return None
         entries = []
         for name, value in bound.arguments.items():
@@ -672,6 +673,15 @@ class _BatchMarks:
             return None
         given = config.dynamic_sources
         return config.patch(dynamic_sources=",".join([given, *entries]).strip(","))
+
+
+def _signature(fn: Any) -> Any:
+    import inspect
+
+    try:
+        return inspect.signature(fn) if fn is not None else None
+    except (TypeError, ValueError):  # a builtin without one
+        return None
 
 
 def _wait_in_flight(

@@ -2,7 +2,7 @@
 
 ``Config.disable_passes`` is validated against them without importing the passes (torch.fx,
 the clock switch op); :mod:`kareus.passes.pipeline` holds the passes themselves, and a test
-checks that the two agree.
+checks that the two agree (tests/test_pass_infra.py).
 """
 
 PASS_NAMES: tuple[str, ...] = (
