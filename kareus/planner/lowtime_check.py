@@ -6,6 +6,9 @@ Perseus plans clocks with the Phillips–Dessouky time–cost trade-off algorith
 composition, then prices each schedule it visits exactly, so the two frontiers can be
 compared point by point: the composition is exact over the discrete options (within its
 gap limit) and should never be worse, and close where the fit is good.
+
+``lowtime`` is a development dependency (``pip install -e ".[dev]"``): planning does not
+need it, only this cross-check does.
 """
 
 from __future__ import annotations
