@@ -18,6 +18,8 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from kareus.passes.census import collective_kind, is_functional_collective, is_wait
+
 Batch = Union[tuple[Any, ...], Mapping[str, Any]]  # noqa: UP007 (runtime alias on 3.10)
 
 
@@ -223,7 +225,7 @@ def _nanobatch_copies(gm: torch.fx.GraphModule) -> dict[str, tuple[Any, Any]]:
         if node.op != "call_function" or tag is None or tag.nanobatch not in (0, 1):
             continue
         body = isinstance(node.target, torch._ops.HigherOrderOperator)  # a checkpointed body
-        if (moves_freely(node) and not body) or "_c10d_functional" in str(node.target):
+        if (moves_freely(node) and not body) or is_functional_collective(node):
             continue
         copies.setdefault(tag.block, (Counter(), Counter()))[tag.nanobatch][str(node.target)] += 1
     return copies
@@ -277,11 +279,10 @@ def overlapped_collectives(region: Any, kind: str = "forward") -> list[str]:
     at = {n: i for i, n in enumerate(nodes)}
     flying = []
     for node in nodes:
-        target = str(node.target)
-        if "_c10d_functional" not in target or "wait_tensor" in target:
+        if collective_kind(node) is None:
             continue
         nanobatch = _nanobatch_of(node)
-        waits = [u for u in node.users if "wait_tensor" in str(u.target)]
+        waits = [u for u in node.users if is_wait(u)]
         if nanobatch is None or not waits:
             continue
         between = nodes[at[node] + 1 : min(at[w] for w in waits)]
@@ -290,7 +291,7 @@ def overlapped_collectives(region: Any, kind: str = "forward") -> list[str]:
             for n in between
             if n.op == "call_function"
             and not moves_freely(n)
-            and "_c10d_functional" not in str(n.target)
+            and not is_functional_collective(n)
             and (t := get_tag(n)) is not None
             and t.nanobatch == 1 - nanobatch
         ]
@@ -375,7 +376,7 @@ def inductor_windows(code: str, made: Mapping[str, Sequence[torch.fx.Node]]) -> 
 
     def nanobatch(line: str) -> int | None:
         nodes = [n for b in _BUFFER.findall(line) for n in made.get(b, ())]
-        nodes = [n for n in nodes if "_c10d_functional" not in str(n.target)]
+        nodes = [n for n in nodes if not is_functional_collective(n)]
         # Views serve both nanobatches: the ops that compute say which one a kernel is,
         # unless none is tagged.
         computing = [n for n in nodes if n.op == "call_function" and not moves_freely(n)]

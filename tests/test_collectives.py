@@ -424,3 +424,29 @@ def test_a_split_collective_weighs_what_the_whole_did():
     ctx = PassContext(Config(), "forward", {})
     out, _records = run_passes(gm, [SplitReduce()], ctx)
     assert census(out) == collections.Counter({("forward", "all_reduce", "g"): 2})
+
+
+def test_one_classifier_names_a_collective_kareus_cannot_price():
+    """Every pass asks kareus.passes.census what a node is; a functional collective with no
+    cost kind is an error naming it, not an all-reduce's price (as it was)."""
+    import torch.fx as fx
+
+    from kareus.passes.census import (
+        collective_kind,
+        cost_kind,
+        is_functional_collective,
+        is_wait,
+    )
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    gather = graph.call_function(
+        torch.ops._c10d_functional.all_gather_into_tensor.default, (x, 2, "0")
+    )
+    wait = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (gather,))
+    cast = graph.call_function(torch.ops._c10d_functional.broadcast.default, (x, 0, "0"))
+    assert (collective_kind(gather), cost_kind(gather)) == ("all_gather_into_tensor", "all_gather")
+    assert collective_kind(wait) is None and is_wait(wait) and is_functional_collective(wait)
+    assert not is_functional_collective(x)
+    with pytest.raises(ValueError, match="issues broadcast, a collective kareus has no cost"):
+        cost_kind(cast)

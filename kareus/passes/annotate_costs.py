@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from kareus.ir.costs import OpClass, OpCost
 from kareus.passes.base import GraphPass, PassContext, PassResult
+from kareus.passes.census import is_functional_collective, is_wait
 
 META_KEY = "kareus"
 NODES_KEY = "kareus_nodes"
@@ -83,8 +84,8 @@ def op_class(node: fx.Node) -> OpClass:
     """Return the class of a call node's op."""
     target = node.target
     name = str(target)
-    if "_c10d_functional" in name:
-        return "collective_wait" if "wait_tensor" in name else "collective_issue"
+    if is_functional_collective(node):
+        return "collective_wait" if is_wait(node) else "collective_issue"
     packet = getattr(target, "overloadpacket", None)
     if packet in _GEMM:
         return "gemm"

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from kareus.ir.costs import CollectiveKind
 from kareus.passes.subgraphs import bodies
 
 Key = tuple[str, str, str]
@@ -73,6 +74,44 @@ def _ranks(name: str) -> str:
         return "ranks " + ",".join(map(str, dist.get_process_group_ranks(pg)))
     except Exception:  # not initialised, or an unregistered name: keep the name
         return name
+
+
+def is_functional_collective(node: fx.Node) -> bool:
+    """Return whether ``node`` is a functional collective's issue or its wait."""
+    return node.op == "call_function" and _qualified(node).startswith(_NAMESPACES)
+
+
+COST_KINDS: dict[str, CollectiveKind] = {
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+}
+"""The cost model's kind (:data:`kareus.ir.costs.CollectiveKind`) of each functional
+collective kareus prices: the one table a new collective is added to."""
+
+
+def cost_kind(node: fx.Node) -> CollectiveKind:
+    """Return the cost model's kind of the collective ``node`` issues.
+
+    Raises:
+        ValueError: ``node`` issues a collective kareus has no cost for (named, with the
+            ones it has), rather than pricing it as another kind.
+    """
+    kind = collective_kind(node)
+    if kind is None or kind not in COST_KINDS:
+        raise ValueError(
+            f"{node.name} issues {kind or node.target}, a collective kareus has no cost for "
+            f"(it prices {', '.join(sorted(COST_KINDS))}); add it to "
+            "kareus.passes.census.COST_KINDS with the kind its cost follows"
+        )
+    return COST_KINDS[kind]
 
 
 def is_wait(node: fx.Node) -> bool:

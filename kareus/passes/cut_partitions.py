@@ -34,14 +34,8 @@ from kareus.ir.costs import CollectiveCost, OpCost
 from kareus.ir.partitions import Partition, PartitionSet, PartitionType, Slot
 from kareus.passes.annotate_costs import NODES_KEY, concrete, cost_of, moves_freely
 from kareus.passes.base import GraphPass, PassContext, PassResult
+from kareus.passes.census import cost_kind
 from kareus.passes.find_blocks import BlockSet
-
-_KINDS = {
-    "all_reduce": "all_reduce",
-    "all_gather_into_tensor": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "all_to_all_single": "all_to_all",
-}
 
 
 @dataclasses.dataclass
@@ -81,17 +75,15 @@ def collective_cost(issue: fx.Node) -> CollectiveCost:
 
     The nodes are those ``annotate_costs`` recorded (1 where it recorded none).
     """
-    op = str(issue.target).split(".")[-2]
-    kind = _KINDS.get(op, "all_reduce")
     cost = cost_of(issue)
     nodes = int(issue.meta.get(NODES_KEY, 1))
-    return CollectiveCost(kind, cost.bytes, _group_size(issue), issue.name, nodes)  # type: ignore[arg-type]
+    return CollectiveCost(cost_kind(issue), cost.bytes, _group_size(issue), issue.name, nodes)
 
 
 def _group_size(issue: fx.Node) -> int:
     name = next((a for a in reversed(issue.args) if isinstance(a, str)), None)
     sizes = [a for a in issue.args[1:] if isinstance(a, int) and not isinstance(a, bool)]
-    if sizes and "all_reduce" not in str(issue.target):
+    if sizes and cost_kind(issue) != "all_reduce":  # an all-reduce passes no group size
         return int(sizes[0])
     try:
         return dist.distributed_c10d._resolve_process_group(name).size()  # type: ignore[arg-type]

@@ -34,6 +34,7 @@ import torch.fx as fx
 from kareus._table import render_table
 from kareus._torch_internals import SEQ_NR, seq_nr_pairs
 from kareus.passes.base import GraphPass, PassContext, PassResult
+from kareus.passes.census import is_functional_collective
 from kareus.passes.subgraphs import bodies
 from kareus.passes.tags import NodeTag, get_tag, set_tag
 
@@ -351,7 +352,7 @@ def map_blocks(
         if not stackless:
             tag = tag or by_seq_nr
         from_inputs = _tag_from_inputs(node.all_input_nodes, where, kind == "backward", order)
-        if "_c10d_functional" in str(node.target) and from_inputs is not None:
+        if is_functional_collective(node) and from_inputs is not None:
             # Collectives traced inside an autograd.Function's backward carry neither tag
             # nor module stack; they belong to the block copy whose data they move.
             tag = from_inputs

@@ -21,6 +21,7 @@ import torch.fx as fx
 from kareus.ir.partitions import Decision, PartitionSet
 from kareus.passes.annotate_costs import moves_freely
 from kareus.passes.base import GraphPass, PassContext, PassResult
+from kareus.passes.census import collective_kind, is_wait
 from kareus.runtime.comm_pool import CommunicatorPool
 
 DEFAULT_DECISION = Decision(launch_slot=0, sm_share=None)
@@ -52,8 +53,8 @@ class ScheduleOverlap(GraphPass):
         """Every collective issue is followed, later in the graph, by its wait."""
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         for node in gm.graph.nodes:
-            if "_c10d_functional" in str(node.target) and "wait_tensor" not in str(node.target):
-                waits = [u for u in node.users if "wait_tensor" in str(u.target)]
+            if collective_kind(node) is not None:
+                waits = [u for u in node.users if is_wait(u)]
                 if not waits or any(order[w] < order[node] for w in waits):
                     raise ValueError(f"collective {node.name} has no wait after it")
 
