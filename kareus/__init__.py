@@ -4,7 +4,6 @@
 ``print(kareus.explain(model))`` shows what kareus captured and did.
 """
 
-from kareus import _moved
 from kareus.compiler.backend import KareusBackend, compile
 from kareus.compiler.config import Config
 from kareus.compiler.explain import JobEnergy, Report, explain, job_energy
@@ -23,7 +22,6 @@ from kareus.ir.plan_file import Plan
 
 __version__ = "0.1.0"
 
-_moved.install()
 install_excepthook()
 
 __all__ = [

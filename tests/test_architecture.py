@@ -192,22 +192,9 @@ def test_each_box_of_the_design_is_a_package():
         assert (ROOT / box / "__init__.py").is_file(), box
 
 
-def test_old_import_paths_still_work_and_warn():
-    import importlib
-    import sys
-    import warnings
-
-    from kareus._moved import MOVED
-
-    for old, new in MOVED.items():
-        sys.modules.pop(old, None)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            module = importlib.import_module(old)
-        assert module is importlib.import_module(new), old
-        assert any(new in str(w.message) for w in caught), old
-    # The old module path kareus.explain must not shadow the function kareus.explain (a
-    # submodule import sets its parent's attribute).
+def test_kareus_explain_is_the_function():
+    # A submodule import would set its parent's attribute: no module kareus.explain may
+    # shadow the function kareus.explain.
     import types
 
     import kareus
