@@ -495,3 +495,23 @@ def test_the_h200_calibration_refits_from_its_check_and_meets_its_targets():
     assert busy.energy_j / busy.time_s == pytest.approx(664.6, rel=0.05)
     shipped_file = pathlib.Path(kareus.hardware.__file__).parent / "calibration" / "h200.json"
     assert json.loads(shipped_file.read_text())["fit"]["in_sample"] is True
+
+
+def test_a_new_gpu_is_one_spec_entry(monkeypatch):
+    """A GPU added to GPUS alone (no other table) gets the A100's calibration scaled to it:
+    static power by its TDP, GEMM and attention efficiencies by its kernel ceilings."""
+    import dataclasses
+
+    from kareus.hardware import specs
+
+    a100 = specs.gpu("a100-40gb")
+    toy = dataclasses.replace(
+        specs.GPUS["a100-sxm4-40gb"], name="TOY-1", tdp_w=200.0, gemm_ceiling=0.5
+    )
+    monkeypatch.setitem(specs.GPUS, "toy-1", toy)
+    got = specs.gpu("toy-1")
+    assert got.name == "TOY-1"
+    assert got.calibration.static_power_w == pytest.approx(a100.calibration.static_power_w / 2)
+    ratio = 0.5 / specs.GPUS["a100-sxm4-40gb"].gemm_ceiling
+    assert got.calibration.eff_gemm == pytest.approx(a100.calibration.eff_gemm * ratio)
+    assert "borrowed from the A100 calibration" in got.calibration_source

@@ -471,8 +471,6 @@ others borrow the A100's, scaled.
 _BASE = "a100_sxm4"
 """The calibration other GPUs borrow (it has none to borrow itself)."""
 
-_STATIC_SCALED = {"h100-sxm": 700 / 400, "h200": 700 / 400, "a40": 300 / 400}
-
 
 def load_calibration(name: str = "a100_sxm4") -> tuple[Calibration, str]:
     """Return the calibration stored as ``calibration/<name>.json`` and its provenance."""
@@ -532,7 +530,7 @@ def gpu(name: str, *, own_calibration: bool = True) -> GPUSpec:
         cal,
         eff_gemm=cal.eff_gemm * spec.gemm_ceiling / a100.gemm_ceiling,
         eff_attention=cal.eff_attention * spec.attention_ceiling / a100.attention_ceiling,
-        static_power_w=cal.static_power_w * _STATIC_SCALED[key],
+        static_power_w=cal.static_power_w * spec.tdp_w / a100.tdp_w,
         v_floor=None,  # the A100's voltage floor is the A100's: this GPU keeps its prior
     )
     return spec.with_calibration(
