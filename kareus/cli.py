@@ -515,9 +515,10 @@ def _list() -> int:
 
 
 def _explain(path: pathlib.Path) -> int:
+    from kareus.hardware import clock_range
     from kareus.ir.plan_file import Plan
 
-    print(Plan.load(path).to_text())
+    print(Plan.load(path, clock_range).to_text())
     return EXIT_OK
 
 

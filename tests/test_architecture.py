@@ -30,15 +30,16 @@ def _sources() -> dict[str, pathlib.Path]:
     return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 
-def _imports(path: pathlib.Path) -> set[str]:
+def _imports(path: pathlib.Path, *, typing: bool = False) -> set[str]:
     """Every module ``path`` imports at run time (top level or in a function).
 
-    Imports under ``if TYPE_CHECKING:`` are left out: they never run.
+    Imports under ``if TYPE_CHECKING:`` are left out (they never run) unless ``typing``: a
+    type named from a floor above is an arrow climbing back all the same.
     """
     tree = ast.parse(path.read_text())
     skipped: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) and not typing:
             skipped |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
     names = set()
     for node in ast.walk(tree):
@@ -55,7 +56,7 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 def _package_imports(package: str) -> dict[str, set[str]]:
     return {
-        name: _imports(path)
+        name: _imports(path, typing=True)
         for name, path in _sources().items()
         if name == f"kareus.{package}" or name.startswith(f"kareus.{package}.")
     }
@@ -68,7 +69,19 @@ def _package_imports(package: str) -> dict[str, set[str]]:
         ("passes", ("ortools", "kareus.planner", "kareus.jobs", "kareus.compiler")),
         ("runtime", ("torch.fx", "ortools", "kareus.planner", "kareus.passes", "kareus.jobs")),
         ("hardware", ("torch", "ortools", "kareus.passes", "kareus.compiler", "kareus.jobs")),
-        ("ir", ("torch.fx", "ortools", "kareus.passes", "kareus.planner", "kareus.compiler")),
+        (
+            "ir",
+            (
+                "torch.fx",
+                "ortools",
+                "kareus.passes",
+                "kareus.planner",
+                "kareus.compiler",
+                "kareus.hardware",
+                "kareus.runtime",
+                "kareus.jobs",
+            ),
+        ),
         ("compiler", ("ortools", "kareus.jobs")),
     ],
 )

@@ -90,7 +90,11 @@ class KareusBackend:
         self.config = base.replace(**fields, **overrides) if fields or overrides else base
         self.mode = mode
         self.inductor_options = _inductor_options(mode, inductor, self.config.codegen)
-        self.plan = Plan.load(plan) if isinstance(plan, (str, pathlib.Path)) else plan
+        if isinstance(plan, (str, pathlib.Path)):
+            from kareus.hardware import clock_range
+
+            plan = Plan.load(plan, clock_range)
+        self.plan = plan
         if self.plan is not None:
             self.config = apply_plan.check_plan(self.plan, self.config, stage, schedule)
         # Without a plan or decisions, compile plans by itself for a known GPU type (which

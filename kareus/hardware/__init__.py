@@ -1,6 +1,21 @@
 """GPU and interconnect specifications and the emulator that models time and energy."""
 
 from kareus.hardware.emulator import Emulator
-from kareus.hardware.specs import GPUS, Calibration, GPUSpec, InterconnectSpec, gpu
+from kareus.hardware.specs import (
+    GPUS,
+    Calibration,
+    GPUSpec,
+    InterconnectSpec,
+    clock_range,
+    gpu,
+)
 
-__all__ = ["GPUS", "Calibration", "Emulator", "GPUSpec", "InterconnectSpec", "gpu"]
+__all__ = [
+    "GPUS",
+    "Calibration",
+    "Emulator",
+    "GPUSpec",
+    "InterconnectSpec",
+    "clock_range",
+    "gpu",
+]

@@ -502,6 +502,20 @@ def spec_name_for_device(device_name: str) -> str | None:
     return None
 
 
+def clock_range(name: str) -> tuple[float, float] | None:
+    """Return the (min, max) MHz a GPU's clocks may be set to, or None for an unknown GPU.
+
+    What :meth:`kareus.ir.plan_file.Plan.load` checks a plan's clocks against.
+    """
+    key = name.lower().replace("_", "-")
+    key = ALIASES.get(key, key)
+    spec = GPUS.get(key) or next((g for g in GPUS.values() if g.name == name), None)
+    if spec is None:
+        return None
+    clocks = spec.clocks_mhz()
+    return (min(clocks), max(clocks))
+
+
 def gpu(name: str, *, own_calibration: bool = True) -> GPUSpec:
     """Return the calibrated spec of a GPU by kareus name (case-insensitive).
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kareus._table import fig, render_table
@@ -23,6 +23,9 @@ from kareus.ir.partitions import Decision
 PLAN_VERSION = 1
 
 PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
+
+ClockRange = Callable[[str], "tuple[float, float] | None"]
+"""A GPU's name to the (min, max) MHz its clocks may be set to, or None where unknown."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +131,14 @@ class Plan:
         return cls.from_json(json.dumps(data, default=str), "plan data")
 
     @classmethod
-    def from_json(cls, text: str, source: str = "plan JSON") -> Plan:
+    def from_json(
+        cls, text: str, source: str = "plan JSON", clock_range: ClockRange | None = None
+    ) -> Plan:
         """Validate a plan's JSON against the schema and build it.
+
+        ``clock_range`` maps the plan's GPU to its (min, max) MHz, or None where unknown
+        (``kareus.hardware.clock_range``): each clock is checked to lie in it. Without it,
+        clocks are checked to be positive only (this module knows no GPU).
 
         Raises:
             FileFormatError: the JSON is malformed, of another plan version, has a field of
@@ -153,26 +162,21 @@ class Plan:
                 f"reads version {PLAN_VERSION}); re-plan with this version of kareus"
             )
         plan: Plan = parse(cls, text, source, "kareus plan")
-        problems = plan.problems()
+        problems = plan.problems(clock_range(plan.gpu) if clock_range is not None else None)
         if problems:
             raise FileFormatError(f"{source} is not a valid kareus plan: " + "; ".join(problems))
         return plan
 
-    def problems(self) -> list[str]:
-        """Return what in this plan no run could apply (empty when it is sound)."""
+    def problems(self, clocks: tuple[float, float] | None = None) -> list[str]:
+        """Return what in this plan no run could apply (empty when it is sound).
+
+        ``clocks``: the (min, max) MHz of the plan's GPU, where known.
+        """
         out = []
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             out.append(
                 f"pipeline_schedule {self.pipeline_schedule!r} is not one of {PIPELINE_SCHEDULES}"
             )
-        clocks: tuple[float, float] | None = None
-        try:
-            from kareus.hardware import gpu
-
-            spec_clocks = gpu(self.gpu).clocks_mhz()
-            clocks = (min(spec_clocks), max(spec_clocks))
-        except Exception:  # a GPU kareus has no spec for: only positivity is checked
-            clocks = None
         for i, s in enumerate(self.schedule):
             if s.kind not in ("forward", "backward", "step"):
                 out.append(
@@ -201,8 +205,10 @@ class Plan:
         return out[:5]
 
     @classmethod
-    def load(cls, path: str | pathlib.Path) -> Plan:
+    def load(cls, path: str | pathlib.Path, clock_range: ClockRange | None = None) -> Plan:
         """Read and validate a plan written by :meth:`save`.
+
+        ``clock_range``: as :meth:`from_json`.
 
         Raises:
             FileFormatError: the file cannot be read or is not a valid plan (see
@@ -210,7 +216,7 @@ class Plan:
         """
         from kareus.ir.schema import read_text
 
-        return cls.from_json(read_text(path, "kareus plan"), str(path))
+        return cls.from_json(read_text(path, "kareus plan"), str(path), clock_range)
 
     def stage_clocks(self) -> dict[int, str]:
         """Each stage's instructions and clocks in order (``F0@1410 B0@1200 ... step@1005``)."""

@@ -14,15 +14,53 @@ import collections
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch.fx as fx
 
 from kareus.errors import NodeError, PassError
 from kareus.passes import census as _census
 
-if TYPE_CHECKING:
-    from kareus.compiler.config import Config
+
+class PassConfig(Protocol):
+    """What the passes read of the compile call's settings.
+
+    ``kareus.compiler.config.Config`` has them all; declared here, so that the passes need
+    nothing from the compiler above them.
+    """
+
+    @property
+    def nanobatches(self) -> int | None:
+        """Nanobatches per block (None: the default choice)."""
+
+    @property
+    def batch_dim(self) -> int | None:
+        """The inputs' batch dimension (None: 0)."""
+
+    @property
+    def allow_random_split(self) -> bool:
+        """Whether blocks that draw random numbers may be split."""
+
+    @property
+    def disable_passes(self) -> tuple[str, ...]:
+        """Names of passes not to run."""
+
+    @property
+    def extract_partitions(self) -> bool:
+        """Whether partition types are kept as runnable programs."""
+
+    @property
+    def fuses_memory_ops(self) -> bool:
+        """Whether runs of memory-bound ops are costed as fused kernels."""
+
+    @property
+    def gpus_per_node(self) -> int | None:
+        """GPUs an NVLink domain joins."""
+
+    @property
+    def strict(self) -> bool | None:
+        """Whether a failed pass or a plan mismatch raises."""
+
 
 GRAPH_KINDS = ("dynamo", "forward", "backward", "inference")
 """The graphs of one compiled region: Dynamo's (before autograd) and AOTAutograd's three."""
@@ -73,7 +111,7 @@ class PassContext:
         passes_run: names of the passes already run on this graph.
     """
 
-    config: Config
+    config: PassConfig
     graph: str
     findings: dict[str, Any]
     example_inputs: Sequence[Any] = ()
