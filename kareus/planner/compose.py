@@ -81,13 +81,24 @@ class Solution:
         return self.status == "OPTIMAL" or (self.gap is not None and self.gap <= gap_limit)
 
 
+BOUND_SLACK_S = 1e-9
+"""How far past a time bound a plan still meets it: the float noise of summed durations.
+(Tighter than :func:`kareus.planner.pareto.no_slower`, which compares plans with the
+model's precision; a bound is met exactly, up to rounding.)"""
+
+
+def meets(time_s: float, bound_s: float | None) -> bool:
+    """Whether ``time_s`` meets the time bound ``bound_s`` (None: no bound)."""
+    return bound_s is None or time_s <= bound_s + BOUND_SLACK_S
+
+
 def _time_energy(s: Solution) -> tuple[float, float]:
     return s.time_s, s.energy_j
 
 
 def best_within(bound: float | None, known: Sequence[Solution]) -> Solution | None:
     """Return the least-energy plan of ``known`` that meets ``bound`` (any, when None)."""
-    fits = [s for s in known if bound is None or s.time_s <= bound + 1e-9]
+    fits = [s for s in known if meets(s.time_s, bound)]
     return min(fits, key=lambda s: (s.energy_j, s.time_s), default=None)
 
 
@@ -256,7 +267,7 @@ class Composer:
         if prior is not None:  # solved at this bound already (a point proved twice)
             return self._better(prior, hint, bound_s)
         relaxed = self._relax(bound_s)
-        fits = hint is not None and (bound_s is None or hint.time_s <= bound_s + 1e-9)
+        fits = hint is not None and meets(hint.time_s, bound_s)
         if relaxed is None:
             if fits:  # the relaxation's tolerances, at a bound the hint meets to a hair
                 assert hint is not None
@@ -268,7 +279,7 @@ class Composer:
             )
         known = [] if relaxed.choices is None else [self._solution(relaxed.choices, "RELAXED")]
         # (the rounded plan meets the bound up to the simplex's tolerances: checked anyway)
-        known = [k for k in known if bound_s is None or k.time_s <= bound_s + 1e-9]
+        known = [k for k in known if meets(k.time_s, bound_s)]
         known += [hint] if fits and hint is not None else []
         best = min(known, key=lambda s: (s.energy_j, s.time_s), default=None)
         _log.debug(
@@ -342,7 +353,7 @@ class Composer:
     @staticmethod
     def _better(prior: Solution, hint: Solution | None, bound_s: float | None) -> Solution:
         """Return ``prior`` (an earlier solve at ``bound_s``), or ``hint`` if it is better."""
-        if hint is None or (bound_s is not None and hint.time_s > bound_s + 1e-9):
+        if hint is None or not meets(hint.time_s, bound_s):
             return prior
         if (hint.energy_j, hint.time_s) >= (prior.energy_j, prior.time_s):
             return prior
@@ -428,7 +439,7 @@ class Composer:
         priced: tuple[float, float], now: tuple[float, float], within: float | None, margin: float
     ) -> bool:
         t, e = priced
-        return e < now[0] - margin and (within is None or t <= within + 1e-9)
+        return e < now[0] - margin and meets(t, within)
 
     def _moved(
         self,
@@ -492,7 +503,7 @@ class Composer:
                 proven = max(proven, objective_bound / 1e6 - rounding_j)
             if choices is not None:
                 found = self._solution(choices, status)
-                if bound_s is None or found.time_s <= bound_s + 1e-9:
+                if meets(found.time_s, bound_s):
                     break
                 found = None
             if hint is not None and hint.energy_j - proven <= self.gap_limit * hint.energy_j:
@@ -742,9 +753,7 @@ class Composer:
         out: list[float | None] = []
         for p in points:
             covering = [
-                s.bound_j
-                for s in solves
-                if s.bound_j is not None and (s.within_s is None or p.time_s <= s.within_s + 1e-9)
+                s.bound_j for s in solves if s.bound_j is not None and meets(p.time_s, s.within_s)
             ]
             out.append(min(max(covering), p.energy_j) if covering else None)
         return out
@@ -762,7 +771,7 @@ class Composer:
             ]
             for choices in itertools.product(*per_instr):
                 t, e = self.evaluate(choices)
-                if bound_s is not None and t > bound_s + 1e-9:
+                if not meets(t, bound_s):
                     continue
                 if best is None or (e, t) < best:
                     best = (e, t)
