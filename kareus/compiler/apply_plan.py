@@ -17,7 +17,7 @@ from kareus.errors import PlanMismatchError
 from kareus.ir.plan_file import PIPELINE_SCHEDULES, Plan
 from kareus.runtime.switcher import Step
 
-SCHEDULES = {
+SCHEDULE_NAMES = {
     alias + name.lower(): name for name in PIPELINE_SCHEDULES for alias in ("", "schedule")
 }
 """Pipeline schedules by the names users give them (``"gpipe"``, ``"Schedule1F1B"``...)."""
@@ -27,7 +27,7 @@ def check_schedule(plan: Plan, schedule: str | None) -> None:
     """Raise when the pipeline schedule the job runs is not the one the plan was made for."""
     if schedule is None:
         return
-    name = SCHEDULES.get(schedule.replace("_", "").replace("-", "").lower())
+    name = SCHEDULE_NAMES.get(schedule.replace("_", "").replace("-", "").lower())
     if name is None:
         raise PlanMismatchError(
             f"unknown pipeline schedule {schedule!r}: use one of {list(PIPELINE_SCHEDULES)}"

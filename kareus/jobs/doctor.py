@@ -45,7 +45,7 @@ class GPUReport:
 
 
 @dataclasses.dataclass
-class Report:
+class DoctorReport:
     """What ``kareus doctor`` found."""
 
     driver: str | None
@@ -161,7 +161,7 @@ def _gpu(nv: Any, index: int, cuda: dict[str, int]) -> GPUReport:
     )
 
 
-def diagnose() -> Report:
+def diagnose() -> DoctorReport:
     """Read what this node offers; change nothing."""
     zeus = None
     if importlib.util.find_spec("zeus") is not None:
@@ -178,14 +178,14 @@ def diagnose() -> Report:
         count = int(nv.nvmlDeviceGetCount())
     except Exception as err:  # no library, no driver, no GPU: all say "no NVML here"
         may, why = _permission(False, zeusd)
-        return Report(None, f"not usable ({err})", zeus, zeusd, may, why, [])
+        return DoctorReport(None, f"not usable ({err})", zeus, zeusd, may, why, [])
     cuda = _cuda_indices()
     gpus = [_gpu(nv, i, cuda) for i in range(count)]
     may, why = _permission(True, zeusd)
-    return Report(driver, None, zeus, zeusd, may, why, gpus)
+    return DoctorReport(driver, None, zeus, zeusd, may, why, gpus)
 
 
-def try_switches(report: Report, settle_s: float = 1.0) -> dict[str, dict[str, Any]]:
+def try_switches(report: DoctorReport, settle_s: float = 1.0) -> dict[str, dict[str, Any]]:
     """Lock each GPU's clock once, time it, restore it at once (also on Ctrl-C); return times.
 
     The target is the supported clock nearest 3/4 of the maximum. A GPU whose clock cannot
@@ -274,6 +274,6 @@ def switch_cost(path: pathlib.Path) -> Any:
     )
 
 
-def write_json(report: Report, path: pathlib.Path) -> None:
+def write_json(report: DoctorReport, path: pathlib.Path) -> None:
     """Write the report (switch latencies included) as JSON."""
     path.write_text(json.dumps(dataclasses.asdict(report), indent=1) + "\n")

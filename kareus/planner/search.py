@@ -25,7 +25,7 @@ from kareus.planner.pareto import hypervolume, pareto_front
 
 
 @dataclasses.dataclass(frozen=True)
-class Evaluated:
+class SettingCost:
     """A setting and its (time, energy) as the evaluator gave them."""
 
     setting: Setting
@@ -37,7 +37,7 @@ class Evaluated:
 class SearchResult:
     """What a search measured; ``front`` is the Pareto frontier of ``points``."""
 
-    points: tuple[Evaluated, ...]
+    points: tuple[SettingCost, ...]
     grid_size: int
     passes: int
 
@@ -47,14 +47,14 @@ class SearchResult:
         return len(self.points)
 
     @property
-    def front(self) -> list[Evaluated]:
+    def front(self) -> list[SettingCost]:
         """The frontier, fastest first."""
         return pareto_front(self.points, key=lambda p: (p.time_s, p.energy_j))
 
 
-def _evaluate(work: PartitionWork, space: KnobSpace, ev: Evaluator, s: Setting) -> Evaluated:
+def _evaluate(work: PartitionWork, space: KnobSpace, ev: Evaluator, s: Setting) -> SettingCost:
     est = ev.partition(work, knobs_of(s, space))
-    return Evaluated(s, est.time_s, est.energy_j)
+    return SettingCost(s, est.time_s, est.energy_j)
 
 
 def exhaustive(work: PartitionWork, space: KnobSpace, evaluator: Evaluator) -> SearchResult:
@@ -86,9 +86,9 @@ def search(
         return exhaustive(work, space, evaluator)  # only clocks: the grid is tiny
     grid = space.settings()
     budget = max(int(budget_fraction * len(grid)), 1)
-    measured: dict[Setting, Evaluated] = {}
+    measured: dict[Setting, SettingCost] = {}
 
-    def ev(s: Setting) -> Evaluated:
+    def ev(s: Setting) -> SettingCost:
         if s not in measured:
             measured[s] = _evaluate(work, space, evaluator, s)
         return measured[s]
@@ -144,7 +144,7 @@ class _Surrogate:
 
     def __init__(
         self,
-        measured: dict[Setting, Evaluated],
+        measured: dict[Setting, SettingCost],
         freqs: tuple[float, ...],
         probes: list[tuple[int | None, int | None]],
         best_slot: int | None,
