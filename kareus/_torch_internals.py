@@ -323,6 +323,16 @@ def custom_partitioner_base() -> type | None:
     return CustomPartitionerFn  # type: ignore[no-any-return]
 
 
+def resolve_group(name: str | None) -> Any:
+    """Return the process group registered as ``name`` (c10d's private lookup).
+
+    Raises what c10d raises for a name it does not know, or without a default group.
+    """
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
+
+
 def dynamo_context(compiled: Any) -> Any:
     """Return the Dynamo context of what ``torch.compile`` returned, or None.
 

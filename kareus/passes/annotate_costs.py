@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from kareus._torch_internals import resolve_group
 from kareus.ir.costs import OpClass, OpCost
 from kareus.passes.base import GraphPass, PassContext, PassResult
 from kareus.passes.census import is_functional_collective, is_wait
@@ -287,7 +288,7 @@ def group_nodes(issue: fx.Node, per_node: int) -> int:
     if name is None or not dist.is_available() or not dist.is_initialized():
         return 1
     try:
-        group = dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
+        group = resolve_group(name)
         ranks = dist.get_process_group_ranks(group)
     except Exception:  # a name no group of this process has
         return 1

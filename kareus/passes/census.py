@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from kareus._torch_internals import resolve_group
 from kareus.ir.costs import CollectiveKind
 from kareus.passes.subgraphs import bodies
 
@@ -70,7 +71,7 @@ def _ranks(name: str) -> str:
     try:
         import torch.distributed as dist
 
-        pg = dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
+        pg = resolve_group(name)
         return "ranks " + ",".join(map(str, dist.get_process_group_ranks(pg)))
     except Exception:  # not initialised, or an unregistered name: keep the name
         return name

@@ -27,9 +27,9 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 
+from kareus._torch_internals import resolve_group
 from kareus.ir.costs import CollectiveCost, OpCost
 from kareus.ir.partitions import Partition, PartitionSet, PartitionType, Slot
 from kareus.passes.annotate_costs import NODES_KEY, concrete, cost_of, moves_freely
@@ -86,7 +86,7 @@ def _group_size(issue: fx.Node) -> int:
     if sizes and cost_kind(issue) != "all_reduce":  # an all-reduce passes no group size
         return int(sizes[0])
     try:
-        return dist.distributed_c10d._resolve_process_group(name).size()  # type: ignore[arg-type]
+        return resolve_group(name).size()
     except Exception:  # no process group at hand (tracing only): count two ranks
         return 2
 
