@@ -18,7 +18,16 @@
    With ``--dp N [--dp-mode ddp|fsdp|hsdp]``, the same with N data-parallel replicas (8
    GPUs a node): their traffic priced beside the compute and the optimizer step.
 
+4. Traced workloads (``--traced``): the planner on partition sets traced from the models
+   (kareus's Llama on fake tensors, as `kareus plan` traces them), re-planned at the
+   micro-batch counts a user changes to: Llama 3.3 70B at TP 8 x PP 8 with 16 and 64
+   micro-batches, and the main job (Llama 3.2 3B, TP 8 x PP 2) with 8 and 64. Each model is
+   traced once into ``--traced-dir`` (partitions.json, as `kareus plan` writes it); each
+   re-plan reads it, as `kareus plan --partitions` does: planning seconds (measured),
+   solves, solves not proven within the gap limit, the largest proven gap, frontier points.
+
 Run: python benchmarks/planner.py [--gpu a100-sxm4-40gb] [--scale [PPxM,...] [--dp N]]
+     python benchmarks/planner.py --traced [70b-16,70b-64,3b-8,3b-64] [--traced-dir DIR]
 """
 
 import argparse
@@ -112,6 +121,48 @@ def at_scale(spec, configs, dp=None, dp_mode="ddp"):
         )
 
 
+TRACED = {
+    # name: (model, pp, micro-batches)
+    "70b-16": ("llama3.3-70b", 8, 16),
+    "70b-64": ("llama3.3-70b", 8, 64),
+    "3b-8": ("llama3.2-3b", 2, 8),
+    "3b-64": ("llama3.2-3b", 2, 64),
+}
+
+
+def traced(spec, names, directory):
+    """Re-plan traced workloads from their saved partitions; print the figures."""
+    import pathlib
+
+    from kareus.jobs.trace import Workload
+    from kareus.jobs.workload import plan_workload
+
+    for name in names:
+        model, pp, micro = TRACED[name]
+        work = Workload(model=model, tp=8, pp=pp, microbatch_size=8, seq_len=4096,
+                        microbatches=micro)  # fmt: skip
+        saved = pathlib.Path(directory) / f"{model}-tp8-pp{pp}" / "partitions.json"
+        if not saved.is_file():  # trace once (any micro-batch count: the partitions are per stage)
+            from kareus.jobs.report import write_outputs
+
+            print(f"tracing {model} TP 8 x PP {pp} into {saved.parent} (once)", flush=True)
+            write_outputs(plan_workload(work, spec.name), saved.parent)
+        start = time.perf_counter()
+        plan = plan_workload(work, spec.name, partitions=saved).result.plan
+        wall = time.perf_counter() - start
+        gaps = [p.gap for p in plan.frontier if p.gap is not None]
+        ev = plan.evaluations
+        print(
+            f"{name}: {model} TP 8 x PP {pp} x {micro} micro-batches ({2 * pp * micro} "
+            f"instructions), from {saved}: planning {wall:.1f} s wall (measured); "
+            f"{ev.get('solves', 0)} solves ({ev.get('cp_sat_solves', 0)} CP-SAT), "
+            f"{ev.get('solves_not_proven_optimal', 0)} not proven within the gap limit; "
+            f"largest proven gap {100 * max(gaps, default=float('nan')):.2f} %; "
+            f"{len(plan.frontier)} frontier points (modelled)",
+            flush=True,
+        )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--gpu", default="a100-sxm4-40gb")
@@ -127,8 +178,23 @@ def main():
         "--dp", type=int, help="with --scale: data-parallel replicas (their traffic and step)"
     )
     parser.add_argument("--dp-mode", default="ddp", choices=("ddp", "fsdp", "hsdp"))
+    parser.add_argument(
+        "--traced",
+        nargs="?",
+        const=",".join(TRACED),
+        metavar="NAME,...",
+        help=f"re-plan traced workloads from saved partitions ({', '.join(TRACED)})",
+    )
+    parser.add_argument(
+        "--traced-dir",
+        default="/tmp/kareus-bench-planner",
+        help="where each traced model's partitions.json is kept between runs",
+    )
     args = parser.parse_args()
     spec = gpu(args.gpu)
+    if args.traced:
+        traced(spec, args.traced.split(","), args.traced_dir)
+        return
     if args.scale:
         sizes = [tuple(map(int, c.split("x"))) for c in args.scale.split(",")]
         at_scale(spec, sizes, args.dp, args.dp_mode)
