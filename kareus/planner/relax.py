@@ -407,10 +407,12 @@ class Relaxation(Priced):
         180 s) and the primal from a triangular basis under one (12 s against the dual's
         44 s at the least time).
         """
+        primal = not warm and self._t.ub() < self._loose_ms
         work = DIVE_WORK_LIMIT if rows is not None else WARM_WORK_LIMIT if warm else None
         limit = "" if work is None else f" max_deterministic_time: {work}"
-        simplex = "use_dual_simplex: true" if warm else self._fresh_parameters()
-        self._lp.SetSolverSpecificParametersAsString(simplex + limit)
+        self._lp.SetSolverSpecificParametersAsString(
+            ("initial_basis: TRIANGULAR" if primal else "use_dual_simplex: true") + limit
+        )
         status, objective = self._lp.Solve(), math.nan
         if rows is not None and status not in (self._optimal, self._infeasible):
             _log.debug(
@@ -431,11 +433,6 @@ class Relaxation(Priced):
         }
         return objective, weights, profile_weights
 
-    def _fresh_parameters(self) -> str:
-        """GLOP's simplex for a program solved from no basis (see :meth:`_solve`)."""
-        bounded = self._t.ub() < self._loose_ms
-        return "initial_basis: TRIANGULAR" if bounded else "use_dual_simplex: true"
-
     def _solve_afresh(self, status: int) -> tuple[int, float]:
         """Solve a copy of the program from scratch; it becomes the program solved from here.
 
@@ -445,17 +442,14 @@ class Relaxation(Priced):
         (:data:`AFRESH_PARAMETERS`). It can also stall from a basis (stopped by
         :data:`WARM_WORK_LIMIT`). Either way the old basis is dropped: the copy, with the
         basis of its solution, replaces the program, so the next warm solve resumes from
-        there. The copy is solved first with the simplex a fresh program takes
-        (:meth:`_fresh_parameters`): on the traced Llama 3.3 70B TP 8 x PP 8 x 64 (1,024
-        instructions), whose re-plan solved five programs afresh, that took each from 45 s
-        (GLOP's defaults) to 37 s, the plan unchanged (measured, 2 cores, 2026-12-05).
+        there.
         """
         from ortools.linear_solver import linear_solver_pb2
 
         _log.debug("relaxation: GLOP ended with status %s; solving a fresh copy", status)
         model = linear_solver_pb2.MPModelProto()
         self._lp.ExportModelToProto(model)
-        status, fresh = solve_afresh(model, self._fresh_parameters())
+        status, fresh = solve_afresh(model)
         # the same variables, in the same order, in the copy
         v = fresh.variables()
         self._t = v[self._t.index()]
@@ -474,17 +468,15 @@ measured CPU profiles (a tiny 16-layer model, TP 2, full recompute) both simplex
 and without presolve the same program is proven infeasible."""
 
 
-def solve_afresh(model: Any, first: str = "") -> tuple[int, Any]:
+def solve_afresh(model: Any) -> tuple[int, Any]:
     """Solve an exported linear program (``MPModelProto``) with GLOP from scratch.
 
-    ``first``: GLOP's settings to try before :data:`AFRESH_PARAMETERS` (the simplex that
-    suits the program, as :meth:`Relaxation._solve` picks it for a fresh one).
     Returns the status and the solver (its solution loaded where the status is optimal).
     """
     from ortools.linear_solver import pywraplp
 
     status, fresh = pywraplp.Solver.ABNORMAL, None
-    for params in dict.fromkeys((first, *AFRESH_PARAMETERS)):
+    for params in AFRESH_PARAMETERS:
         fresh = pywraplp.Solver.CreateSolver("GLOP")
         fresh.LoadModelFromProto(model)
         fresh.SetSolverSpecificParametersAsString(params)
