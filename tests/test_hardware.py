@@ -515,3 +515,22 @@ def test_a_new_gpu_is_one_spec_entry(monkeypatch):
     ratio = 0.5 / specs.GPUS["a100-sxm4-40gb"].gemm_ceiling
     assert got.calibration.eff_gemm == pytest.approx(a100.calibration.eff_gemm * ratio)
     assert "borrowed from the A100 calibration" in got.calibration_source
+
+
+@pytest.mark.parametrize(
+    ("device", "kind"),
+    [
+        ("NVIDIA A100-SXM4-80GB", "a100-sxm4-80gb"),
+        ("NVIDIA A100 80GB PCIe", "a100-sxm4-80gb"),
+        ("NVIDIA A100-SXM4-40GB", "a100-sxm4-40gb"),
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA A40", "a40"),
+        ("NVIDIA RTX A4000", None),  # not an A40: words match whole
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_device_names_map_to_gpu_types_by_their_words(device, kind):
+    from kareus.hardware.specs import spec_name_for_device
+
+    assert spec_name_for_device(device) == kind

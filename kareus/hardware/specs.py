@@ -491,15 +491,25 @@ ALIASES = {
 """Short names accepted by :func:`gpu`."""
 
 
+DEVICE_NAMES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("a100", "80gb"), "a100-sxm4-80gb"),
+    (("a100",), "a100-sxm4-40gb"),
+    (("h100",), "h100-sxm"),
+    (("h200",), "h200"),
+    (("a40",), "a40"),
+)
+"""CUDA device names (as torch reports them) to kareus GPU types: the words each name
+holds. The entry of the most words found wins, so the order of the table does not matter;
+a word matches whole ("a40" is not the RTX A4000)."""
+
+
 def spec_name_for_device(device_name: str) -> str | None:
     """Return the kareus GPU type of a CUDA device name (as torch reports it), or None."""
-    name = device_name.lower()
-    if "a100" in name:
-        return "a100-sxm4-80gb" if "80gb" in name.replace(" ", "") else "a100-sxm4-40gb"
-    for key, typ in (("h200", "h200"), ("h100", "h100-sxm"), ("a40", "a40")):
-        if key in name:
-            return typ
-    return None
+    import re
+
+    words = set(re.findall(r"[a-z0-9]+", device_name.lower()))
+    found = [(len(need), typ) for need, typ in DEVICE_NAMES if words.issuperset(need)]
+    return max(found)[1] if found else None
 
 
 def clock_range(name: str) -> tuple[float, float] | None:
