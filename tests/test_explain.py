@@ -87,3 +87,13 @@ def test_the_summary_keeps_internal_counters_out():
     compiled(torch.randn(8, 8)).backward()
     text = kareus.explain(compiled).summary()
     assert "early_forward_runs" not in text and "region_index" not in text
+
+
+def test_clocks_auto_without_a_known_gpu_says_why_nothing_was_planned():
+    """clocks='auto' on a machine without a GPU kareus knows (this CPU one) plans nothing;
+    the verdict says why instead of staying silent."""
+    _split, _overlapped, clocks = _summary_head(clocks="auto")
+    assert clocks.startswith("clocks: not planned (no clock plan: "), clocks
+    assert "pass gpu=" in clocks
+    if not torch.cuda.is_available():  # (on a GPU machine: the model is on the CPU, said so)
+        assert "clocks='auto' asked for one, but this process has no GPU" in clocks

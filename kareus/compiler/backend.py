@@ -287,6 +287,13 @@ class KareusBackend:
 
         The functions already returned pick the new graphs up at their next call.
         """
+        if not self._plan_for and self._planning and self._apply_planned_clocks:
+            note = (
+                "no clock plan: clocks='auto' asked for one, but this process has no GPU "
+                "kareus knows (pass gpu= to plan for a GPU type)"
+            )
+            if note not in region.notes:
+                region.notes.append(note)
         if not self._plan_for or region.findings.get("planned"):
             return
         if self.config.gpu is None and region.device != "cuda":
