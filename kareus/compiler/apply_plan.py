@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from kareus._table import fig
 from kareus.compiler.config import Config
 from kareus.compiler.region import Region
 from kareus.errors import PlanMismatchError
@@ -150,8 +151,8 @@ def plan_region(region: Region, gpu_name: str, policy: str) -> Plan | None:
     region.findings["decisions"] = Decisions(plan.decisions_for(0))
     region.notes.append(
         f"planned at compile time for {spec.name} with the hardware model "
-        f"(policy {policy}; modelled {plan.chosen.time_s:.6f} s, "
-        f"{plan.chosen.energy_j:.3f} J per forward and backward)"
+        f"(policy {policy}; modelled {fig(plan.chosen.time_s)} s and "
+        f"{fig(plan.chosen.energy_j)} J of all its GPUs per forward and backward)"
     )
     return plan
 
