@@ -60,3 +60,21 @@ def test_describe_documents_every_field():
     text = Config.describe()
     for name in Config().to_dict():
         assert text.count(f"{name} (default") == 1
+
+
+def test_the_compile_options_suggested_are_the_keywords_compile_takes():
+    """COMPILE_OPTIONS (what a mistyped keyword may have meant, besides the Config fields)
+    is the keywords of kareus.compile and KareusBackend: kept by hand in config.py, which
+    sits below both, so checked here."""
+    import inspect
+
+    from kareus.compiler.config import COMPILE_OPTIONS
+
+    taken = set()
+    for fn in (kareus.compile, kareus.KareusBackend.__init__):
+        taken |= {
+            name
+            for name, p in inspect.signature(fn).parameters.items()
+            if p.kind is p.KEYWORD_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD and name == "config")
+        }
+    assert taken == set(COMPILE_OPTIONS)

@@ -512,14 +512,18 @@ def spec_name_for_device(device_name: str) -> str | None:
     return max(found)[1] if found else None
 
 
+def _key(name: str) -> str:
+    """Return the key of :data:`GPUS` a kareus name (any case, ``_`` or ``-``, an alias) names."""
+    key = name.lower().replace("_", "-")
+    return ALIASES.get(key, key)
+
+
 def clock_range(name: str) -> tuple[float, float] | None:
     """Return the (min, max) MHz a GPU's clocks may be set to, or None for an unknown GPU.
 
     What :meth:`kareus.ir.plan_file.Plan.load` checks a plan's clocks against.
     """
-    key = name.lower().replace("_", "-")
-    key = ALIASES.get(key, key)
-    spec = GPUS.get(key) or next((g for g in GPUS.values() if g.name == name), None)
+    spec = GPUS.get(_key(name)) or next((g for g in GPUS.values() if g.name == name), None)
     if spec is None:
         return None
     clocks = spec.clocks_mhz()
@@ -535,8 +539,7 @@ def gpu(name: str, *, own_calibration: bool = True) -> GPUSpec:
     Raises:
         UnknownGPUError: the name is not one of :data:`GPUS`.
     """
-    key = name.lower().replace("_", "-")
-    key = ALIASES.get(key, key)
+    key = _key(name)
     if key not in GPUS:
         raise UnknownGPUError(
             f"unknown GPU {name!r}; known GPUs: {', '.join(sorted(GPUS))} "

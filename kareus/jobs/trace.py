@@ -553,6 +553,9 @@ def workload_record(work: Workload) -> dict[str, Any]:
     if work.layers_per_stage is not None:  # as JSON holds it, so records compare equal
         data["layers_per_stage"] = list(work.layers_per_stage)
     data["describe"] = work.describe()
+    # the shape a compiled model is checked against (kareus.passes.check_plan), read here so
+    # that the passes need no model library to resolve a preset's name
+    data["shape"] = {"hidden_size": work.config.hidden_size, "num_layers": work.config.num_layers}
     # what tracing reads of the data-parallel layout (none unless it is in the graphs)
     if work.graph_dp > 1:
         data["graph_dp"] = {"dp": work.graph_dp, "gpus_per_node": work.gpus_per_node}

@@ -40,7 +40,7 @@ class CheckPlan(GraphPass):
         blockset = ctx.findings.get("find_blocks")
         check_group_sizes(plan, gm)
         if ctx.graph != "backward":  # the forward's inputs are the workload's
-            check_workload(plan, stage, gm)
+            check_workload(plan, gm)
         if not plan.fingerprint:
             return PassResult(gm, modified=False)
         if getattr(blockset, "whole_region", False):
@@ -94,7 +94,7 @@ _FLAGS = {
 """The ``kareus plan`` option that sets each field a fit check compares."""
 
 
-def check_workload(plan: Plan, stage: int, gm: fx.GraphModule) -> None:
+def check_workload(plan: Plan, gm: fx.GraphModule) -> None:
     """Raise when the model differs from the workload the plan was made for.
 
     Compares what a forward graph shows for certain (the dtype its matrix products run in;
@@ -106,7 +106,7 @@ def check_workload(plan: Plan, stage: int, gm: fx.GraphModule) -> None:
         PlanMismatchError: one line naming each differing field with both values, and the
             ``kareus plan`` command that makes a fitting plan.
     """
-    want = plan_facts(plan, stage)
+    want = plan_facts(plan)
     have = model_facts(gm)
     differ = [f for f in want if f in have and want[f] != have[f]]
     if not differ:
@@ -118,11 +118,13 @@ def check_workload(plan: Plan, stage: int, gm: fx.GraphModule) -> None:
     )
 
 
-def plan_facts(plan: Plan, stage: int) -> dict[str, Any]:
-    """Return the fields of the plan's workload a graph can be checked against."""
+def plan_facts(plan: Plan) -> dict[str, Any]:
+    """Return the fields of the plan's workload a graph can be checked against.
+
+    Plans that predate the workload's ``shape`` record are checked without hidden size and
+    layers (their partition fingerprints still are).
+    """
     work = plan.workload
-    if not work:
-        return {}
     facts: dict[str, Any] = {}
     if isinstance(work.get("dtype"), str):
         facts["dtype"] = work["dtype"]
@@ -130,17 +132,17 @@ def plan_facts(plan: Plan, stage: int) -> dict[str, Any]:
         facts["micro-batch"] = work["microbatch_size"]
     if isinstance(work.get("seq_len"), int):
         facts["sequence"] = work["seq_len"] // int(work.get("cp") or 1)
-    config = _model_config(work)
-    if config is not None:
-        facts["hidden"] = config.hidden_size
+    shape = work.get("shape")
+    if isinstance(shape, dict):
+        facts["hidden"] = shape.get("hidden_size")
         if int(work.get("pp") or 1) == 1:
-            facts["layers"] = config.num_layers
-    return facts
+            facts["layers"] = shape.get("num_layers")
+    return {k: v for k, v in facts.items() if v is not None}
 
 
 def _layers_differ(plan: Plan, blockset: Any) -> str:
     """Say how the layers differ (a whole model's blocks against the plan's), or ""."""
-    want = plan_facts(plan, 0).get("layers")
+    want = plan_facts(plan).get("layers")
     blocks = getattr(blockset, "blocks", None)
     if want is None or not blocks or getattr(blockset, "whole_region", False):
         return ""
@@ -148,22 +150,6 @@ def _layers_differ(plan: Plan, blockset: Any) -> str:
 
     have = Counter(b.family for b in blocks).most_common(1)[0][1]
     return f"layers: plan {want}, model {have}" if have != want else ""
-
-
-def _model_config(work: dict[str, Any]) -> Any:
-    from kareus.models.llama import LlamaConfig, preset
-
-    model, config = work.get("model"), work.get("config")
-    try:
-        if isinstance(config, dict):
-            return LlamaConfig(**config)
-        if isinstance(model, dict):
-            return LlamaConfig(**model)
-        if isinstance(model, str):
-            return preset(model)
-    except (KeyError, TypeError, ValueError):
-        return None
-    return None
 
 
 def model_facts(gm: fx.GraphModule) -> dict[str, Any]:

@@ -517,9 +517,7 @@ def _rank_blocks_reason(
             return ""
         return None
     if name == "reduce_scatter_tensor" and dims == [0]:
-        source = carrying[0][0]
-        ranks = _arg(node, 2, "group_size")
-        if _stacked_for_scatter(source, sym) and _cat_parts(source) == ranks:
+        if _stacked_for_scatter(carrying[0][0], sym):  # (as many blocks as its ranks)
             return ""
         return (
             f"{label} scatters along the batch dimension an input that is not one block "
@@ -540,10 +538,8 @@ def _through_waits(node: fx.Node) -> fx.Node:
 
 
 def _along_0(node: fx.Node) -> bool:
-    name = op_name(node)
-    default = 0
-    index = 1 if name in ("cat", "concat", "concatenate") else 2
-    dim = _arg(node, index, "dim", default)
+    index = 1 if op_name(node) in ("cat", "concat", "concatenate") else 2
+    dim = _arg(node, index, "dim", 0)
     first = node.args[0] if node.args else None
     if isinstance(first, (list, tuple)):
         first = first[0] if first else None
@@ -583,11 +579,6 @@ def _taken_apart(gather: fx.Node, ranks: Any, sym: Any) -> bool:
         if not isinstance(ranks, int) or _rank_parts(user, sym) != ranks:
             return False
     return True
-
-
-def _cat_parts(node: fx.Node) -> int | None:
-    tensors = node.args[0] if node.args else node.kwargs.get("tensors")
-    return len(tensors) if isinstance(tensors, (list, tuple)) else None
 
 
 def _stacked_for_scatter(node: Any, sym: Any) -> bool:
