@@ -85,10 +85,22 @@ class _Formatter(argparse.HelpFormatter):
 
 def _workload_options(p: argparse.ArgumentParser) -> None:
     """Options naming the workload (``plan`` and ``profile`` share them)."""
-    p.add_argument(
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument(
         "--model",
-        required=True,
         help="a preset (see `kareus list`), or MODULE:ATTRIBUTE naming a kareus LlamaConfig",
+    )
+    model.add_argument(
+        "--hf-config",
+        metavar="PATH",
+        help="a Hugging Face config.json (or its directory), traced at its real size; TP by the "
+        "model's own tensor-parallel plan",
+    )
+    model.add_argument(
+        "--factory",
+        metavar="MODULE:FUNCTION",
+        help="your function returning (model, inputs), called with those of tp_mesh, "
+        "microbatch_size, seq_len, dtype it takes (docs/user-guide.md)",
     )
     p.add_argument("--gpu", default="a100-40gb", help="GPU type (see `kareus list`)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
@@ -704,7 +716,7 @@ def _workload(args: argparse.Namespace) -> Any:
     from kareus.jobs.trace import Workload
 
     return Workload(
-        model=args.model,
+        model=_model(args),
         tp=args.tp,
         cp=args.cp,
         pp=args.pp,
@@ -727,6 +739,17 @@ def _workload(args: argparse.Namespace) -> Any:
             else 1
         ),
     )
+
+
+def _model(args: argparse.Namespace) -> Any:
+    """Return the workload's model: a preset's name, a Hugging Face config, or a factory."""
+    from kareus.models.sources import FactoryModel, HFModel
+
+    if getattr(args, "hf_config", None):
+        return HFModel(args.hf_config)
+    if getattr(args, "factory", None):
+        return FactoryModel(args.factory)
+    return args.model
 
 
 def _dp_degree(args: argparse.Namespace) -> int | None:

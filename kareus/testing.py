@@ -11,6 +11,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import pathlib
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Union
@@ -485,6 +486,111 @@ def hf_tiny(kind: str) -> nn.Module:
     if kind not in builders:
         raise ValueError(f"unknown HF model kind {kind!r}: use one of {', '.join(HF_KINDS)}")
     return builders[kind]()
+
+
+HF_CONFIG_KINDS = ("phi3", "olmo", "stablelm", "gpt2", "bert")
+"""Hugging Face architectures :func:`hf_config_file` writes, none of them a kareus preset."""
+
+
+def hf_config_file(kind: str, directory: str | pathlib.Path) -> pathlib.Path:
+    """Write a tiny ``config.json`` of a Hugging Face architecture (4 layers); return its path.
+
+    Raises:
+        ValueError: a kind not in :data:`HF_CONFIG_KINDS`.
+    """
+    import transformers
+
+    common: dict[str, Any] = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    made: dict[str, tuple[Any, str]] = {
+        "phi3": (transformers.Phi3Config(num_key_value_heads=4, **common), "Phi3ForCausalLM"),
+        "olmo": (transformers.OlmoConfig(num_key_value_heads=2, **common), "OlmoForCausalLM"),
+        "stablelm": (
+            transformers.StableLmConfig(num_key_value_heads=4, **common),
+            "StableLmForCausalLM",
+        ),
+        "gpt2": (
+            transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=4, n_head=4, **_GPT2),
+            "GPT2LMHeadModel",
+        ),
+        "bert": (
+            transformers.BertConfig(
+                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **common
+            ),
+            "BertForMaskedLM",
+        ),
+    }
+    if kind not in made:
+        raise ValueError(f"unknown config kind {kind!r}: use one of {', '.join(made)}")
+    config, architecture = made[kind]
+    config.architectures = [architecture]
+    path = pathlib.Path(directory) / f"{kind}.json"
+    config.to_json_file(str(path))
+    return path
+
+
+def source_training(
+    source: Any,
+    tp: int,
+    plan: str | None,
+    steps: int = 3,
+    *,
+    microbatch_size: int = 4,
+    seq_len: int = 16,
+) -> tuple[History, Any]:
+    """Train ``source``'s model (seed 0) on random tokens in this process's TP group.
+
+    Built as ``kareus plan`` traced it (:meth:`~kareus.models.sources.HFModel.build` on a
+    ``(tp,)`` CPU mesh); with ``plan``, compiled by ``kareus.compile(model, plan=plan)`` on
+    the emulated GPU's clocks. Returns the history and the compiled model (or the eager one).
+    """
+    import kareus
+    from kareus.models.sources import step_loss
+    from kareus.runtime.clocks import EmulatedClocks
+
+    mesh = None
+    if tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (tp,))
+    torch.manual_seed(0)
+    model, inputs = source.build(
+        layers=None,
+        tp_mesh=mesh,
+        microbatch_size=microbatch_size,
+        seq_len=seq_len,
+        dtype=torch.float32,
+    )
+    if plan is not None:
+        model = kareus.compile(model, plan=plan, clocks=EmulatedClocks())
+    vocab = 64  # token ids every model of these tests embeds (the smallest vocabulary)
+    batches = []
+    for ids, labels in token_batches(steps, microbatch_size, seq_len, vocab, seed=1):
+        swap = iter((ids, labels))
+        kwargs = {
+            k: next(swap) if isinstance(v, torch.Tensor) else v for k, v in inputs.kwargs.items()
+        }
+        args = tuple(next(swap) if isinstance(v, torch.Tensor) else v for v in inputs.args)
+        batches.append((args, kwargs))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hist = History([], [])
+    for args, kwargs in batches:
+        loss = step_loss(model(*args, **kwargs))
+        loss.backward()
+        hist.losses.append(loss.detach().clone())
+        hist.grads.append(_grads(model))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return hist, model
 
 
 def free_port() -> int:

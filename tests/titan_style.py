@@ -176,3 +176,13 @@ def compile_blocks(model: Transformer, compile_fn) -> Transformer:
     for name, block in model.layers.named_children():
         model.layers.register_module(name, compile_fn(block))
     return model
+
+
+def factory(tp_mesh=None, microbatch_size: int = 4, seq_len: int = 16):
+    """A ``kareus plan --factory titan_style:factory`` model: torchtitan's llama3 (4 layers),
+    tensor-parallel with sequence parallelism on ``tp_mesh``; one step's (tokens, labels)."""
+    model = build(Args(n_layers=4))
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh)
+    ids = torch.zeros(microbatch_size, seq_len, dtype=torch.long)
+    return model, (ids, ids)

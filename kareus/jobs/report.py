@@ -355,23 +355,24 @@ def _blind_lines(blind: dict[str, Any] | None) -> list[str]:
 
 def _workload_section(planned: WorkloadPlan) -> list[str]:
     work = planned.work
-    cfg = work.config
+    cfg = work.shape
+    shape: tuple[Any, ...] = (
+        ("as traced",) * 5  # a factory's model declares no shape
+        if cfg is None
+        else (
+            cfg.num_layers,
+            cfg.hidden_size,
+            f"{cfg.num_heads} ({cfg.num_kv_heads})",
+            cfg.intermediate_size,
+            cfg.vocab_size,
+        )
+    )
     return [
         "## Workload",
         "",
         _md_table(
             ("model", "layers", "hidden", "heads (kv)", "FFN", "vocab", "dtype"),
-            [
-                (
-                    work.name,
-                    cfg.num_layers,
-                    cfg.hidden_size,
-                    f"{cfg.num_heads} ({cfg.num_kv_heads})",
-                    cfg.intermediate_size,
-                    cfg.vocab_size,
-                    work.dtype,
-                )
-            ],
+            [(work.name, *shape, work.dtype)],
         ),
         "",
         _md_table(

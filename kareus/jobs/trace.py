@@ -27,6 +27,7 @@ from kareus.errors import KareusError
 from kareus.ir.partitions import Partition, PartitionSet
 from kareus.models.llama import Llama, LlamaConfig, preset
 from kareus.models.parallel import gather_in_graph
+from kareus.models.sources import FactoryModel, HFModel, ModelSource, StepInputs, step_loss
 from kareus.passes.extract_partitions import PartitionProgram
 
 if TYPE_CHECKING:
@@ -48,7 +49,9 @@ class Workload:
     """A training configuration: model, parallel sizes, batch shape and dtype.
 
     Attributes:
-        model: a preset name of :data:`kareus.models.PRESETS`, or a config.
+        model: a preset name of :data:`kareus.models.PRESETS`, a config, or a model of your
+            own (:class:`~kareus.models.sources.HFModel`, a Hugging Face ``config.json``;
+            :class:`~kareus.models.sources.FactoryModel`, your function).
         tp, cp, pp: tensor, context and pipeline-parallel sizes.
         microbatch_size: sequences per micro-batch (split into two nanobatches).
         seq_len: tokens per sequence (split across the context-parallel ranks).
@@ -66,7 +69,7 @@ class Workload:
             (:class:`~kareus.planner.data_parallel.DataParallel`); ``dp`` None: none.
     """
 
-    model: str | LlamaConfig
+    model: str | LlamaConfig | ModelSource
     tp: int = 1
     cp: int = 1
     pp: int = 1
@@ -86,7 +89,11 @@ class Workload:
     def __post_init__(self) -> None:
         from kareus.planner.dag import SCHEDULES
 
-        cfg = self.config  # raises on an unknown preset
+        if isinstance(self.model, (HFModel, FactoryModel)):
+            self.model.check(
+                tp=self.tp, cp=self.cp, pp=self.stages, graph_dp=self.graph_dp, dp=self.dp
+            )
+        cfg = self.shape  # raises on an unknown preset
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
         if (self.schedule == "Interleaved1F1B") != (self.virtual_stages > 1):
@@ -107,7 +114,9 @@ class Workload:
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r} must be one of {', '.join(RECOMPUTE)}")
         split = self.layers_per_stage
-        if split is not None:
+        if split is not None and self.shape is None:
+            raise ValueError(f"layers per stage: {self.name} declares no layer count")
+        if split is not None and cfg is not None:
             if len(split) != self.stages or min(split) < 1 or sum(split) != cfg.num_layers:
                 raise ValueError(
                     f"layers per stage {','.join(map(str, split))} must be {self.stages} positive "
@@ -116,7 +125,8 @@ class Workload:
                 )
             # the layer count is checked against the stages above, not divided by them
             cfg = dataclasses.replace(cfg, num_layers=self.stages)
-        cfg.check_parallel(tp=self.tp, cp=self.cp, pp=self.stages, seq_len=self.seq_len)
+        if cfg is not None:
+            cfg.check_parallel(tp=self.tp, cp=self.cp, pp=self.stages, seq_len=self.seq_len)
         if self.dp is not None:
             self.data_parallel()  # raises on a layout kareus cannot plan
 
@@ -137,7 +147,9 @@ class Workload:
         """Return the decoder layers of each pipeline stage."""
         if self.layers_per_stage is not None:
             return tuple(self.layers_per_stage)
-        return (self.config.num_layers // self.stages,) * self.stages
+        if self.shape is None:
+            return (0,) * self.stages  # traced whole: as many as the model has
+        return (self.shape.num_layers // self.stages,) * self.stages
 
     def data_parallel(self) -> DataParallel | None:
         """Return the data-parallel layout (None: ``dp`` not given, none modelled).
@@ -195,12 +207,29 @@ class Workload:
 
     @property
     def config(self) -> LlamaConfig:
-        """The model's shape."""
-        return preset(self.model) if isinstance(self.model, str) else self.model
+        """The model's shape.
+
+        Raises:
+            ValueError: a model that declares none (a factory's).
+        """
+        if self.shape is None:
+            raise ValueError(f"{self.name} declares no shape (layers, widths) to read")
+        return self.shape
+
+    @property
+    def shape(self) -> LlamaConfig | None:
+        """The model's shape; None for a factory's model, known only from its graphs."""
+        if isinstance(self.model, str):
+            return preset(self.model)
+        if isinstance(self.model, (HFModel, FactoryModel)):
+            return self.model.config()
+        return self.model
 
     @property
     def name(self) -> str:
         """The model's name (``custom`` for a config)."""
+        if isinstance(self.model, (HFModel, FactoryModel)):
+            return self.model.name
         return self.model if isinstance(self.model, str) else "custom"
 
     def describe(self) -> str:
@@ -300,27 +329,17 @@ def trace_stage(
     """
     import kareus
 
-    cfg = dataclasses.replace(work.config, num_layers=layers * work.stages)
-    tp_group, cp_group, *rest = groups
-    dp_group = rest[0] if rest else None
-    dtype = DTYPES[work.dtype]
-    local_seq = work.seq_len // work.cp
     torch._dynamo.reset()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    dp_group = groups[2] if len(groups) > 2 else None
+    mesh = None
+    if isinstance(work.model, (HFModel, FactoryModel)) and groups[0] is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device, (work.tp,))  # a source runs TP only: the whole world
     with FakeTensorMode(), torch.device(device):
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            model = Llama(cfg, tp_group, cp_group, stage=(stage, work.stages))
-        finally:
-            torch.set_default_dtype(default)
-        if dp_group is not None:
-            gather_in_graph(model, dp_group)
-        shape = (work.microbatch_size, local_seq)
-        ids = torch.zeros(shape, dtype=torch.long)
-        x = ids if model.first else torch.zeros(*shape, cfg.hidden_size, dtype=dtype)
-        x.requires_grad_(x.is_floating_point())
+        model, inputs = _build_stage(work, stage, layers, groups, mesh)
         compiled = kareus.compile(
             model,
             disable_passes=("schedule_overlap", "insert_clock_switches"),
@@ -335,9 +354,41 @@ def trace_stage(
             codegen="python",
             fuse_memory_ops=True,
         )
-        out = compiled(x, ids if model.last else None)
+        out = step_loss(compiled(*inputs.args, **inputs.kwargs))
         out.backward(torch.ones_like(out))
     return _stage_trace(compiled, work, stage, groups)
+
+
+def _build_stage(
+    work: Workload, stage: int, layers: int, groups: tuple[Any, ...], mesh: Any
+) -> tuple[torch.nn.Module, StepInputs]:
+    """Build ``layers`` layers of the stage and one step's inputs (under fake tensors)."""
+    dtype = DTYPES[work.dtype]
+    tp_group, cp_group, *rest = groups
+    dp_group = rest[0] if rest else None
+    local_seq = work.seq_len // work.cp
+    if isinstance(work.model, (HFModel, FactoryModel)):
+        return work.model.build(
+            layers=layers,
+            tp_mesh=mesh,
+            microbatch_size=work.microbatch_size,
+            seq_len=local_seq,
+            dtype=dtype,
+        )
+    cfg = dataclasses.replace(work.config, num_layers=layers * work.stages)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = Llama(cfg, tp_group, cp_group, stage=(stage, work.stages))
+    finally:
+        torch.set_default_dtype(default)
+    if dp_group is not None:
+        gather_in_graph(model, dp_group)
+    shape = (work.microbatch_size, local_seq)
+    ids = torch.zeros(shape, dtype=torch.long)
+    x = ids if model.first else torch.zeros(*shape, cfg.hidden_size, dtype=dtype)
+    x.requires_grad_(x.is_floating_point())
+    return model, StepInputs(args=(x, ids if model.last else None))
 
 
 def _stage_trace(compiled: Any, work: Workload, stage: int, groups: tuple[Any, ...]) -> StageTrace:
@@ -348,18 +399,29 @@ def _stage_trace(compiled: Any, work: Workload, stage: int, groups: tuple[Any, .
     assert backend is not None
     notes: list[str] = []
     psets = []
-    programs: dict[str, PartitionProgram] = {}
+    found: dict[int, dict[str, PartitionProgram]] = {}
     for region in backend.regions:
         notes.extend(region.notes)
         pset = region.findings.get("cut_partitions")
         if pset is not None and "backward" in pset.other:
             psets.append(pset)
-            programs = region.findings.get("extract_partitions", {})
-    if len(psets) != 1:
+            found[id(pset)] = region.findings.get("extract_partitions", {})
+    if not psets:
         raise TraceError(
-            f"stage {stage} of {work.describe()} traced into {len(psets)} training graphs "
-            f"(expected one){': ' + '; '.join(notes) if notes else ''}"
+            f"stage {stage} of {work.describe()} traced into no training graph"
+            f"{': ' + '; '.join(notes) if notes else ''}"
         )
+    if len(psets) > 1:
+        # A graph break (Hugging Face GPT-2 breaks before its loss): the graph holding the
+        # layers is planned; the others run as compiled, unplanned, and are said to be.
+        psets.sort(key=lambda p: (len(p.partitions), len(p.block_other.get("forward", {}))))
+        notes.append(
+            f"stage {stage} traced into {len(psets)} training graphs (a graph break): the "
+            f"plan covers the one holding the layers; the other {len(psets) - 1} (such as "
+            "the loss) is not priced"
+        )
+        psets = psets[-1:]
+    programs = found[id(psets[0])]
     notes.extend(f"stage {stage} {kind}: {note}" for kind, note in psets[0].notes.items())
     roles = {
         g.group_name: role
@@ -498,7 +560,10 @@ def trace_programs(
     notes: list[str] = []
     with fake_world(work.tp, work.cp, work.graph_dp) as groups:
         for kind in stage_kinds(work.stages):
-            note(f"tracing stage {kind} ({traced[kind]} of {per_stage[kind]} layers, fake tensors)")
+            layers_of = (
+                f"{traced[kind]} of {per_stage[kind]} layers" if per_stage[kind] else "whole"
+            )
+            note(f"tracing stage {kind} ({layers_of}, fake tensors)")
             _log.info("tracing stage kind %d: %d of %d layers", kind, traced[kind], per_stage[kind])
             found = trace_stage(
                 work,
@@ -546,7 +611,9 @@ __all__ = [
 def workload_record(work: Workload) -> dict[str, Any]:
     """Return the workload as plain data for the plan file."""
     data = dataclasses.asdict(work)
-    if not isinstance(work.model, str):
+    if isinstance(work.model, (HFModel, FactoryModel)):
+        data["model"] = work.model.record()
+    elif not isinstance(work.model, str):
         data["model"] = dataclasses.asdict(work.model)
     elif ":" in work.model:  # a module's config: its shape, which the name does not pin
         data["config"] = dataclasses.asdict(work.config)
@@ -555,7 +622,8 @@ def workload_record(work: Workload) -> dict[str, Any]:
     data["describe"] = work.describe()
     # the shape a compiled model is checked against (kareus.passes.check_plan), read here so
     # that the passes need no model library to resolve a preset's name
-    data["shape"] = {"hidden_size": work.config.hidden_size, "num_layers": work.config.num_layers}
+    if work.shape is not None:
+        data["shape"] = {"hidden_size": work.shape.hidden_size, "num_layers": work.shape.num_layers}
     # what tracing reads of the data-parallel layout (none unless it is in the graphs)
     if work.graph_dp > 1:
         data["graph_dp"] = {"dp": work.graph_dp, "gpus_per_node": work.gpus_per_node}

@@ -70,8 +70,12 @@ _CREATES = _names("new_empty new_zeros new_ones new_full empty_like zeros_like o
 _FACTORIES = _names("zeros ones full empty zeros_like ones_like full_like empty_like")
 """Ops that make a tensor whose every element is the same constant (or uninitialised)."""
 
-_SIZES = _names("view reshape expand new_empty new_zeros new_ones new_full narrow getitem")
-"""Ops whose size arguments may mention the batch (they follow the nanobatch's size)."""
+_SIZES = _names(
+    "view reshape expand new_empty new_zeros new_ones new_full narrow getitem from_local"
+)
+"""Ops whose size arguments may mention the batch (they follow the nanobatch's size):
+``from_local``'s global ``shape`` (Hugging Face's tensor-parallel layers pass it) describes
+the local tensor it wraps, whose batch is the nanobatch's."""
 
 _METADATA = _names("size dim numel stride is_contiguous __len__ getattr")
 
