@@ -210,9 +210,9 @@ def _gathered_whole_runs(rank):
     ref, got, _counts, region = _trained(make, _batches(False), strict=True, gpu="a100-40gb")
     pset = region.findings["cut_partitions"]
     codes = {kind: region.graphs[kind].final_code for kind in ("forward", "backward")}
-    decisions = dict(region.findings["decisions"])
+    decisions = dict(region.inputs.decisions)
     split = blocks_run(region).split
-    return ref, got, pset, codes, decisions, split, region.findings.get("plan")
+    return ref, got, pset, codes, decisions, split, region.inputs.plan
 
 
 def test_a_gather_in_the_graph_overlaps_the_layer_before_where_layers_stay_whole():

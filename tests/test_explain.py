@@ -97,3 +97,17 @@ def test_clocks_auto_without_a_known_gpu_says_why_nothing_was_planned():
     assert "pass gpu=" in clocks
     if not torch.cuda.is_available():  # (on a GPU machine: the model is on the CPU, said so)
         assert "clocks='auto' asked for one, but this process has no GPU" in clocks
+
+
+def test_models_sharing_the_kareus_backend_are_explained_apart():
+    # torch.compile(..., backend="kareus") shares one backend: each model's report holds
+    # only the graphs that take its parameters.
+    a = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    b = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    ca, cb = torch.compile(a, backend="kareus"), torch.compile(b, backend="kareus")
+    ca(torch.randn(2, 4)).sum().backward()
+    cb(torch.randn(2, 4)).sum().backward()
+    ra, rb = kareus.explain(ca).regions, kareus.explain(cb).regions
+    assert len(ra) == len(rb) == 1 and ra[0] is not rb[0]
+    own = {id(p) for p in b.parameters()}
+    assert rb[0].parameters <= own and rb[0].parameters

@@ -55,7 +55,7 @@ def test_kareus_compile_on_cuda_trains_like_eager_with_blocks_split_and_overlapp
     for (name, p), q in zip(compiled.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=name)
     region = kareus.explain(compiled).regions[0]
-    assert region.findings["codegen"] == "inductor"
+    assert region.codegen == "inductor"
     assert set(blocks_run(region).split) == {"layers.0", "layers.1"}
     for kind, code, buffers in zip(("forward", "backward"), codes, made, strict=True):
         flying = [w for w in inductor_windows(code, buffers) if w.overlapped]

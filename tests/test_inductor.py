@@ -91,7 +91,7 @@ def planned(split):
 def test_the_default_codegen_is_inductor_and_trains_as_eager(split):
     _base, _batches, (ref_losses, ref_grads, _, _), (losses, grads, codes, _), compiled = split
     region = kareus.explain(compiled).regions[0]
-    assert region.findings["codegen"] == "inductor"
+    assert region.codegen == "inductor"
     assert len(codes) == 2  # Inductor compiled the forward and the backward
     assert set(blocks_run(region).split) == {"layers.0", "layers.1"}
     for step, (a, b) in enumerate(zip(ref_losses, losses, strict=True)):
@@ -104,7 +104,7 @@ def test_the_default_codegen_is_inductor_and_trains_as_eager(split):
 def test_each_overlapped_collective_flies_over_the_other_nanobatchs_kernels(split):
     *_, (_l, _g, codes, made), compiled = split
     region = kareus.explain(compiled).regions[0]
-    pset, decisions = region.findings["cut_partitions"], region.findings["decisions"]
+    pset, decisions = region.findings["cut_partitions"], region.inputs.decisions
     for kind, code, buffers in zip(("forward", "backward"), codes, made, strict=True):
         overlapping = [
             p
@@ -125,7 +125,7 @@ def test_each_overlapped_collective_flies_over_the_other_nanobatchs_kernels(spli
 def test_the_clock_switches_open_each_graph_and_close_the_backward(planned):
     *_, codes, compiled = planned
     region = kareus.explain(compiled).regions[0]
-    assert region.findings.get("planned")  # planned at compile time, with Inductor
+    assert region.inputs.planned  # planned at compile time, with Inductor
     assert any("dry run" in n for n in region.notes)  # planned clocks recorded, not applied
     for kind, code in zip(("forward", "backward"), codes, strict=True):
         body = code[code.index("def call(") :]
@@ -151,7 +151,7 @@ def test_no_size_symbol_reaches_inductor(split):
 
 def test_a_saved_plan_applies_with_the_default_codegen(planned, tmp_path, monkeypatch):
     base, batches, ref_losses, _codes, compiled = planned
-    plan = kareus.explain(compiled).regions[0].findings["plan"]
+    plan = kareus.explain(compiled).regions[0].inputs.plan
     path = tmp_path / "plan.json"
     plan.save(path)
     monkeypatch.delenv("KAREUS_CODEGEN", raising=False)
@@ -163,7 +163,7 @@ def test_a_saved_plan_applies_with_the_default_codegen(planned, tmp_path, monkey
     backend = find_backend(model)
     assert backend.config.codegen == "inductor"
     region = kareus.explain(model).regions[0]
-    assert dict(region.findings["decisions"]) == dict(plan.decisions_for(0))
+    assert dict(region.inputs.decisions) == dict(plan.decisions_for(0))
     # The plan's clocks were applied through the runtime, forward and backward.
     kinds = {a[2] for a in backend.runtime.applied}
     assert {"forward", "backward"} <= kinds
@@ -251,4 +251,4 @@ def test_the_programs_tensors_keep_no_dynamic_mark():
     assert not hasattr(x, "_has_dynamo_dim_marking")
     assert marked._has_dynamo_dim_marking
     region = kareus.explain(compiled).regions[0]
-    assert region.findings["codegen"] == "python"
+    assert region.codegen == "python"

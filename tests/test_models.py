@@ -126,12 +126,12 @@ def _sharded_vs_full(rank, mode):
                     ops += pset.types[p.type_key].compute
             attention_flops[how] = sum(o.flops for o in ops if o.op_class == "attention")
         if how == "planned":
-            plan = region.findings["plan"]
+            plan = region.inputs.plan
             split = (
                 split,
                 plan.gpu,
                 plan.parallel["tp"],
-                region.findings["clock_runtime"].switches,
+                region.inputs.clock_runtime.switches,
             )
         out[how] = (loss, ref_loss, diffs, split)
     out["attention_flops"] = attention_flops["kareus"]

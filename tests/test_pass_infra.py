@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 import torch.fx as fx
@@ -192,3 +194,58 @@ def test_the_pass_names_config_accepts_are_the_pipeline_s_in_order():
     assert tuple(p.name for p in PIPELINE) == PASS_NAMES
     with pytest.raises(kareus.ConfigError, match="disable_passes"):
         kareus.Config(disable_passes=("no_such_pass",))
+
+
+def test_the_pipeline_keeps_the_order_its_passes_declare():
+    from kareus.passes.base import check_order
+    from kareus.passes.pipeline import PIPELINE
+
+    check_order(PIPELINE)  # the real one (also checked at import)
+    names = [p.name for p in PIPELINE]
+    for p in PIPELINE:
+        assert all(names.index(r) < names.index(p.name) for r in p.reads | p.after), p.name
+    swapped = list(PIPELINE)
+    i, j = names.index("cut_partitions"), names.index("check_plan")
+    swapped[i], swapped[j] = swapped[j], swapped[i]
+    with pytest.raises(ValueError, match="'check_plan' must run after cut_partitions"):
+        check_order(swapped)
+    with pytest.raises(ValueError, match="twice"):
+        check_order([*PIPELINE, PIPELINE[0]])
+
+
+class CountCollectives(GraphPass):
+    """A toy analysis pass, added in one place (the pipeline): it declares that it reads
+    the partitions and writes only its own finding."""
+
+    name = "count_collectives"
+    graphs = frozenset({"forward", "backward"})
+    reads = frozenset({"cut_partitions"})
+
+    def run(self, gm, ctx):
+        pset = ctx.findings.get("cut_partitions")
+        ctx.findings[self.name] = len(pset.partitions) if pset is not None else 0
+        return PassResult(gm, modified=False)
+
+
+def test_a_toy_pass_is_added_in_one_place_and_its_finding_is_reported(pipeline):
+    from kareus.passes.pipeline import PIPELINE
+
+    pipeline(*PIPELINE, CountCollectives())
+    model = kareus.compile(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
+    model(torch.randn(2, 4)).sum().backward()
+    region = kareus.explain(model).regions[0]
+    assert region.findings["count_collectives"] == 0
+    assert "-- count_collectives --" in kareus.explain(model).summary()
+    assert [r.name for r in region.history if r.graph == "forward"][-1] == "count_collectives"
+
+
+def test_the_compiler_s_inputs_are_typed_and_apart_from_the_findings():
+    model = kareus.compile(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
+    model(torch.randn(2, 4)).sum().backward()
+    region = kareus.explain(model).regions[0]
+    assert region.inputs.plan is None and region.inputs.clock_runtime is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        region.inputs.plan = "x"
+    from kareus.passes.names import PASS_NAMES
+
+    assert set(region.findings) <= set(PASS_NAMES)  # pass outputs only

@@ -331,7 +331,7 @@ def _whole_model_plan(mesh):
     """The plan of the TP model compiled whole, planned for an A100 (clocks not applied)."""
     whole = kareus.compile(_tp_model(mesh), gpu="a100-40gb")
     train(whole, batches(1))
-    return kareus.explain(whole).regions[0].findings["plan"]
+    return kareus.explain(whole).regions[0].inputs.plan
 
 
 def _second_iteration(model):
@@ -497,7 +497,7 @@ def test_blocks_compiled_one_by_one_share_the_gpu_runtime_and_count_iterations_o
         assert runtime.switch_count >= 1 and clocks.current is not None
     finally:
         runtime.close()
-    assert all(find_backend(layer).regions[0].findings["planned"] for layer in model.layers)
+    assert all(find_backend(layer).regions[0].inputs.planned for layer in model.layers)
 
 
 def _ddp(rank, per_block, dim, optimize_ddp=True):
@@ -673,7 +673,7 @@ def _plan_then_blocks(rank):
     decisions = []
     for region in regions:
         pset = region.findings["cut_partitions"]
-        for key, dec in region.findings["decisions"].items():
+        for key, dec in region.inputs.decisions.items():
             # the plan's decision for the plan's type described as this block's type is
             want = [
                 d

@@ -36,7 +36,7 @@ def _work(modules) -> list:
     out = []
     for module in modules:
         for region in kareus.explain(module).regions:
-            codegen = region.findings.get("codegen")
+            codegen = region.codegen
             out.append(
                 (
                     blocks_run(region).split,

@@ -146,9 +146,6 @@ def plan_region(region: Region, gpu_name: str, policy: str) -> Plan | None:
         region.warn(f"planning for {spec.name} failed, nanobatching defaults kept: {err}")
         return None
     plan = result.plan
-    region.findings["plan"] = plan
-    region.findings["planned"] = True  # made for this very graph: nothing to check
-    region.findings["decisions"] = Decisions(plan.decisions_for(0))
     region.notes.append(
         f"planned at compile time for {spec.name} with the hardware model "
         f"(policy {policy}; modelled {fig(plan.chosen.time_s)} s and "

@@ -9,6 +9,7 @@ codegen passes. A plan, given or made at compile time, is applied by
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -39,7 +40,7 @@ from kareus.errors import ConfigError, PassError, PlanMismatchError
 from kareus.ir.partitions import Decision, PartitionSet
 from kareus.ir.plan_file import Plan
 from kareus.passes import pipeline
-from kareus.passes.base import PassContext, run_passes
+from kareus.passes.base import PassContext, RegionInputs, run_passes
 from kareus.runtime.clocks import (
     ClockController,
     DryRunClocks,
@@ -180,26 +181,30 @@ class KareusBackend:
         """Compile one Dynamo graph (called by Dynamo, once per graph and recompile)."""
         compile_id = torch._guards.CompileContext.current_compile_id()
         device = next((v.device.type for v in example_inputs if isinstance(v, torch.Tensor)), "")
-        region = Region(index=len(self.regions), compile_id=str(compile_id), device=device)
+        region = Region(
+            index=len(self.regions),
+            compile_id=str(compile_id),
+            device=device,
+            parameters=frozenset(id(v) for v in example_inputs if isinstance(v, nn.Parameter)),
+        )
         frame = traced_frame()
         if frame.piece or any(r.compile_id == region.compile_id for r in self.regions):
             region.notes.append(_PIECES)
         self.regions.append(region)
-        region.findings["decisions"] = Decisions(self.decisions)
-        if self.plan is not None:
-            region.findings["plan"] = self.plan
-            region.findings["plan_stage"] = self.stage
-        region.findings["region_index"] = next(_REGION_IDS)
-        # A layer's forward traced to its return: the region is one call of it.
-        region.findings["region_code"] = frame.qualname if frame.whole_call else None
-        ca_id = getattr(compile_id, "compiled_autograd_id", None)
-        region.findings["compiled_autograd"] = ca_id is not None  # its backward graph
-        if self.runtime is not None:
-            region.findings["clock_runtime"] = self.runtime
-            region.findings["clock_stage"] = self.stage
         if self.decisions and dist.is_available() and dist.is_initialized():
             self._pool = job_pool()
-            region.findings["communicator_pool"] = self._pool
+        region.inputs = RegionInputs(
+            index=next(_REGION_IDS),
+            # A layer's forward traced to its return: the region is one call of it.
+            code=frame.qualname if frame.whole_call else None,
+            compiled_autograd=getattr(compile_id, "compiled_autograd_id", None) is not None,
+            plan=self.plan,
+            plan_stage=self.stage,
+            decisions=Decisions(self.decisions),
+            clock_runtime=self.runtime,
+            clock_stage=self.stage,
+            communicator_pool=self._pool if self.decisions else None,
+        )
         captured = gm
         gm = self._run_graph_passes(region, "dynamo", gm, example_inputs)
         lower = functools.partial(self._lower_or_captured, region, gm, captured)
@@ -217,12 +222,12 @@ class KareusBackend:
     def _lower_whole(
         self, region: Region, captured: fx.GraphModule, example_inputs: Sequence[Any]
     ) -> Callable[..., Any]:
-        """Lower the captured (unsplit) graph: only the clock switch is inserted."""
-        from kareus.passes.insert_clock_switches import InsertClockSwitches
+        """Lower the captured (unsplit) graph: of the pipeline, only the clock switch runs."""
+        switch = [p for p in pipeline.PIPELINE if p.name == "insert_clock_switches"]
 
         def switch_only(kind: str, g: fx.GraphModule, inputs: Sequence[Any]) -> fx.GraphModule:
-            ctx = PassContext(self.config, kind, region.findings, inputs)
-            out, records = run_passes(copy_module(g), [InsertClockSwitches()], ctx)
+            ctx = PassContext(self.config, kind, region.findings, inputs, inputs=region.inputs)
+            out, records = run_passes(copy_module(g), switch, ctx)
             region.history.extend(records)
             return out
 
@@ -268,7 +273,7 @@ class KareusBackend:
     ) -> Callable[..., Any]:
         run = functools.partial(self._run_graph_passes, region)
         plan = functools.partial(self._plan_region, region)
-        region.findings["codegen"] = Codegen(self.config.codegen)
+        region.codegen = Codegen(self.config.codegen)
         if self.config.codegen == "inductor":
             return lower_with_inductor(
                 gm, example_inputs, run_passes=run, on_graphs=plan, options=self.inductor_options
@@ -294,7 +299,7 @@ class KareusBackend:
             )
             if note not in region.notes:
                 region.notes.append(note)
-        if not self._plan_for or region.findings.get("planned"):
+        if not self._plan_for or region.inputs.planned:
             return
         if self.config.gpu is None and region.device != "cuda":
             # The GPU this process could use is not the one this region runs on: no plan
@@ -309,9 +314,9 @@ class KareusBackend:
         plan = apply_plan.plan_region(region, str(self._plan_for), self.config.select)
         if plan is None:
             return
+        pool = None
         if dist.is_available() and dist.is_initialized():
-            self._pool = job_pool()
-            region.findings["communicator_pool"] = self._pool
+            self._pool = pool = job_pool()
         # One runtime for the GPU: each planned region's instructions are a "stage" of it,
         # numbered by region, so that its switches apply its own clocks. Clocks planned here
         # are applied only when asked (clocks="auto" or a controller): else a dry run.
@@ -323,17 +328,22 @@ class KareusBackend:
                 index=local_cuda_index(), why="clocks= not given: planned clocks are recorded only"
             )
         )
-        uid = region.findings["region_index"]
+        uid = region.inputs.index
         steps = apply_plan.steps(plan, 0, as_stage=uid)
         self.runtime = self._runtime_with(steps, plan, dry)
         if dry is not None:
             apply_plan.note_dry_run(region)
-        region.findings["clock_runtime"] = self.runtime
-        region.findings["clock_stage"] = uid
-        # The forward that ran before the plan existed was this region's first instruction.
-        self.runtime.count_unswitched(
-            uid, "forward", uid, region.findings.get("early_forward_runs", 0)
+        region.inputs = dataclasses.replace(
+            region.inputs,
+            plan=plan,
+            planned=True,  # made for this very graph: nothing to check
+            decisions=Decisions(plan.decisions_for(0)),
+            clock_runtime=self.runtime,
+            clock_stage=uid,
+            communicator_pool=pool,
         )
+        # The forward that ran before the plan existed was this region's first instruction.
+        self.runtime.count_unswitched(uid, "forward", uid, region.early_forward_runs)
         # Rewrite both graphs by the plan, from the captured graphs.
         region.findings["cut_partitions"] = PartitionSet()
         for kind in ("forward", "backward"):
@@ -346,7 +356,7 @@ class KareusBackend:
         """Run the pipeline on one graph; on failure keep the captured graph unless strict."""
         record = GraphRecord(kind, gm, num_inputs=len(example_inputs))
         region.graphs[kind] = record
-        ctx = PassContext(self.config, kind, region.findings, example_inputs)
+        ctx = PassContext(self.config, kind, region.findings, example_inputs, inputs=region.inputs)
         # The passes rewrite a copy of the graph so that a failure leaves the captured one.
         work = copy_module(gm)
         try:

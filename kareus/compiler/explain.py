@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from kareus._table import render_table
 from kareus.compiler.backend import find_backend
@@ -111,8 +114,8 @@ def _overlap_line(regions: tuple[Region, ...]) -> str:
 
 
 def _clock_line(report: Report) -> str:
-    plans = _findings(report.regions, "plan")
-    runtimes = _findings(report.regions, "clock_runtime")
+    plans = [r.inputs.plan for r in report.regions if r.inputs.plan is not None]
+    runtimes = [r.inputs.clock_runtime for r in report.regions if r.inputs.clock_runtime]
     if not plans:
         note = next(
             (n for r in report.regions for n in r.notes if n.startswith("no clock plan")), ""
@@ -123,11 +126,11 @@ def _clock_line(report: Report) -> str:
             "clocks: not planned: no gpu= and no plan= given (gpu='a100-40gb' plans for a GPU "
             "type at compile time; plan= applies a saved kareus plan)"
         )
-    plan = plans[0][1]
+    plan = plans[0]
     line = f"clocks: planned for {plan.gpu} ({plan.source}, policy {plan.policy})"
     if not runtimes:
         return line + "; no clock runtime: not applied"
-    runtime = runtimes[0][1]
+    runtime = runtimes[0]
     controller = runtime.controller
     if controller.name == "dry-run" or not runtime.enabled:
         why = getattr(controller, "why", "") or "asked for"
@@ -135,27 +138,16 @@ def _clock_line(report: Report) -> str:
     return line + f"; applied by the {controller.name} controller ({runtime.switch_count} switches)"
 
 
-_INTERNAL = frozenset(
-    {
-        "region_index",
-        "region_code",
-        "compiled_autograd",
-        "clock_stage",
-        "plan_stage",
-        "planned",
-        "early_forward_runs",
-    }
-)
-"""Findings the passes share for their own bookkeeping; the report shows what they lead to."""
-
-
 def _region_text(region: Region, with_code: bool) -> str:
     lines = [f"== region {region.index} (Dynamo compile id {region.compile_id}) =="]
     for note in region.notes:
         lines.append(f"note: {note}")
+    if region.codegen:
+        codegen = region.codegen
+        lines.append(f"-- codegen --\n{getattr(codegen, 'to_text', lambda: codegen)()}")
+    if region.inputs.decisions is not None:
+        lines.append(f"-- decisions --\n{region.inputs.decisions.to_text()}")
     for name, finding in region.findings.items():
-        if name in _INTERNAL:
-            continue
         text = finding.to_text() if hasattr(finding, "to_text") else repr(finding)
         lines.append(f"-- {name} --\n{text}")
     if region.history:
@@ -207,7 +199,22 @@ def explain(compiled: object) -> Report:
             "model; call it once (a forward, and a backward for the backward graph), then "
             "explain it."
         )
-    return Report(backend.config, tuple(backend.regions))
+    return Report(backend.config, _regions_of(compiled, backend.regions))
+
+
+def _regions_of(compiled: object, regions: Sequence[Region]) -> tuple[Region, ...]:
+    """Return the regions of ``compiled``'s graphs among a backend's.
+
+    One backend may compile several models (``torch.compile(m, backend="kareus")`` shares
+    one): a module's regions are those whose graphs take its parameters. Without
+    parameters to tell (a function), or when none is found, all of them.
+    """
+    module = getattr(compiled, "_orig_mod", compiled)
+    if not isinstance(module, torch.nn.Module):
+        return tuple(regions)
+    own = {id(p) for p in module.parameters()}
+    mine = tuple(r for r in regions if r.parameters & own)
+    return mine or tuple(regions)
 
 
 @dataclasses.dataclass(frozen=True)

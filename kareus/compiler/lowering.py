@@ -90,7 +90,7 @@ def lower_with_aot(
             check_lowered(g, expected, "inference")
         compiled[kind] = (g, inputs, run_passes(kind, g, inputs))
         if kind == "backward" and "forward" in compiled:
-            region.findings["early_forward_runs"], early["open"] = early["forward"], 0
+            region.early_forward_runs, early["open"] = early["forward"], 0
             on_graphs(compiled)
 
         def run(*args: Any) -> Any:  # looks the graph up: planning may replace it

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from kareus.passes.base import PassRecord
+from kareus.passes.base import PassRecord, RegionInputs
 
 
 @dataclasses.dataclass
@@ -49,9 +49,13 @@ class Region:
             with ``TORCH_LOGS``.
         graphs: the region's graphs by kind ("dynamo", "forward", "backward", "inference").
         history: the pass records of all graphs, in the order the passes ran.
-        findings: results passes shared (blocks, split decisions...), keyed by pass name.
+        findings: what the passes found (blocks, partitions...), keyed by pass name.
+        inputs: what the compiler supplies the passes (plan, decisions, clock runtime).
         notes: why something was left unchanged (a failed pass, a skipped block...).
         device: the device type its tensors are on ("cuda", "cpu"...; "" without tensors).
+        parameters: ids of the parameters among the graph's inputs (the model's own
+            tensors, which Dynamo passes in): whose graph this is, where one backend
+            compiles several models (``backend="kareus"``).
     """
 
     index: int
@@ -61,6 +65,13 @@ class Region:
     history: list[PassRecord] = dataclasses.field(default_factory=list)
     findings: dict[str, Any] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
+    parameters: frozenset[int] = frozenset()
+    inputs: RegionInputs = dataclasses.field(default_factory=RegionInputs)
+    codegen: str = ""
+    """Which codegen ran the rewritten graphs (``inductor`` or ``python``; "": not lowered)."""
+    early_forward_runs: int = 0
+    """Forwards run before a compile-time plan existed (the runtime counts them as its
+    first instruction's)."""
 
     def warn(self, note: str) -> None:
         """Record ``note`` (``explain`` shows it) and warn with it."""

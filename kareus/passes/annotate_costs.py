@@ -252,6 +252,7 @@ class AnnotateCosts(GraphPass):
 
     name = "annotate_costs"
     graphs = frozenset({"forward", "backward", "inference"})
+    after = frozenset({"split_nanobatches"})  # prices the graphs as split
 
     def requires(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         """Check that the AOT graph carries ``val`` metadata to read costs from."""

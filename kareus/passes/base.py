@@ -62,6 +62,37 @@ class PassConfig(Protocol):
         """Whether a failed pass or a plan mismatch raises."""
 
 
+@dataclasses.dataclass(frozen=True)
+class RegionInputs:
+    """What the compiler supplies a region's passes: read, never written, by them.
+
+    Attributes:
+        index: the region's number, unique in the process (clock switch sites use it).
+        code: the function a layer's region was traced from, when it is one whole call of
+            it (per-block compile), else None.
+        compiled_autograd: whether the region is a backward graph of compiled autograd.
+        plan: the plan being applied (None: none).
+        plan_stage: the pipeline stage of the plan this model runs.
+        planned: the plan was made for this very region at compile time (nothing to check).
+        decisions: the overlap decisions to apply, by partition type (``"*"``: all);
+            ``check_plan`` narrows them to the types that fit.
+        clock_runtime: the clock runtime switches go to (None: no clock plan).
+        clock_stage: the stage whose clock steps this region's switches count.
+        communicator_pool: the communicators that overlap collectives use (None: default).
+    """
+
+    index: int = 0
+    code: str | None = None
+    compiled_autograd: bool = False
+    plan: Any = None
+    plan_stage: int = 0
+    planned: bool = False
+    decisions: Any = None
+    clock_runtime: Any = None
+    clock_stage: int = 0
+    communicator_pool: Any = None
+
+
 GRAPH_KINDS = ("dynamo", "forward", "backward", "inference")
 """The graphs of one compiled region: Dynamo's (before autograd) and AOTAutograd's three."""
 
@@ -105,10 +136,12 @@ class PassContext:
     Attributes:
         config: the compile call's configuration.
         graph: which graph of the region this is (one of :data:`GRAPH_KINDS`).
-        findings: results shared by the passes of one compiled region, keyed by pass name
-            (for example the blocks ``find_blocks`` found, read later by the AOT passes).
+        findings: what the passes of one compiled region found, keyed by the pass's name
+            (the blocks ``find_blocks`` found, read later by the AOT passes); a pass writes
+            its own key only, and reads those it declares (:attr:`GraphPass.reads`).
         example_inputs: the example inputs the graph was captured with.
         passes_run: names of the passes already run on this graph.
+        inputs: what the compiler supplies (plan, decisions, clock runtime...).
     """
 
     config: PassConfig
@@ -116,17 +149,26 @@ class PassContext:
     findings: dict[str, Any]
     example_inputs: Sequence[Any] = ()
     passes_run: list[str] = dataclasses.field(default_factory=list)
+    inputs: RegionInputs = dataclasses.field(default_factory=RegionInputs)
 
 
 class GraphPass(abc.ABC):
     """Base class of every kareus graph pass.
 
-    Subclasses set :attr:`name` and :attr:`graphs`, implement :meth:`run`, and may add
-    checks in :meth:`requires` (before) and :meth:`ensures` (after; the runner always lints).
+    Subclasses set :attr:`name` and :attr:`graphs`, declare :attr:`reads` and :attr:`after`,
+    implement :meth:`run`, and may add checks in :meth:`requires` (before) and
+    :meth:`ensures` (after; the runner always lints). A pass writes its findings under its
+    own name only. ``PIPELINE`` is checked against the declarations
+    (:func:`check_order`).
     """
 
     name: ClassVar[str]
     graphs: ClassVar[frozenset[str]]
+    reads: ClassVar[frozenset[str]] = frozenset()
+    """The passes whose findings this one reads (they must run before it)."""
+    after: ClassVar[frozenset[str]] = frozenset()
+    """Passes that must run before this one although it reads nothing of theirs (their
+    rewrites of the graph)."""
 
     def requires(self, gm: fx.GraphModule, ctx: PassContext) -> None:  # noqa: B027
         """Raise :class:`NodeError` or ``ValueError`` when ``gm`` lacks what the pass needs."""
@@ -137,6 +179,24 @@ class GraphPass(abc.ABC):
 
     def ensures(self, gm: fx.GraphModule, ctx: PassContext) -> None:  # noqa: B027
         """Raise when the rewritten ``gm`` breaks a promise of the pass."""
+
+
+def check_order(passes: Sequence[GraphPass]) -> None:
+    """Raise ValueError when ``passes`` break their declarations.
+
+    Every name unique; every pass a pass reads or runs after is in the list, earlier.
+    """
+    seen: set[str] = set()
+    for p in passes:
+        if p.name in seen:
+            raise ValueError(f"pass {p.name!r} is in the pipeline twice")
+        missing = sorted((p.reads | p.after) - seen)
+        if missing:
+            raise ValueError(
+                f"pass {p.name!r} must run after {', '.join(missing)}, which "
+                f"{'do' if len(missing) > 1 else 'does'} not run before it"
+            )
+        seen.add(p.name)
 
 
 def structure(graph: fx.Graph) -> list[tuple[Any, ...]]:

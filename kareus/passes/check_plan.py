@@ -29,15 +29,25 @@ class CheckPlan(GraphPass):
 
     name = "check_plan"
     graphs = frozenset({"forward", "backward"})
+    reads = frozenset({"cut_partitions", "find_blocks"})
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         """Raise (or warn and drop decisions) when the plan does not fit; never rewrites."""
-        plan: Plan | None = ctx.findings.get("plan")
+        plan: Plan | None = ctx.inputs.plan
         pset: PartitionSet | None = ctx.findings.get("cut_partitions")
-        stage = ctx.findings.get("plan_stage", 0)
-        if plan is None or pset is None or ctx.findings.get("planned"):
+        stage = ctx.inputs.plan_stage
+        if plan is None or pset is None or ctx.inputs.planned:
             return PassResult(gm, modified=False)
         blockset = ctx.findings.get("find_blocks")
+        if blockset is not None and not blockset.blocks and not pset.partitions:
+            # A graph beside the layers' (a graph break before the loss, as in Hugging Face's
+            # GPT-2): the plan was made for the graph holding the layers and decides nothing
+            # here.
+            ctx.findings["check_plan"] = (
+                "this graph holds no layer blocks and no collective: the plan decides "
+                "nothing in it, so it is not checked against the plan"
+            )
+            return PassResult(gm, modified=False)
         check_group_sizes(plan, gm)
         if ctx.graph != "backward":  # the forward's inputs are the workload's
             check_workload(plan, gm)
@@ -47,7 +57,7 @@ class CheckPlan(GraphPass):
             # One block compiled on its own: the plan is checked and applied per block type.
             differences, mapping = compare_block(plan, stage, ctx.graph, pset)
             if not differences:
-                _remap_decisions(ctx.findings.get("decisions"), ctx.graph, mapping)
+                _remap_decisions(ctx.inputs.decisions, ctx.graph, mapping)
                 return PassResult(gm, modified=False)
         else:
             differences = compare(plan, stage, ctx.graph, pset)
@@ -74,7 +84,7 @@ class CheckPlan(GraphPass):
         if ctx.config.strict is not False:
             raise PlanMismatchError(message)
         warnings.warn(f"kareus: {message}", RuntimeWarning, stacklevel=2)
-        decisions = ctx.findings.get("decisions")
+        decisions = ctx.inputs.decisions
         if decisions is not None:
             want = plan.fingerprint.get(f"{stage}/{ctx.graph}", {})
             have = pset.fingerprint(ctx.graph)
@@ -187,8 +197,7 @@ def _int(size: Any) -> int | None:
 
 def _plan_command(plan: Plan, fixes: dict[str, Any]) -> str:
     work = plan.workload
-    model = work.get("model")
-    parts = ["kareus plan", f"--model {model}" if isinstance(model, str) else "--model ..."]
+    parts = ["kareus plan", _model_option(work.get("model"))]
     parts.append(f"--gpu {plan.gpu}")
     values = {
         "TP degree": work.get("tp"),
@@ -206,6 +215,17 @@ def _plan_command(plan: Plan, fixes: dict[str, Any]) -> str:
         if field in fixes:
             parts.append(f"(a model config with {fixes[field]} {field})")
     return " ".join(parts)
+
+
+def _model_option(model: Any) -> str:
+    """Return the ``kareus plan`` option naming the plan's model."""
+    if isinstance(model, str):
+        return f"--model {model}"
+    if isinstance(model, dict) and isinstance(model.get("hf_config"), str):
+        return f"--hf-config {model['hf_config']}"
+    if isinstance(model, dict) and isinstance(model.get("factory"), str):
+        return f"--factory {model['factory']}"
+    return "--model ..."
 
 
 def check_group_sizes(plan: Plan, gm: fx.GraphModule) -> None:

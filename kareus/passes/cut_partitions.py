@@ -55,6 +55,8 @@ class CutPartitions(GraphPass):
 
     name = "cut_partitions"
     graphs = frozenset({"forward", "backward", "inference"})
+    reads = frozenset({"find_blocks"})
+    after = frozenset({"annotate_costs"})  # reads the costs it annotated on the nodes
 
     def requires(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         """Needs the costs (``annotate_costs``) of the graph's nodes."""

@@ -138,6 +138,7 @@ class ExtractPartitions(GraphPass):
 
     name = "extract_partitions"
     graphs = frozenset({"forward", "backward"})
+    reads = frozenset({"cut_partitions", "find_blocks"})
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         """Record ``{key: PartitionProgram}`` under this pass's name in the findings."""

@@ -159,8 +159,8 @@ class FindBlocks(GraphPass):
         if ctx.graph == "dynamo":
             blockset = find_blocks(
                 gm.graph,
-                ctx.findings.get("region_code"),
-                compiled_autograd=bool(ctx.findings.get("compiled_autograd")),
+                ctx.inputs.code,
+                compiled_autograd=ctx.inputs.compiled_autograd,
             )
             for b in blockset.blocks:
                 nodes = set(b.nodes)

@@ -31,17 +31,18 @@ class InsertClockSwitches(GraphPass):
 
     name = "insert_clock_switches"
     graphs = frozenset({"forward", "backward"})
+    after = frozenset({"schedule_overlap"})  # switches frame the graph as reordered
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         """Insert the switch when the region has a clock runtime."""
-        runtime: ClockRuntime | None = ctx.findings.get("clock_runtime")
+        runtime: ClockRuntime | None = ctx.inputs.clock_runtime
         if runtime is None:
             return PassResult(gm, modified=False)
         args = (
             runtime.id,
-            int(ctx.findings.get("clock_stage", 0)),
+            ctx.inputs.clock_stage,
             ctx.graph,
-            int(ctx.findings.get("region_index", 0)),
+            ctx.inputs.index,
         )
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         anchor = placeholders[-1] if placeholders else None
@@ -61,7 +62,7 @@ class InsertClockSwitches(GraphPass):
 
     def ensures(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         """Check that the switch survived and runs before any compute."""
-        if ctx.findings.get("clock_runtime") is None:
+        if ctx.inputs.clock_runtime is None:
             return
         first = next(n for n in gm.graph.nodes if n.op != "placeholder")
         if first.target is not SWITCH_OP:

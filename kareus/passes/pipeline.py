@@ -8,7 +8,7 @@ applies to; the runner (:func:`kareus.passes.base.run_passes`) skips the others.
 from __future__ import annotations
 
 from kareus.passes.annotate_costs import AnnotateCosts
-from kareus.passes.base import GraphPass
+from kareus.passes.base import GraphPass, check_order
 from kareus.passes.check_plan import CheckPlan
 from kareus.passes.cut_partitions import CutPartitions
 from kareus.passes.extract_partitions import ExtractPartitions
@@ -28,3 +28,5 @@ PIPELINE: tuple[GraphPass, ...] = (
     InsertClockSwitches(),
 )
 """Every pass, in the order it runs."""
+
+check_order(PIPELINE)  # a pass out of its declared order fails at import, not in a model

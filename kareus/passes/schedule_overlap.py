@@ -37,14 +37,16 @@ class ScheduleOverlap(GraphPass):
 
     name = "schedule_overlap"
     graphs = frozenset({"forward", "backward", "inference"})
+    reads = frozenset({"cut_partitions"})
+    after = frozenset({"check_plan"})  # applies the decisions the plan check kept
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         """Reorder ``gm``; report a change only when the node order moved."""
         pset: PartitionSet | None = ctx.findings.get("cut_partitions")
         if pset is None or not any(p.instruction == ctx.graph for p in pset.partitions):
             return PassResult(gm, modified=False)
-        decisions: Mapping[str, Decision] = ctx.findings.get("decisions", {})
-        pool: CommunicatorPool | None = ctx.findings.get("communicator_pool")
+        decisions: Mapping[str, Decision] = ctx.inputs.decisions or {}
+        pool: CommunicatorPool | None = ctx.inputs.communicator_pool
         before = [n.name for n in gm.graph.nodes]
         regroup = rewrite_schedule(gm.graph, ctx.graph, pset, decisions, pool)
         return PassResult(gm, modified=regroup or before != [n.name for n in gm.graph.nodes])

@@ -87,6 +87,7 @@ class SplitNanobatches(GraphPass):
 
     name = "split_nanobatches"
     graphs = frozenset({"dynamo"})
+    reads = frozenset({"find_blocks"})
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         """Split the blocks; record a reason for each block left whole."""
@@ -94,7 +95,7 @@ class SplitNanobatches(GraphPass):
         if blockset is None or not blockset.blocks:
             return PassResult(gm, modified=False)
         if ctx.config.nanobatches == 1:
-            plan = ctx.findings.get("plan")
+            plan = ctx.inputs.plan
             reason = (
                 "the plan runs the layers whole: no split plan beat per-instruction clocks alone"
                 if plan is not None and plan.nanobatches == 1
