@@ -1,6 +1,7 @@
 import dataclasses
 import itertools
 import json
+import os
 
 import pytest
 
@@ -10,7 +11,7 @@ from kareus.hardware.calibrate import attention_partition
 from kareus.ir.costs import CollectiveCost, Knobs, OpCost
 from kareus.ir.partitions import PartitionSet
 from kareus.ir.plan_file import FrontierPoint, Plan
-from kareus.planner.compose import Composer
+from kareus.planner.compose import Composer, brute_force
 from kareus.planner.dag import (
     Option,
     SwitchCost,
@@ -35,7 +36,13 @@ from kareus.planner.knobs import (
     ReplayEvaluator,
     default_clocks,
 )
-from kareus.planner.pareto import hypervolume, hypervolume_share, is_monotone, pareto_front
+from kareus.planner.pareto import (
+    TIME_RESOLUTION_S,
+    hypervolume,
+    hypervolume_share,
+    is_monotone,
+    pareto_front,
+)
 from kareus.planner.search import exhaustive, search
 from kareus.planner.select import InfeasiblePlanError, select
 from kareus.testing import megatron_partition_set, tradeoff_options
@@ -82,12 +89,12 @@ def test_cp_sat_equals_brute_force(kind):
     fastest = comp.solve(minimise="time")
     frugal = comp.solve()
     assert fastest.status == frugal.status == "OPTIMAL"
-    bf_any = comp.brute_force()
+    bf_any = brute_force(comp)
     assert frugal.energy_j == pytest.approx(bf_any[0], rel=1e-4)
     for frac in (0.0, 0.3, 0.7, 1.0):
         bound = fastest.time_s + frac * (frugal.time_s - fastest.time_s)
         sol = comp.solve(bound_s=bound + 1e-6)
-        bf = comp.brute_force(bound + 1e-6)
+        bf = brute_force(comp, bound + 1e-6)
         assert sol.time_s <= bound + 1e-5
         assert sol.energy_j == pytest.approx(bf[0], rel=1e-4)
     front = comp.frontier(5)
@@ -154,7 +161,7 @@ def test_the_fastest_point_is_the_least_energy_within_a_microsecond_of_the_least
     comp = Composer(it, opts, static_power_w=10.0, gpus=2)
     least = comp.fastest_choice().time_s
     front = comp.frontier(4)
-    best_e, _t = comp.brute_force(least + 1e-6)
+    best_e, _t = brute_force(comp, least + 1e-6)
     # no hungrier than the best plan within the resolution; kept for a point at most one
     # resolution slower than the least-time solve's plan
     assert front[0].energy_j <= best_e * (1 + 1e-9)
@@ -204,7 +211,7 @@ def test_least_time_is_exact_and_every_point_carries_a_valid_lower_bound():
     comp = Composer(it, opts, static_power_w=20.0, gpus=4)
     assert comp.solve(minimise="time").time_s == comp.fastest_choice().time_s
     for p in comp.frontier(5):  # every point proven optimal at its time
-        best = comp.brute_force(p.time_s + 1e-9)
+        best = brute_force(comp, p.time_s + 1e-9)
         assert p.energy_j == pytest.approx(best[0], rel=1e-9)
         # (CP-SAT proves in whole microseconds: its bound may sit that much static energy low)
         assert best[0] * (1 - 1e-5) <= p.bound_j <= best[0] * (1 + 1e-9)
@@ -252,7 +259,7 @@ def test_relaxation_bounds_the_optimum_and_rounds_to_a_plan_within_the_bound(kin
     )  # one program, re-solved at each bound as the composer does
     for frac in (0.0, 0.15, 0.4, 0.7, 1.0, None):
         bound = None if frac is None else fastest + frac * (slowest - fastest)
-        best = comp.brute_force(bound)
+        best = brute_force(comp, bound)
         got = relaxation.at(bound)
         assert got is not None and got.choices is not None
         t, e = comp.evaluate(got.choices)
@@ -503,7 +510,7 @@ def test_dominated_options_leave_the_model_but_not_the_uniform_plans():
         it, {g: a + b for g in {i.group for i in it.instructions}}, static_power_w=1.0, gpus=1
     )
     assert len(comp.uniform_plans()) == 4
-    assert comp.solve().energy_j == pytest.approx(comp.brute_force()[0])
+    assert comp.solve().energy_j == pytest.approx(brute_force(comp)[0])
 
 
 def test_one_f_one_b_structure():
@@ -1205,7 +1212,7 @@ def test_no_bound_is_above_the_best_plan_that_meets_it():
         plan = [rng.choice(options[i.group]) for i in it.instructions]
         time_s = comp.evaluate(plan)[0]
         found = comp.solve(bound_s=time_s)
-        best_j = comp.brute_force(time_s)[0]
+        best_j = brute_force(comp, time_s)[0]
         assert found.time_s <= time_s + 1e-9 and found.energy_j >= best_j - 1e-9
         if found.bound_j is None or found.bound_j > best_j + 1e-9:
             failures.append((time_s, found.bound_j, best_j))
@@ -1225,7 +1232,7 @@ def test_a_dominated_option_that_saves_a_clock_change_is_searched():
     it, _ranks = with_steps(chain(2))
     comp = Composer(it, options, static_power_w=50, gpus=1, switch=SwitchCost(0.05))
     found = comp.solve()
-    best_j, _t = comp.brute_force()
+    best_j, _t = brute_force(comp)
     assert [o.freq_mhz for o in found.choices] == [1410] * len(it.instructions)
     assert found.energy_j == pytest.approx(best_j)
     assert found.bound_j is not None and found.bound_j <= best_j + 1e-9
@@ -1247,11 +1254,11 @@ def test_the_relaxation_prices_clock_changes_per_clock_and_stays_a_bound():
     comp = Composer(
         chain(1), options, static_power_w=1, gpus=1, switch=SwitchCost(1.0), gap_limit=0.005
     )
-    best_j, _t = comp.brute_force(3.0)
+    best_j, _t = brute_force(comp, 3.0)
     assert best_j == pytest.approx(178.0)
     kw = {"static_power_w": 1, "gpus": 1, "gpus_per_stage": 1}
     free = relax.Relaxation(comp.it, comp.model_options, **kw).at(3.0)
-    priced = relax.Relaxation(comp.it, comp.options, change_j=comp._change_j, **kw).at(3.0)
+    priced = relax.Relaxation(comp.it, comp.options, change_j=comp.change_j, **kw).at(3.0)
     assert free is not None and priced is not None
     assert free.bound_j == pytest.approx(163.0, rel=1e-5)
     assert best_j * (1 - 1e-5) <= priced.bound_j <= best_j
@@ -1286,11 +1293,11 @@ def test_the_bound_with_clock_changes_priced_is_below_every_plan_and_mostly_tigh
         switch = SwitchCost(rng.choice((0.02, 0.1, 0.3)))
         comp = Composer(it, options, static_power_w=50, gpus=1, switch=switch)
         kw = {"static_power_w": 50, "gpus": 1, "gpus_per_stage": 1}
-        priced = Relaxation(it, comp.options, change_j=comp._change_j, **kw)
+        priced = Relaxation(it, comp.options, change_j=comp.change_j, **kw)
         free = Relaxation(it, comp.model_options, **kw)
         fastest = comp.fastest_choice().time_s
         for bound in (None, fastest * 1.05, fastest * 1.2):
-            best_j, _t = comp.brute_force(bound)
+            best_j, _t = brute_force(comp, bound)
             with_changes, without = priced.at(bound), free.at(bound)
             assert with_changes is not None and without is not None
             assert with_changes.bound_j <= best_j + 1e-9, (seed, bound)
@@ -1306,7 +1313,8 @@ def test_the_composers_own_frontier_against_brute_force_on_fresh_instances(capsy
     proven gap is within 0.5 % is within 0.5 % of it; the fastest point is the least time."""
     import random
 
-    seed = random.SystemRandom().randrange(2**32)
+    # ORACLE_SEED=N reruns the instances a failure printed
+    seed = int(os.environ.get("ORACLE_SEED") or random.SystemRandom().randrange(2**32))
     with capsys.disabled():
         print(f"\nfrontier oracle seed {seed}")
     rng = random.Random(seed)
@@ -1327,9 +1335,12 @@ def test_the_composers_own_frontier_against_brute_force_on_fresh_instances(capsy
         comp = Composer(it, options, static_power_w=rng.uniform(20, 80), gpus=1)
         front = comp.frontier(5)
         least_time = min(comp.evaluate(c)[0] for c in _every_plan(comp))
-        assert front[0].time_s == pytest.approx(least_time, rel=1e-9), seed
+        # the fastest point is the least energy within the composer's resolution of the
+        # least time (TIME_RESOLUTION_S): a plan up to 1 us slower may be it (seed 726738240)
+        assert least_time * (1 - 1e-12) <= front[0].time_s, seed
+        assert front[0].time_s <= least_time + TIME_RESOLUTION_S * (1 + 1e-6), seed
         for point in front:
-            best_j, _t = comp.brute_force(point.time_s)
+            best_j, _t = brute_force(comp, point.time_s)
             assert point.energy_j >= best_j * (1 - 1e-9), (seed, point)  # no plan beats it
             if point.bound_j is not None:
                 assert point.bound_j <= best_j * (1 + 1e-9), (seed, point, best_j)

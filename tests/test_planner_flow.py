@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from kareus.planner.compose import Composer
+from kareus.planner.compose import Composer, brute_force
 from kareus.planner.dag import Option, SwitchCost, Timing, gpipe, makespan, one_f_one_b
 from kareus.planner.flow import FlowRelaxation
 from kareus.planner.relax import Relaxation, recover_slack
@@ -417,7 +417,7 @@ def test_instructions_with_traffic_of_their_own_keep_their_groups_profile():
     simplex = Relaxation(it, comp.model_options, **kw)
     flow = FlowRelaxation(it, comp.model_options, **kw)
     for bound in _bounds(comp):
-        best_j, _t = comp.brute_force(bound)
+        best_j, _t = brute_force(comp, bound)
         solved = comp.solve(bound_s=bound)
         assert solved.energy_j == pytest.approx(best_j, rel=1e-6), bound
         for relaxed in (simplex.at(bound), flow.at(bound)):

@@ -27,29 +27,24 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kareus.errors import KareusError
+from kareus.planner.cp_sat import CpSatSearch
 from kareus.planner.dag import (
     Iteration,
     Option,
     SwitchCost,
-    Timing,
     change_energy,
     group_profiles,
-    makespan,
     plan_cost,
     switches,
 )
-from kareus.planner.pareto import TIME_RESOLUTION_S, pareto_front
+from kareus.planner.pareto import TIME_RESOLUTION_S, meets
+from kareus.planner.switch_pay import pay_for_switches
 
 if TYPE_CHECKING:
     from kareus.planner.flow import FlowRelaxation
     from kareus.planner.relax import Relaxation, Relaxed
 
 _log = logging.getLogger(__name__)
-
-WALL_CLOCK_GUARD_S = 600.0
-"""A wall-clock stop for one solve, far beyond its deterministic limit: it only guards
-against a hung machine (a solve it stops reports it in its status)."""
-
 
 REFINE_GAP = 0.005
 """A frontier point whose proven gap exceeds this fraction of its energy (or the solver's gap
@@ -81,21 +76,6 @@ class Solution:
         return self.status == "OPTIMAL" or (self.gap is not None and self.gap <= gap_limit)
 
 
-BOUND_SLACK_S = 1e-9
-"""How far past a time bound a plan still meets it: the float noise of summed durations.
-(Tighter than :func:`kareus.planner.pareto.no_slower`, which compares plans with the
-model's precision; a bound is met exactly, up to rounding.)"""
-
-
-def meets(time_s: float, bound_s: float | None) -> bool:
-    """Whether ``time_s`` meets the time bound ``bound_s`` (None: no bound)."""
-    return bound_s is None or time_s <= bound_s + BOUND_SLACK_S
-
-
-def _time_energy(s: Solution) -> tuple[float, float]:
-    return s.time_s, s.energy_j
-
-
 def best_within(bound: float | None, known: Sequence[Solution]) -> Solution | None:
     """Return the least-energy plan of ``known`` that meets ``bound`` (any, when None)."""
     fits = [s for s in known if meets(s.time_s, bound)]
@@ -124,6 +104,16 @@ def _undominated(options: Sequence[Option]) -> tuple[Option, ...]:
             seen.add(key)
             out.append(o)
     return tuple(out)
+
+
+def _better(prior: Solution, hint: Solution | None, bound_s: float | None) -> Solution:
+    """Return ``prior`` (an earlier solve at ``bound_s``), or ``hint`` if it is better."""
+    if hint is None or not meets(hint.time_s, bound_s):
+        return prior
+    if (hint.energy_j, hint.time_s) >= (prior.energy_j, prior.time_s):
+        return prior
+    bound_j = None if prior.bound_j is None else min(prior.bound_j, hint.energy_j)
+    return dataclasses.replace(hint, status="HINT", within_s=bound_s, bound_j=bound_j)
 
 
 class Composer:
@@ -180,11 +170,9 @@ class Composer:
         for instr in iteration.instructions:
             if not self.options.get(instr.key):
                 raise KareusError(f"no options for stage {instr.stage} {instr.key[1]}")
-        # Without clock changes, each option dominated within its profile (another is no
-        # slower and no more energy-hungry) is dropped: it can only tie. CP-SAT and the
-        # simplex's relaxation price changes, and a dominated option at the clock of its
-        # neighbours saves one, so they keep them all when changes cost anything (the flow,
-        # which leaves changes out, never needs them).
+        # An option dominated within its profile can only tie, unless clock changes cost
+        # something: at its neighbours' clock it saves one (CP-SAT and the simplex price
+        # changes and keep them all then; the flow leaves changes out).
         self.model_options = {g: _undominated(o) for g, o in self.options.items()}
         self.switch = switch if switch is not None and switch.time_s > 0 else None
         self.search_options = self.model_options if self.switch is None else self.options
@@ -205,13 +193,19 @@ class Composer:
         self._memo: dict[float | None, Solution] = {}  # each bound's solution, since frontier()
         # the energy of a clock change before each instruction, on all GPUs of its stage
         # (empty when changes are free)
-        self._change_j = [
+        self.change_j = [
             change_energy(self.switch, self.options[i.key], static_power_w) * gpus_per_stage
             for i in (iteration.instructions if self.switch is not None else ())
         ]
         self._by_clock = {
             g: {(o.profile, o.freq_mhz): o for o in opts} for g, opts in self.options.items()
         }
+
+    def restart(self) -> None:
+        """Forget the solves so far (a new frontier begins)."""
+        self.solves = []
+        self.searches = 0
+        self._memo = {}
 
     def option(self, key: tuple[int, str], profile: str, freq_mhz: float) -> Option | None:
         """Return ``key``'s option of ``profile`` at ``freq_mhz`` (None: it has none).
@@ -228,7 +222,7 @@ class Composer:
             static_power_w=self.static_w,
             gpus=self.gpus,
             gpus_per_stage=self.per_stage,
-            change_j=self._change_j,
+            change_j=self.change_j,
         )
 
     def switches(self, choices: Sequence[Option]) -> int:
@@ -265,7 +259,7 @@ class Composer:
             raise KareusError(f"minimise must be 'energy' or 'time', got {minimise!r}")
         prior = self._memo.get(bound_s)
         if prior is not None:  # solved at this bound already (a point proved twice)
-            return self._better(prior, hint, bound_s)
+            return _better(prior, hint, bound_s)
         relaxed = self._relax(bound_s)
         fits = hint is not None and meets(hint.time_s, bound_s)
         if relaxed is None:
@@ -329,7 +323,7 @@ class Composer:
                 return first
         if self._relaxation is None:
             self._relaxation = Relaxation(
-                self.it, self.search_options, change_j=self._change_j, **kw
+                self.it, self.search_options, change_j=self.change_j, **kw
             )
         second = self._relaxation.at(bound_s, self.gap_limit if dives else None)
         if first is None or second is None:
@@ -345,136 +339,10 @@ class Composer:
         return energy - relaxed.bound_j <= self.gap_limit * energy
 
     def _record(self, found: Solution) -> Solution:
-        found = self._pay_for_switches(found)
+        found = pay_for_switches(self, found)
         self.solves.append(found)
         self._memo[found.within_s] = found
         return found
-
-    @staticmethod
-    def _better(prior: Solution, hint: Solution | None, bound_s: float | None) -> Solution:
-        """Return ``prior`` (an earlier solve at ``bound_s``), or ``hint`` if it is better."""
-        if hint is None or not meets(hint.time_s, bound_s):
-            return prior
-        if (hint.energy_j, hint.time_s) >= (prior.energy_j, prior.time_s):
-            return prior
-        bound_j = None if prior.bound_j is None else min(prior.bound_j, hint.energy_j)
-        return dataclasses.replace(hint, status="HINT", within_s=bound_s, bound_j=bound_j)
-
-    def _pay_for_switches(self, found: Solution) -> Solution:
-        """Undo each clock change whose saving does not pay for it (greedy, to a fixpoint).
-
-        At each change, the instruction after it takes the clock before it, or the one
-        before takes the clock after it (the same profile at that clock); a move is kept
-        when it lowers the energy and keeps the bound.
-        """
-        if self.switch is None:
-            return found
-        choices = list(found.choices)
-        best = (found.energy_j, found.time_s)
-        pairs = self.it.switch_pairs()
-        around: dict[int, list[tuple[int, int]]] = {}  # the changes an instruction touches
-        for a, b in pairs:
-            around.setdefault(a, []).append((a, b))
-            around.setdefault(b, []).append((a, b))
-        within = found.within_s
-        # A move changes one instruction: its slack prices most moves without a walk of the
-        # DAG (a slower option lengthens only the paths through it; a faster one off every
-        # longest path changes nothing), and the timing follows a kept move, or one priced
-        # in full, only as far as it reaches.
-        timing = Timing(self.it, [c.time_s for c in choices])
-        changed = True
-        while changed:
-            changed = False
-            for a, b in pairs:
-                if choices[a].freq_mhz == choices[b].freq_mhz:
-                    continue
-                for i, j in ((b, a), (a, b)):
-                    key = self.it.instructions[i].key
-                    alt = self.option(key, choices[i].profile, choices[j].freq_mhz)
-                    if alt is None:
-                        continue
-                    margin = 1e-9 * abs(best[0])
-                    priced = self._trial(choices, i, alt, around[i], best, timing)
-                    if priced is None or not self._pays(priced, best, within, margin):
-                        continue  # refused (a near-tie is not worth a change)
-                    timing.set(i, alt.time_s)
-                    t = timing.makespan()  # the guess's time, to the float sums' order
-                    priced = self._moved(choices, i, alt, around[i], best, 0.0, new_time_s=t)
-                    if priced is not None and self._pays(priced, best, within, margin):
-                        choices[i] = alt
-                        best, changed = (priced[1], t), True
-                        break
-                    timing.set(i, choices[i].time_s)
-        if best == (found.energy_j, found.time_s):
-            return found
-        time_s, energy_j = self.evaluate(choices)  # summed afresh, as every plan is
-        return dataclasses.replace(found, choices=tuple(choices), energy_j=energy_j, time_s=time_s)
-
-    def _trial(
-        self,
-        choices: Sequence[Option],
-        i: int,
-        alt: Option,
-        pairs: Sequence[tuple[int, int]],
-        now: tuple[float, float],
-        timing: Timing,
-    ) -> tuple[float, float] | None:
-        """Return (time, energy) of the plan with ``alt`` at ``i``; None if surely worse."""
-        room = timing.slack(i, now[1])
-        known_s = None
-        if alt.time_s < choices[i].time_s and room <= 1e-12 and not timing.sole(i, now[1]):
-            known_s = now[1]  # another longest path avoids ``i``: the time stays
-        guess = self._moved(choices, i, alt, pairs, now, room, new_time_s=known_s)
-        if guess is not None:
-            return guess if guess[1] <= now[0] else None
-        # ``i`` is on every longest path and runs faster: the new time needs the DAG
-        durations = list(timing.durations)
-        durations[i] = alt.time_s
-        return self._moved(
-            choices, i, alt, pairs, now, room, new_time_s=makespan(self.it, durations)
-        )
-
-    @staticmethod
-    def _pays(
-        priced: tuple[float, float], now: tuple[float, float], within: float | None, margin: float
-    ) -> bool:
-        t, e = priced
-        return e < now[0] - margin and meets(t, within)
-
-    def _moved(
-        self,
-        choices: Sequence[Option],
-        i: int,
-        alt: Option,
-        pairs: Sequence[tuple[int, int]],
-        now: tuple[float, float],
-        room: float,
-        *,
-        new_time_s: float | None = None,
-    ) -> tuple[float, float] | None:
-        """Return (time, energy) of the plan with ``alt`` at ``i``, from the plan's ``now``.
-
-        ``room``: ``i``'s slack within the plan's time. Exact up to the order of float sums,
-        except where the move shortens a longest path (the new time needs the DAG):
-        there the energy of the shortest time the move could reach, which refuses a move
-        surely (returned) or leaves it to the full price (None). ``new_time_s``: the new
-        time, when known (then exact).
-        """
-        old = choices[i]
-        longer = alt.time_s - old.time_s
-        shortens = new_time_s is None and longer < 0 and room <= 1e-12  # in [T + longer, T]
-        t = now[1] + max(0.0, longer - room) if longer > 0 else now[1]
-        t = t if new_time_s is None else new_time_s
-        e = now[0] + (alt.dynamic_energy_j - old.dynamic_energy_j) * self.per_stage
-        e += self.static_w * self.gpus * ((t - now[1]) if not shortens else longer)
-        for a, b in pairs:
-            before = choices[a].freq_mhz != choices[b].freq_mhz
-            fa = alt.freq_mhz if a == i else choices[a].freq_mhz
-            fb = alt.freq_mhz if b == i else choices[b].freq_mhz
-            e += self._change_j[b] * ((fa != fb) - before)
-        if shortens:  # e is a lower bound: enough to refuse, not to accept
-            return None if e <= now[0] + 1e-9 * abs(now[0]) else (t, e)
-        return t, e
 
     def _solution(self, choices: Sequence[Option], status: str) -> Solution:
         time_s, energy_j = self.evaluate(choices)
@@ -491,6 +359,18 @@ class Composer:
         meets the bound (and its bound proves nothing).
         """
         self.searches += 1
+        search = CpSatSearch(
+            self.it,
+            self.search_options,
+            self.static_w,
+            self.gpus,
+            self.per_stage,
+            self.change_j,
+            self.time_limit_s,
+            self.workers,
+            self.seed,
+            self.gap_limit,
+        )
         opts = [self.search_options[i.key] for i in self.it.instructions]
         bound_us = None if bound_s is None else math.floor(bound_s * 1e6)
         # each energy term of the objective is rounded to the nearest microjoule
@@ -498,7 +378,7 @@ class Composer:
         proven, found = proven_j, None
         for attempt, rounded in enumerate((math.floor, math.ceil)):
             us = [[rounded(o.time_s * 1e6) for o in row] for row in opts]
-            status, choices, objective_bound = self._cp_sat_search(opts, us, bound_us, hint)
+            status, choices, objective_bound = search.run(opts, us, bound_us, hint)
             if attempt == 0 and objective_bound is not None:
                 proven = max(proven, objective_bound / 1e6 - rounding_j)
             if choices is not None:
@@ -533,120 +413,6 @@ class Composer:
         found = dataclasses.replace(found, within_s=bound_s, bound_j=min(proven, found.energy_j))
         return self._record(found)
 
-    def _cp_sat_search(
-        self,
-        opts: Sequence[Sequence[Option]],
-        us: list[list[int]],
-        bound_us: int | None,
-        hint: Solution | None,
-    ) -> tuple[str, tuple[Option, ...] | None, float | None]:
-        """Run CP-SAT once: return its status, plan and objective bound.
-
-        The plan is None where it found none; the bound (microjoules) is None where the
-        model is infeasible.
-        """
-        from ortools.sat.python import cp_model
-
-        m, x = self._cp_sat_model(opts, us, bound_us)
-        if hint is not None:
-            for i in range(len(opts)):
-                for k, o in enumerate(opts[i]):
-                    m.add_hint(x[i][k], o == hint.choices[i])
-        solver = cp_model.CpSolver()
-        # Deterministic: the search is interleaved in one thread and stopped by CP-SAT's
-        # deterministic work count, not by the wall clock, so the same inputs give the same
-        # plan on any machine under any load. Larger iterations get proportionally more
-        # work: the limit is per 64 instructions.
-        solver.parameters.num_workers = self.workers
-        solver.parameters.interleave_search = self.workers > 1
-        solver.parameters.random_seed = self.seed
-        solver.parameters.relative_gap_limit = self.gap_limit
-        limit = self.time_limit_s * max(1.0, len(self.it.instructions) / 64)
-        solver.parameters.max_deterministic_time = limit
-        solver.parameters.max_time_in_seconds = WALL_CLOCK_GUARD_S
-        status = solver.solve(m)
-        name = solver.status_name(status)
-        _log.debug(
-            "CP-SAT least energy within %s us: %s after %.2f deterministic units",
-            bound_us,
-            name,
-            solver.deterministic_time,
-        )
-        bound = None if status == cp_model.INFEASIBLE else solver.best_objective_bound
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return name, None, bound
-        choices = tuple(
-            opts[i][next(k for k, v in enumerate(x[i]) if solver.value(v))]
-            for i in range(len(opts))
-        )
-        return name, choices, bound
-
-    def _cp_sat_model(
-        self, opts: Sequence[Sequence[Option]], us: list[list[int]], bound_us: int | None
-    ) -> tuple[Any, list[list[Any]]]:
-        """Return CP-SAT's model of the iteration (least energy within ``bound_us``) and x.
-
-        ``x[i][k]``: instruction ``i`` runs option ``k``; one decision profile per group;
-        times in whole microseconds, energies in microjoules, static power in whole watts.
-        """
-        from ortools.sat.python import cp_model
-
-        m = cp_model.CpModel()
-        horizon = sum(max(d) for d in us) + 1
-        x = [[m.new_bool_var(f"x{i}_{k}") for k in range(len(us[i]))] for i in range(len(us))]
-        profiles = group_profiles(self.it, self.search_options)
-        groups = sorted(profiles)
-        y = {g: {p: m.new_bool_var(f"y{g}_{p}") for p in profiles[g]} for g in groups}
-        for g in groups:
-            m.add_exactly_one(y[g].values())
-        start, end = [], []
-        switch_uj = self._switch_terms(m, x, opts)
-        for i, instr in enumerate(self.it.instructions):
-            m.add_exactly_one(x[i])
-            for k, opt in enumerate(opts[i]):
-                m.add_implication(x[i][k], y[instr.group][opt.profile])
-            s = m.new_int_var(0, horizon, f"s{i}")
-            e = m.new_int_var(0, horizon, f"e{i}")
-            m.add(e == s + sum(d * v for d, v in zip(us[i], x[i], strict=True)))
-            start.append(s)
-            end.append(e)
-        for a, b in self.it.edges:
-            m.add(end[a] <= start[b])
-        t = m.new_int_var(0, horizon, "T")
-        for e in end:
-            m.add(t >= e)
-        if bound_us is not None:
-            m.add(t <= bound_us)
-        dyn = sum(
-            round(o.dynamic_energy_j * 1e6 * self.per_stage) * x[i][k]
-            for i in range(len(opts))
-            for k, o in enumerate(opts[i])
-        )
-        static_w = math.floor(self.static_w * self.gpus)  # W x us = uJ (down: a bound stays one)
-        m.minimize(dyn + switch_uj + static_w * t)
-        return m, x
-
-    def _switch_terms(self, m: Any, x: list[list[Any]], opts: Sequence[Sequence[Option]]) -> Any:
-        """Add the clock changes to CP-SAT's model; return their energy (uJ).
-
-        A change before instruction b (its predecessor on the GPU runs another clock) costs
-        b's :func:`~kareus.planner.dag.change_energy` on all its GPUs.
-        """
-        if self.switch is None:
-            return 0
-        clocks = [
-            sum(round(o.freq_mhz) * v for o, v in zip(opts[i], x[i], strict=True))
-            for i in range(len(opts))
-        ]
-        top = max(round(o.freq_mhz) for row in opts for o in row)
-        energy: Any = 0
-        for a, b in self.it.switch_pairs():
-            w = m.new_bool_var(f"w{a}_{b}")
-            m.add(clocks[a] - clocks[b] <= top * w)
-            m.add(clocks[b] - clocks[a] <= top * w)
-            energy += round(self._change_j[b] * 1e6) * w
-        return energy
-
     def fastest_choice(self) -> Solution:
         """Every instruction's fastest option (least energy among equals): a feasible start."""
         choices = tuple(
@@ -675,104 +441,49 @@ class Composer:
     def frontier(self, points: int = 8, anchors: Sequence[float] = ()) -> list[Solution]:
         """Sweep the time bound from the fastest plan to the least-energy plan.
 
-        ``anchors`` are further time bounds to solve at (the times other plans are compared
-        at, such as a baseline's fastest time), so that those comparisons read a solved
-        point instead of the nearest point of the sweep.
-
-        Each solve is warm-started from the best plan known to meet its bound (the fastest
-        plan, or a uniform-clock plan), and the uniform-clock plans join the candidates: a
-        solve stopped by its work limit can return no worse than they are, so no point of
-        the frontier is ever above a uniform-clock plan. Each point's ``bound_j`` is the
-        best proven lower bound on the energy of any plan as fast as it (from every solve of
-        the sweep, kept in :attr:`solves`); the gap between the two is what the limited
-        search may have left.
+        See :func:`kareus.planner.sweep.sweep_frontier`; ``anchors`` are further bounds.
         """
-        uniform = self.uniform_plans()
-        self.solves = []
-        self.searches = 0
-        self._memo = {}
+        from kareus.planner.sweep import sweep_frontier
 
-        # From slow to fast: the least-energy plan, then each bound a little tighter than
-        # the last, which the relaxation's dual simplex resumes from cheaply (a jump from
-        # one end of the frontier to the other costs it about as much as a fresh start).
-        # The least time is known before any solve (every instruction's fastest option).
-        greedy = self.fastest_choice()
-        frugal = self.solve(hint=best_within(None, [greedy, *uniform]))
-        known = [frugal, *uniform]
-        lo, hi = greedy.time_s, frugal.time_s
-        sweep = [lo + (hi - lo) * k / (points - 1) + 1e-6 for k in range(1, points - 1)]
-        sweep += [a + 1e-6 for a in anchors if lo < a < hi]
-        for bound in sorted(sweep, reverse=True):
-            hint = best_within(bound, [*known, greedy])
-            known.append(self.solve(bound_s=bound, hint=hint))
-        # The fastest point: the least energy within the resolution of the least time (at
-        # the exact least time, every instruction on the critical path has to keep its
-        # fastest option, profile included, where a plan 0.2 us slower can be 3 % cheaper).
-        start = min([greedy, *uniform], key=lambda s: (s.time_s, s.energy_j))
-        fastest = lo + TIME_RESOLUTION_S
-        known.append(self.solve(minimise="time", hint=best_within(fastest, [*known, start])))
-        return self.prove(known)
+        return sweep_frontier(self, points, anchors)
 
     def prove(self, candidates: Sequence[Solution]) -> list[Solution]:
-        """Return the front of ``candidates``, each point with its proven lower bound.
+        """Return the front of ``candidates``, each with its proven lower bound.
 
-        A point between two time bounds already solved (a uniform-clock plan, or another
-        method's plan on a subset of these options) is covered only by the next slower bound:
-        it is solved once at its own time, so that it is either improved or proven; then
-        every point gets the best bound of all solves so far (:attr:`solves`). A point kept
-        beside a plan a hair slower (by the model's rounding of times to microseconds) but
-        much cheaper keeps its large gap: the report shows it rather than hiding the point
-        (it may be the one an iso-time comparison needs).
+        See :func:`kareus.planner.sweep.prove`.
         """
-        known = list(candidates)
-        front = pareto_front(known, key=_time_energy, time_resolution=TIME_RESOLUTION_S)
-        loose = max(REFINE_GAP, self.gap_limit)
-        for p, proven in zip(front, self.lower_bounds(front, self.solves), strict=True):
-            # (a point a solve at its own time, give or take the sweep's microsecond, left
-            # loose is where that solve stopped: solving it again would find the same)
-            at_own_time = any(
-                s.within_s is not None and p.time_s - 1e-9 <= s.within_s <= p.time_s + 2e-6
-                for s in self.solves
-            )
-            if not at_own_time and (proven is None or p.energy_j - proven > loose * p.energy_j):
-                known.append(self.solve(bound_s=p.time_s + 1e-6, hint=p))
-        front = pareto_front(known, key=_time_energy, time_resolution=TIME_RESOLUTION_S)
-        bounds = self.lower_bounds(front, self.solves)
-        return [
-            dataclasses.replace(p, within_s=p.time_s, bound_j=b)
-            for p, b in zip(front, bounds, strict=True)
-        ]
+        from kareus.planner.sweep import prove
+
+        return prove(self, candidates)
 
     @staticmethod
     def lower_bounds(points: Sequence[Solution], solves: Sequence[Solution]) -> list[float | None]:
-        """Return, per point, the best proven lower bound on the energy at its time or less.
+        """Return per point the best proven lower bound at its time or less.
 
-        A solve within ``B`` proves a bound for every point no slower than ``B``; the tightest
-        is that of the solve with the smallest such ``B``. None where no solve covers a point.
+        See :func:`kareus.planner.sweep.lower_bounds`.
         """
-        out: list[float | None] = []
-        for p in points:
-            covering = [
-                s.bound_j for s in solves if s.bound_j is not None and meets(p.time_s, s.within_s)
-            ]
-            out.append(min(max(covering), p.energy_j) if covering else None)
-        return out
+        from kareus.planner.sweep import lower_bounds
 
-    def brute_force(self, bound_s: float | None = None) -> tuple[float, float] | None:
-        """Least (energy, time) under ``bound_s`` by enumeration (small instances only)."""
-        best: tuple[float, float] | None = None
-        profiles = group_profiles(self.it, self.options)
-        groups = sorted(profiles)
-        for combo in itertools.product(*(profiles[g] for g in groups)):
-            chosen = dict(zip(groups, combo, strict=True))
-            per_instr = [
-                [o for o in self.options[i.key] if o.profile == chosen[i.group]]
-                for i in self.it.instructions
-            ]
-            for choices in itertools.product(*per_instr):
-                t, e = self.evaluate(choices)
-                if not meets(t, bound_s):
-                    continue
-                if best is None or (e, t) < best:
-                    best = (e, t)
-        return best
+        return lower_bounds(points, solves)
+
+
+def brute_force(c: Composer, bound_s: float | None = None) -> tuple[float, float] | None:
+    """Return the least (energy, time) under ``bound_s`` by enumeration (small instances).
+
+    The tests' oracle for the composer's solves.
+    """
+    best: tuple[float, float] | None = None
+    profiles = group_profiles(c.it, c.options)
+    groups = sorted(profiles)
+    for combo in itertools.product(*(profiles[g] for g in groups)):
+        chosen = dict(zip(groups, combo, strict=True))
+        per_instr = [
+            [o for o in c.options[i.key] if o.profile == chosen[i.group]] for i in c.it.instructions
+        ]
+        for choices in itertools.product(*per_instr):
+            t, e = c.evaluate(choices)
+            if not meets(t, bound_s):
+                continue
+            if best is None or (e, t) < best:
+                best = (e, t)
+    return best

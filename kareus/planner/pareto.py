@@ -19,6 +19,17 @@ the least-time solve's plan, the least energy within this of the least time, or 
 one at most this much slower) and "no slower than" allows it too."""
 
 
+BOUND_SLACK_S = 1e-9
+"""How far past a time bound a plan still meets it: the float noise of summed durations.
+(Tighter than :func:`no_slower`, which compares plans with the model's precision; a bound is
+met exactly, up to rounding.)"""
+
+
+def meets(time_s: float, bound_s: float | None) -> bool:
+    """Whether ``time_s`` meets the time bound ``bound_s`` (None: no bound)."""
+    return bound_s is None or time_s <= bound_s + BOUND_SLACK_S
+
+
 def no_slower(time_s: float, limit_s: float) -> bool:
     """Whether ``time_s`` is no slower than ``limit_s``, to the model's precision."""
     return time_s <= limit_s * (1 + TIME_TOLERANCE) + TIME_RESOLUTION_S
