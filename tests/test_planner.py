@@ -1122,8 +1122,8 @@ def test_interleaved_split_and_unsplit_frontiers_are_proven_point_by_point():
     # falls between the other's bounds, so combined naively the points sit 8-13 % from
     # what is proven. _with_unsplit solves such points at their own times until each is
     # within the refine gap (what the solves find joins the front).
-    from kareus.planner.compose import REFINE_GAP
     from kareus.planner.iteration import _with_unsplit
+    from kareus.planner.sweep import REFINE_GAP
 
     it = one_f_one_b(2, 4)
     freqs = (810, 900, 1005, 1110, 1200, 1305, 1410)

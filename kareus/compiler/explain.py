@@ -145,8 +145,17 @@ def _region_text(region: Region, with_code: bool) -> str:
     if region.codegen:
         codegen = region.codegen
         lines.append(f"-- codegen --\n{getattr(codegen, 'to_text', lambda: codegen)()}")
-    if region.inputs.decisions is not None:
-        lines.append(f"-- decisions --\n{region.inputs.decisions.to_text()}")
+    inputs = region.inputs
+    supplied = {
+        "decisions": inputs.decisions,
+        "plan": inputs.plan,
+        "clock_runtime": inputs.clock_runtime,
+        "communicator_pool": inputs.communicator_pool,
+    }
+    for name, value in supplied.items():
+        if value is not None:
+            text = value.to_text() if hasattr(value, "to_text") else repr(value)
+            lines.append(f"-- {name} --\n{text}")
     for name, finding in region.findings.items():
         text = finding.to_text() if hasattr(finding, "to_text") else repr(finding)
         lines.append(f"-- {name} --\n{text}")

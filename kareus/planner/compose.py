@@ -38,6 +38,7 @@ from kareus.planner.dag import (
     switches,
 )
 from kareus.planner.pareto import TIME_RESOLUTION_S, meets
+from kareus.planner.sweep import lower_bounds, prove, sweep_frontier
 from kareus.planner.switch_pay import pay_for_switches
 
 if TYPE_CHECKING:
@@ -45,10 +46,6 @@ if TYPE_CHECKING:
     from kareus.planner.relax import Relaxation, Relaxed
 
 _log = logging.getLogger(__name__)
-
-REFINE_GAP = 0.005
-"""A frontier point whose proven gap exceeds this fraction of its energy (or the solver's gap
-limit, if larger) is solved again at its own time (once)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,12 +71,6 @@ class Solution:
     def proven(self, gap_limit: float) -> bool:
         """Whether CP-SAT proved the plan optimal or its gap is within ``gap_limit``."""
         return self.status == "OPTIMAL" or (self.gap is not None and self.gap <= gap_limit)
-
-
-def best_within(bound: float | None, known: Sequence[Solution]) -> Solution | None:
-    """Return the least-energy plan of ``known`` that meets ``bound`` (any, when None)."""
-    fits = [s for s in known if meets(s.time_s, bound)]
-    return min(fits, key=lambda s: (s.energy_j, s.time_s), default=None)
 
 
 def _undominated(options: Sequence[Option]) -> tuple[Option, ...]:
@@ -443,8 +434,6 @@ class Composer:
 
         See :func:`kareus.planner.sweep.sweep_frontier`; ``anchors`` are further bounds.
         """
-        from kareus.planner.sweep import sweep_frontier
-
         return sweep_frontier(self, points, anchors)
 
     def prove(self, candidates: Sequence[Solution]) -> list[Solution]:
@@ -452,8 +441,6 @@ class Composer:
 
         See :func:`kareus.planner.sweep.prove`.
         """
-        from kareus.planner.sweep import prove
-
         return prove(self, candidates)
 
     @staticmethod
@@ -462,8 +449,6 @@ class Composer:
 
         See :func:`kareus.planner.sweep.lower_bounds`.
         """
-        from kareus.planner.sweep import lower_bounds
-
         return lower_bounds(points, solves)
 
 

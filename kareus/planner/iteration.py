@@ -24,7 +24,7 @@ from kareus.hardware import Emulator, GPUSpec
 from kareus.ir.costs import Evaluator, Knobs, PartitionWork
 from kareus.ir.partitions import Decision, PartitionSet
 from kareus.ir.plan_file import FrontierPoint, Plan, ScheduledInstruction
-from kareus.planner.compose import REFINE_GAP, Composer, Solution, best_within
+from kareus.planner.compose import Composer, Solution
 from kareus.planner.dag import (
     SCHEDULES,
     Iteration,
@@ -46,6 +46,7 @@ from kareus.planner.knobs import CountingEvaluator, KnobSpace, Setting, default_
 from kareus.planner.pareto import TIME_RESOLUTION_S, pareto_front
 from kareus.planner.search import SearchResult, exhaustive, search
 from kareus.planner.select import select
+from kareus.planner.sweep import REFINE_GAP, best_within
 
 METHODS = ("megatron", "perseus", "nanobatch+perseus", "kareus")
 Pair = tuple[int | None, int | None]

@@ -11,11 +11,21 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kareus.planner.compose import REFINE_GAP, best_within
 from kareus.planner.pareto import TIME_RESOLUTION_S, meets, pareto_front
 
 if TYPE_CHECKING:
     from kareus.planner.compose import Composer, Solution
+
+
+REFINE_GAP = 0.005
+"""A frontier point whose proven gap exceeds this fraction of its energy (or the solver's gap
+limit, if larger) is solved again at its own time (once)."""
+
+
+def best_within(bound: float | None, known: Sequence[Solution]) -> Solution | None:
+    """Return the least-energy plan of ``known`` that meets ``bound`` (any, when None)."""
+    fits = [s for s in known if meets(s.time_s, bound)]
+    return min(fits, key=lambda s: (s.energy_j, s.time_s), default=None)
 
 
 def _time_energy(s: Solution) -> tuple[float, float]:

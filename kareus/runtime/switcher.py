@@ -39,9 +39,7 @@ import functools
 import itertools
 import pathlib
 import queue
-import signal
 import threading
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -52,13 +50,10 @@ from kareus.runtime import journal as _journal
 from kareus.runtime.clocks import (
     ClockController,
     ClockError,
-    ClockPermissionError,
-    journal_name_of,
 )
+from kareus.runtime.safety import KEEP, ClockSafety
 
-_KEEP = 4096
-"""Applied instructions and switches kept for ``explain`` (older ones are dropped: a long
-run must not grow the runtime)."""
+_KEEP = KEEP
 
 _RUNTIMES: dict[int, ClockRuntime] = {}
 _BY_DEVICE: dict[object, ClockRuntime] = {}
@@ -138,7 +133,7 @@ class IterationEnergy:
     source: str
 
 
-class ClockRuntime:
+class ClockRuntime(ClockSafety):
     """Apply a schedule of clocks to one GPU during training.
 
     Args:
@@ -229,18 +224,6 @@ class ClockRuntime:
         self._install_signal_handlers()
         if self.journal is not None:
             self._recover()
-
-    def _recover(self) -> None:
-        """Restore clocks that crashed runs of this journal left locked, and say so."""
-        assert self.journal is not None
-        try:
-            messages = _journal.recover(self.journal, own=self.controller)
-        except OSError as err:
-            self._journal_failed(err)
-            return
-        for message in messages:
-            self.notes.append(message)
-            warnings.warn(f"kareus: {message}", RuntimeWarning, stacklevel=3)
 
     # ---- the hot path ----------------------------------------------------------------------
 
@@ -416,79 +399,6 @@ class ClockRuntime:
                 self.notes.append(note)
                 warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=4)
 
-    def _apply(self, freq: float) -> None:
-        waits = getattr(self.controller, "waits_for_gpu", True)
-        if waits and torch.cuda.is_available() and torch.cuda.is_initialized():
-            # blocking: the worker's synchronize() sleeps until the GPU gets there instead of
-            # spinning a CPU core per rank
-            event = torch.cuda.Event(blocking=True)
-            event.record()
-            self._enqueue(event, freq)
-        else:
-            self._set(freq)
-
-    def _enqueue(self, event: Any, freq: float) -> None:
-        """Set ``freq`` once ``event`` (anything with ``synchronize()``) has happened."""
-        if self._queue is None:
-            self._queue = queue.Queue()
-            self._worker_thread = threading.Thread(
-                target=self._worker, daemon=True, name="kareus-clocks"
-            )
-            self._worker_thread.start()
-        self._queue.put((event, freq))
-
-    def _worker(self) -> None:
-        assert self._queue is not None
-        while True:
-            item = self._queue.get()
-            if item is None:  # close(): every queued switch before it has been applied
-                return
-            event, freq = item
-            cpu = time.thread_time()
-            event.synchronize()  # the GPU reached the switch point
-            self.worker_cpu_s += time.thread_time() - cpu
-            self._set(freq)
-
-    def _set(self, freq: float) -> None:
-        with self._hw_lock:
-            if self._restored:
-                return
-            self._set_clock(freq)
-            if self._restored:  # a signal restored the clock while this one was being set
-                self._reset_now()
-
-    def _set_clock(self, freq: float) -> None:
-        try:
-            start = time.perf_counter()
-            self.controller.set(freq)
-            took = time.perf_counter() - start
-            self.switch_call_s += took
-            self.switch_call_max_s = max(self.switch_call_max_s, took)
-            self.switch_calls += 1
-            # recorded once the controller has set it, not when the switch was reached
-            self.switch_count += 1
-            self.switches.append(freq)
-            if len(self.switches) > 2 * _KEEP:
-                del self.switches[:-_KEEP]
-            if not self._locked:  # one record per lock, not per switch: the journal stays small
-                self._locked = True
-                self._log("lock", freq_mhz=freq)
-        except ClockPermissionError as err:
-            self.enabled = False
-            note = f"clocks were not applied: {err}"
-            self.notes.append(note)
-            warnings.warn(
-                f"kareus: {note}. Training continues at the default clock.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        except Exception as err:  # a controller's failure (I/O, driver) never stops training
-            self.failed_switches += 1
-            if self.failed_switches == 1:
-                note = f"a clock switch to {freq:g} MHz failed and was skipped: {err!r}"
-                self.notes.append(note + " (later failures are counted, not repeated)")
-                warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=3)
-
     # ---- iterations and energy ---------------------------------------------------------------
 
     def _finish_iteration(self) -> None:
@@ -510,44 +420,9 @@ class ClockRuntime:
 
     def to_text(self) -> str:
         """Describe the schedule, what was applied and the iterations (for ``explain``)."""
-        lines = [f"clock controller: {self.controller.name} (GPU {self.controller.index})"]
-        dry = self.controller.name == "dry-run"
-        if dry:
-            why = getattr(self.controller, "why", "") or "asked for"
-            lines[0] += f": a dry run ({why}), no clock is changed"
-        for stage in self.stages():
-            sched = " ".join(
-                f"{s.kind[0].upper()}{s.microbatch}@{s.freq_mhz:g}"
-                for s in self.schedule
-                if s.stage == stage
-            )
-            lines.append(f"stage {stage} per iteration (MHz): {sched}")
-        lines += [
-            f"switches applied: {self.switch_count}; clocks "
-            + ("applied" if self.enabled and not dry else "NOT applied")
-            + (f"; {self.failed_switches} switch(es) failed" if self.failed_switches else ""),
-        ]
-        if self.switch_calls:
-            lines.append(
-                f"switch calls (measured): mean {self.switch_call_s / self.switch_calls * 1e3:.3f}"
-                f" ms, max {self.switch_call_max_s * 1e3:.3f} ms over {self.switch_calls}"
-            )
-        if self._worker_thread is not None:
-            lines.append(
-                f"switch worker CPU time waiting on the GPU (measured): "
-                f"{self.worker_cpu_s * 1e3:.1f} ms in all"
-            )
-        if self.iterations:
-            lines.append(
-                f"iterations recorded: {len(self.iterations)} (one ends when the next starts; "
-                "the last, at close)"
-            )
-        lines += [
-            f"iteration {r.iteration}: {r.time_s:.6f} s, {r.energy_j:.3f} J of this GPU "
-            f"({r.source})"
-            for r in self.iterations[-5:]
-        ]
-        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+        from kareus.runtime.describe import describe
+
+        return describe(self)
 
     # ---- safety --------------------------------------------------------------------------------
 
@@ -579,95 +454,11 @@ class ClockRuntime:
             if key is not None:
                 _journal.release(key)  # only once the clock is back (or reported stuck)
 
-    def restore_now(self) -> None:
-        """Stop switching and restore the default clock now (idempotent, signal-safe).
-
-        Takes no lock a training thread may hold on this thread, runs no user code, and
-        waits only for a controller call in flight on the switch worker.
-        """
-        self._closed = True
-        self._restored = True
-        with self._hw_lock:
-            if not self._reset_done:
-                self._reset_now()
-
-    def _reset_now(self) -> None:
-        self._restore()
-        self._reset_done = True
-
-    def _restore(self) -> None:
-        if self._current is None or not self.enabled:
-            return
-        try:
-            self.controller.reset()
-        except Exception as err:  # any failure: say which GPU may still be locked
-            gpu = {"gpu": self.controller.index, "uuid": getattr(self.controller, "uuid", None)}
-            note = (
-                f"restoring {_journal.describe_gpu(gpu)}'s clock failed, it may still be "
-                f"locked at {self._current:g} MHz: {err}. Restore it with `kareus restore-clocks"
-                + (f" --journal {self.journal}`" if self.journal else "`")
-                + f" or, as root, `{_journal.reset_command(gpu)}`"
-            )
-            self.notes.append(note)
-            warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=2)
-            self._log("restore_failed", freq_mhz=self._current, error=str(err))
-            return
-        self._locked = False
-        self._log("restore")
-
     def __enter__(self) -> ClockRuntime:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _log(self, event: str, **extra: Any) -> None:
-        if self.journal is None:
-            return
-        try:
-            _journal.record(
-                self.journal,
-                event,
-                gpu=getattr(self.controller, "index", 0),
-                controller=journal_name_of(self.controller),
-                uuid=getattr(self.controller, "uuid", None),
-                **extra,
-            )
-        except OSError as err:
-            self._journal_failed(err)
-
-    def _journal_failed(self, err: OSError) -> None:
-        note = (
-            f"the clock journal {self.journal} cannot be written ({err}); training goes on "
-            "without it, so a crash would leave no record of a locked clock"
-        )
-        self.journal = None
-        self.notes.append(note)
-        warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=3)
-
-    def _install_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous = signal.getsignal(sig)
-            if previous == signal.SIG_IGN or previous is None:
-                continue  # the program ignores it (or it was set outside Python): keep going
-
-            def handler(signum: int, frame: Any, previous: Any = previous) -> None:
-                # No lock, no join, no user callback here: the signal may have interrupted
-                # this very thread inside the runtime, a callback or close().
-                if callable(previous):
-                    try:
-                        previous(signum, frame)
-                    except BaseException:  # the handler ends the program (KeyboardInterrupt)
-                        self.restore_now()
-                        raise
-                    return  # the program's handler chose to go on: so do the clocks
-                self.restore_now()
-                signal.signal(signum, signal.SIG_DFL)
-                signal.raise_signal(signum)
-
-            signal.signal(sig, handler)
 
 
 class _ZeusWindow:
