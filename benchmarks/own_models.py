@@ -2,10 +2,11 @@
 
 For each of five Hugging Face architectures (tiny configs written by
 ``kareus.testing.hf_config_file``) and a torchtitan-style ``--factory`` model: ``kareus plan``
-(fake tensors, emulated A100), then 3 AdamW steps in as many gloo ranks as the TP degree (2
-where the model has a tensor-parallel plan, else 1), with and without
-``kareus.compile(model, plan=...)``. Prints plan seconds, the largest loss difference and
-kareus's verdict lines. The tests run a sample of these (tests/test_sources.py).
+(fake tensors, emulated A100, ``--select min_energy``: clocks below the maximum), then 3
+AdamW steps in as many gloo ranks as the TP degree (2 where the model has a tensor-parallel
+plan, else 1), with and without ``kareus.compile(model, plan=...)``. Prints plan seconds,
+the largest loss difference and kareus's verdict lines. The tests run a sample of these
+(tests/test_sources.py).
 
     python benchmarks/own_models.py [--kinds phi3,olmo,...]
 """
@@ -46,7 +47,8 @@ def run(kind: str, tmp: pathlib.Path) -> dict:
         option, source = ["--hf-config", path], HFModel(path)
     out = tmp / kind
     args = ["plan", *option, "--tp", str(TP[kind]), "--microbatch-size", "4", "--seq-len", "16"]
-    args += ["--dtype", "fp32", "--microbatches", "2", "--out", str(out), "--quiet", "--no-cache"]
+    args += ["--dtype", "fp32", "--microbatches", "1", "--select", "min_energy"]
+    args += ["--out", str(out), "--quiet", "--no-cache"]
     start = time.perf_counter()
     assert main(args) == EXIT_OK, kind
     plan_s = time.perf_counter() - start

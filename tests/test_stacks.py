@@ -749,10 +749,13 @@ def _backend_kareus(rank):
 
             with torch.compiler.config.patch(dynamic_sources=sources):
                 ref, got = compare_training(lambda: _tp_model(mesh), comp, batches(2), resync=True)
-            # the "kareus" backend is one for every model compiled with it: its new regions
-            regions = [
-                r for r in kareus.explain(holder["m"].layers[0]).regions if id(r) not in seen
-            ]
+            # the "kareus" backend is one for every model compiled with it; explain(layer)
+            # shows that layer's own regions only (its new ones: Dynamo was reset)
+            regions = []
+            for layer in holder["m"].layers:
+                mine = [r for r in kareus.explain(layer).regions if id(r) not in seen]
+                assert len(mine) == 1, (how, sources)  # not the other block's too
+                regions += mine
             seen.update(id(r) for r in regions)
             out[how, sources] = (ref, got, [blocks_run(r) for r in regions])
     return out
