@@ -425,7 +425,8 @@ def test_extracted_programs_cost_what_the_partition_set_records(recwarn, nanobat
 
 
 def test_solver_work_sets_cp_sat_work_per_solve():
-    from kareus.cli import _parser, _settings
+    from kareus.cli.commands import _settings
+    from kareus.cli.options import _parser
     from kareus.planner import PlannerSettings
 
     args = _parser().parse_args(["plan", *SMALL])
