@@ -111,3 +111,18 @@ def test_models_sharing_the_kareus_backend_are_explained_apart():
     assert len(ra) == len(rb) == 1 and ra[0] is not rb[0]
     own = {id(p) for p in b.parameters()}
     assert rb[0].parameters <= own and rb[0].parameters
+
+
+def test_a_compile_time_plan_of_whole_blocks_is_labelled_the_original_graphs():
+    # One process, no collective: every block stays whole, so the graphs planned are the
+    # original ones; the frontier says so instead of "split".
+    model = kareus.compile(Llama(PRESETS["tiny-4l"]), gpu="a100-40gb")
+    ((ids, labels),) = token_batches(1, 8, 16, PRESETS["tiny-4l"].vocab_size)
+    model(ids, labels).backward()
+    region = kareus.explain(model).regions[0]
+    assert region.findings["find_blocks"].blocks and not region.findings["find_blocks"].split
+    plan = region.inputs.plan
+    assert plan is not None and {p.nanobatches for p in plan.frontier} == {1}
+    rows = [line for line in plan.to_text().splitlines() if line.startswith("│")]
+    assert rows and not any("│ split" in row for row in rows)
+    assert any("│ original" in row for row in rows)

@@ -7,6 +7,8 @@ gets the overlap decisions of its partition types and a clock runtime gets the p
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 
 import torch
@@ -145,13 +147,28 @@ def plan_region(region: Region, gpu_name: str, policy: str) -> Plan | None:
     except Exception as err:  # planning must never stop training
         region.warn(f"planning for {spec.name} failed, nanobatching defaults kept: {err}")
         return None
-    plan = result.plan
+    plan = _unsplit_if_whole(result.plan, region)
     region.notes.append(
         f"planned at compile time for {spec.name} with the hardware model "
         f"(policy {policy}; modelled {fig(plan.chosen.time_s)} s and "
         f"{fig(plan.chosen.energy_j)} J of all its GPUs per forward and backward)"
     )
     return plan
+
+
+def _unsplit_if_whole(plan: Plan, region: Region) -> Plan:
+    """Label the plan's points as the original graphs' where no block of the region is split.
+
+    The planner prices the graphs as traced: with every block whole they are the original
+    graphs, whatever the partition set's name for them (nanobatches 2).
+    """
+    blockset = region.findings.get("find_blocks")
+    if blockset is None or blockset.split:
+        return plan
+    whole = functools.partial(dataclasses.replace, nanobatches=1)
+    return dataclasses.replace(
+        plan, frontier=tuple(whole(p) for p in plan.frontier), chosen=whole(plan.chosen)
+    )
 
 
 _DRY_RUN_LOGGED = False
