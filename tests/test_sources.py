@@ -7,9 +7,10 @@ by its function) in as many gloo ranks as its TP degree, with and without
 planned below the maximum and switched on the emulated GPU; the fit check passed at the
 first call).
 
-The CI sample: Phi-3 at TP 2, GPT-2 (a graph break before its loss) at TP 1, a torchtitan-style
-factory at TP 2 with sequence parallelism. `benchmarks/own_models.py` runs all five Hugging
-Face architectures and the factory.
+The CI sample: Phi-3 at TP 2, and a torchtitan-style factory at TP 2 with sequence parallelism
+whose loss follows a graph break (as Hugging Face's GPT-2's does: the plan covers the graph
+holding the layers and decides nothing in the other). `benchmarks/own_models.py` runs all
+five Hugging Face architectures and the factory.
 """
 
 import json
@@ -53,8 +54,8 @@ def _train(rank, source, tp, plan):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
     ("kind", "tp"),
-    [("phi3", 2), ("gpt2", 1), ("factory", 2)],
-    ids=["phi3-tp2", "gpt2", "factory-tp2"],
+    [("phi3", 2), ("factory", 2)],
+    ids=["phi3-tp2", "factory-tp2"],
 )
 def test_a_model_of_your_own_is_planned_and_its_plan_applied(kind, tp, tmp_path):
     if kind == "factory":
@@ -64,6 +65,8 @@ def test_a_model_of_your_own_is_planned_and_its_plan_applied(kind, tp, tmp_path)
         option, source = ["--hf-config", path], HFModel(path)
     plan = _plan(option, tp, tmp_path / "out")
     assert plan["workload"]["tp"] == tp
+    if kind == "factory":  # its loss follows a graph break: said, and not priced
+        assert any("traced into 2 training graphs" in r for r in plan["skip_reasons"])
     for ref, got, verdict in run_ranks(
         _train, source, tp, str(tmp_path / "out" / "plan.json"), world=tp, timeout_s=300
     ):

@@ -178,11 +178,26 @@ def compile_blocks(model: Transformer, compile_fn) -> Transformer:
     return model
 
 
+class _LossAfterBreak(nn.Module):
+    """The model, then a graph break, then the loss: a training step in two graphs, as
+    Hugging Face's GPT-2 compiles."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.model(tokens)
+        torch._dynamo.graph_break()
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
 def factory(tp_mesh=None, microbatch_size: int = 4, seq_len: int = 16):
     """A ``kareus plan --factory titan_style:factory`` model: torchtitan's llama3 (4 layers),
-    tensor-parallel with sequence parallelism on ``tp_mesh``; one step's (tokens, labels)."""
+    tensor-parallel with sequence parallelism on ``tp_mesh``, its loss after a graph break;
+    one step's (tokens, labels)."""
     model = build(Args(n_layers=4))
     if tp_mesh is not None:
         apply_tp(model, tp_mesh)
     ids = torch.zeros(microbatch_size, seq_len, dtype=torch.long)
-    return model, (ids, ids)
+    return _LossAfterBreak(model), (ids, ids)
