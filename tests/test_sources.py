@@ -21,7 +21,9 @@ import pytest
 import kareus
 from kareus.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from kareus.hardware import gpu
+from kareus.ir.plan_file import Plan
 from kareus.models.sources import FactoryModel, HFModel
+from kareus.passes.check_plan import _plan_command
 from kareus.planner.knobs import default_clocks
 from kareus.testing import assert_same_history, hf_config_file, run_ranks, source_training
 
@@ -67,6 +69,11 @@ def test_a_model_of_your_own_is_planned_and_its_plan_applied(kind, tp, tmp_path)
     assert plan["workload"]["tp"] == tp
     if kind == "factory":  # its loss follows a graph break: said, and not priced
         assert any("traced into 2 training graphs" in r for r in plan["skip_reasons"])
+    else:  # the plan names the config, its shape, and the command that remakes it
+        assert plan["workload"]["model"]["hf_config"] == path
+        assert plan["workload"]["shape"] == {"hidden_size": 64, "num_layers": 4}
+        remake = _plan_command(Plan.load(tmp_path / "out" / "plan.json"), {})
+        assert f"--hf-config {path}" in remake
     for ref, got, verdict in run_ranks(
         _train, source, tp, str(tmp_path / "out" / "plan.json"), world=tp, timeout_s=300
     ):
@@ -75,17 +82,6 @@ def test_a_model_of_your_own_is_planned_and_its_plan_applied(kind, tp, tmp_path)
         assert verdict[2].startswith("clocks: planned"), verdict
         switched = re.search(r"applied by the emulated controller \((\d+) switches\)", verdict[2])
         assert switched and int(switched.group(1)) >= 1, verdict
-
-
-def test_a_plan_names_the_model_option_that_remakes_it(tmp_path):
-    path = str(hf_config_file("olmo", tmp_path))
-    plan = _plan(["--hf-config", path], 1, tmp_path / "out")
-    assert plan["workload"]["model"]["hf_config"] == path
-    assert plan["workload"]["shape"] == {"hidden_size": 64, "num_layers": 4}
-    from kareus.ir.plan_file import Plan
-    from kareus.passes.check_plan import _plan_command
-
-    assert f"--hf-config {path}" in _plan_command(Plan.load(tmp_path / "out" / "plan.json"), {})
 
 
 @pytest.mark.parametrize(
