@@ -74,9 +74,18 @@ def main_() -> None:
     parser.add_argument("--kinds", default=",".join([*HF_CONFIG_KINDS, "factory"]))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [run(kind, pathlib.Path(tmp)) for kind in args.kinds.split(",")]
+        rows = []
+        for kind in args.kinds.split(","):
+            try:
+                rows.append(run(kind, pathlib.Path(tmp)))
+            except Exception as err:  # one model failing is a row of the table, not the end
+                last = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
+                rows.append({"kind": kind, "tp": TP[kind], "failed": last})
     print(f"{'model':10} {'TP':>2} {'plan s (measured)':>18} {'nb':>3} {'loss rel diff':>14}")
     for r in rows:
+        if "failed" in r:
+            print(f"{r['kind']:10} {r['tp']:>2} FAILED: {r['failed']}")
+            continue
         print(
             f"{r['kind']:10} {r['tp']:>2} {r['plan_s']:>18.1f} {r['nanobatches']:>3} "
             f"{r['loss_rel_diff']:>14.1e}"
