@@ -62,10 +62,21 @@ class HFModel:
     """A Hugging Face model of its ``config.json``, built at its real size.
 
     Attributes:
-        path: the ``config.json``, or a directory holding one.
+        path: the ``config.json``, or a directory holding one; read once, when the model is
+            made (what is traced and what the plan records are the same config).
+
+    Raises:
+        ValueError: no such file, or not a JSON object with a ``model_type``.
     """
 
     path: str
+    _raw: dict[str, Any] = dataclasses.field(init=False, repr=False, compare=False)
+    _shape: LlamaConfig | None = dataclasses.field(
+        init=False, repr=False, compare=False, default=None
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_raw", _read_config(self.path))
 
     @property
     def name(self) -> str:
@@ -73,12 +84,8 @@ class HFModel:
         return f"{self.raw().get('model_type', 'hf')} ({self.path})"
 
     def raw(self) -> dict[str, Any]:
-        """Return the config file's contents.
-
-        Raises:
-            ValueError: no such file, or not a JSON object with a ``model_type``.
-        """
-        return _read_config(self.path)
+        """Return the config file's contents (as read when the model was made)."""
+        return self._raw
 
     def hf_config(self, layers: int | None = None) -> Any:
         """Return the ``transformers`` config (``layers`` decoder layers, else its own)."""
@@ -91,6 +98,12 @@ class HFModel:
 
     def config(self) -> LlamaConfig:
         """Return the model's shape (layers, widths, heads) as kareus's reports show it."""
+        if self._shape is None:  # built once: every report and check reads it
+            object.__setattr__(self, "_shape", self._config())
+        assert self._shape is not None
+        return self._shape
+
+    def _config(self) -> LlamaConfig:
         c = self.hf_config()
         hidden = int(c.hidden_size)
         heads = int(c.num_attention_heads)
