@@ -260,7 +260,7 @@ def tiny_plan():
     """``kareus plan`` of the tiny preset: fp32, TP 1, micro-batch 4 x 16 tokens."""
     from kareus.jobs.trace import Workload
     from kareus.jobs.workload import plan_workload
-    from kareus.planner.iteration import PlannerSettings
+    from kareus.planner.settings import PlannerSettings
 
     work = Workload(model="tiny", microbatch_size=4, seq_len=16, microbatches=1, dtype="fp32")
     settings = PlannerSettings(clocks_mhz=(1410, 1200))

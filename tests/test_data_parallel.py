@@ -18,16 +18,10 @@ from kareus.ir.costs import CollectiveCost
 from kareus.ir.plan_file import Plan
 from kareus.jobs.trace import Workload
 from kareus.planner.dag import schedule_iteration
-from kareus.planner.data_parallel import (
-    DataParallel,
-    Pricing,
-    StageWeights,
-    instruction_ops,
-    iteration_traffic,
-    per_instruction_cost,
-    traffic,
-)
-from kareus.planner.iteration import Parallelism, PlannerSettings, plan_for_gpu
+from kareus.planner.data_parallel import DataParallel, StageWeights, iteration_traffic, traffic
+from kareus.planner.dp_pricing import Pricing, instruction_ops, per_instruction_cost
+from kareus.planner.iteration import plan_for_gpu
+from kareus.planner.settings import Parallelism, PlannerSettings
 from kareus.testing import megatron_partition_set, run_ranks
 
 SPEC = gpu("a100-40gb")

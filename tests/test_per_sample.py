@@ -227,7 +227,7 @@ def test_writes_and_draws_are_read_from_schemas_and_tags_not_names():
     import torch.fx as fx
     import torch.nn.functional as F
 
-    from kareus.passes.per_sample import draws_random, writes_in_place
+    from kareus.passes.op_effects import draws_random, writes_in_place
 
     g = fx.Graph()
     x = g.placeholder("x")

@@ -62,8 +62,9 @@ def test_on_a_models_options_the_flow_agrees_with_the_simplex_and_proves_its_pla
     # below (0.056 % at most on the current A100 model, 0.05 % before its contended clock
     # exponent), and every plan is proven within the gap limit.
     from kareus.hardware import Emulator, gpu
-    from kareus.planner.iteration import PlannerSettings, evaluate_options
+    from kareus.planner.instruction_options import evaluate_options
     from kareus.planner.knobs import CountingEvaluator, default_clocks
+    from kareus.planner.settings import PlannerSettings
     from kareus.testing import megatron_partition_set
 
     spec = gpu("a100-sxm4-40gb")

@@ -30,15 +30,11 @@ from kareus.ir.costs import Evaluator
 from kareus.ir.partitions import PartitionSet
 from kareus.jobs.trace import Workload
 from kareus.planner.compose import Composer
-from kareus.planner.dag import Instruction, Iteration, Option, schedule_iteration
-from kareus.planner.data_parallel import STEP, add_data_parallel, data_parallel_planning
-from kareus.planner.iteration import (
-    Parallelism,
-    PlannerSettings,
-    default_profiles,
-    instruction_options,
-)
+from kareus.planner.dag import STEP, Instruction, Iteration, Option, schedule_iteration
+from kareus.planner.dp_pricing import add_data_parallel, data_parallel_planning
+from kareus.planner.instruction_options import default_profiles, instruction_options
 from kareus.planner.knobs import CountingEvaluator
+from kareus.planner.settings import Parallelism, PlannerSettings
 
 PROFILES = {"megatron": "no-overlap", "nanobatch": "nanobatch"}
 """Each method ``evaluate`` prices, and the decision profile its instructions run with."""

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from kareus._torch_internals import SEQ_NR, call_id, invoke_subgraph
-from kareus.passes.per_sample import draws_random, writes_in_place
+from kareus.passes.op_effects import draws_random, writes_in_place
 from kareus.passes.subgraphs import bodies, copy_graph
 from kareus.passes.tags import NodeTag, get_tag, set_tag
 

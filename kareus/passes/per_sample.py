@@ -27,15 +27,15 @@ op's name as the reason. :func:`why_not_per_sample` returns that reason, or "".
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from kareus._torch_internals import dynamo_function_name
+from kareus.passes.batch_dims import batch_dim_of, rank_blocks_reason, rows_per_sample
 from kareus.passes.census import qualified_name
+from kareus.passes.op_effects import arg_value, op_name
 from kareus.passes.subgraphs import bodies
 
 
@@ -92,17 +92,11 @@ _RESHAPE = _names("view reshape view_as reshape_as flatten unflatten")
 """Ops that regroup elements in row-major order; checked by :func:`_keeps_samples`."""
 
 
-def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
-    if name in node.kwargs:
-        return node.kwargs[name]
-    return node.args[index] if len(node.args) > index else default
-
-
-def _dims_arg(index: int, name: str, default: Any = "all") -> Callable[[fx.Node, int], Any]:
+def _dimsarg(index: int, name: str, default: Any = "all") -> Callable[[fx.Node, int], Any]:
     """Say that the op acts along the dims of argument ``index``/``name`` (all if absent)."""
 
     def dims(node: fx.Node, ndim: int) -> Any:
-        value = _arg(node, index, name, default)
+        value = arg_value(node, index, name, default)
         if value is None or value == "all":
             return "all"
         return value
@@ -128,14 +122,14 @@ def _trailing(count_of: Callable[[fx.Node], int]) -> Callable[[fx.Node, int], An
 
 
 def _normalized_len(node: fx.Node) -> int:
-    shape = _arg(node, 1, "normalized_shape", ())
+    shape = arg_value(node, 1, "normalized_shape", ())
     return len(shape) if isinstance(shape, (list, tuple)) else 1
 
 
 _ALONG: dict[str, Callable[[fx.Node, int], Any]] = {
     # reductions and scans: dim is argument 1; a missing dim reduces everything
     **{
-        name: _dims_arg(1, "dim")
+        name: _dimsarg(1, "dim")
         for name in _names(
             """sum mean amax amin max min var std norm logsumexp prod any all argmax
             argmin median nansum nanmean var_mean std_mean cumsum cumprod cummax cummin
@@ -143,35 +137,35 @@ _ALONG: dict[str, Callable[[fx.Node, int], Any]] = {
         )
     },
     # ops with a default dimension
-    "sort": _dims_arg(1, "dim", -1),
-    "argsort": _dims_arg(1, "dim", -1),
-    "topk": _dims_arg(2, "dim", -1),
-    "cat": _dims_arg(1, "dim", 0),
-    "concat": _dims_arg(1, "dim", 0),
-    "concatenate": _dims_arg(1, "dim", 0),
-    "stack": _dims_arg(1, "dim", 0),
-    "split": _dims_arg(2, "dim", 0),
-    "chunk": _dims_arg(2, "dim", 0),
-    "unbind": _dims_arg(1, "dim", 0),
-    "tensor_split": _dims_arg(2, "dim", 0),
-    "narrow": _dims_arg(1, "dim"),
-    "select": _dims_arg(1, "dim"),
-    "index_select": _dims_arg(1, "dim"),
-    "gather": _dims_arg(1, "dim"),
-    "take_along_dim": _dims_arg(2, "dim"),
-    "scatter": _dims_arg(1, "dim"),
-    "scatter_add": _dims_arg(1, "dim"),
-    "index_add": _dims_arg(1, "dim"),
-    "index_copy": _dims_arg(1, "dim"),
-    "index_fill": _dims_arg(1, "dim"),
-    "repeat_interleave": _dims_arg(2, "dim"),
+    "sort": _dimsarg(1, "dim", -1),
+    "argsort": _dimsarg(1, "dim", -1),
+    "topk": _dimsarg(2, "dim", -1),
+    "cat": _dimsarg(1, "dim", 0),
+    "concat": _dimsarg(1, "dim", 0),
+    "concatenate": _dimsarg(1, "dim", 0),
+    "stack": _dimsarg(1, "dim", 0),
+    "split": _dimsarg(2, "dim", 0),
+    "chunk": _dimsarg(2, "dim", 0),
+    "unbind": _dimsarg(1, "dim", 0),
+    "tensor_split": _dimsarg(2, "dim", 0),
+    "narrow": _dimsarg(1, "dim"),
+    "select": _dimsarg(1, "dim"),
+    "index_select": _dimsarg(1, "dim"),
+    "gather": _dimsarg(1, "dim"),
+    "take_along_dim": _dimsarg(2, "dim"),
+    "scatter": _dimsarg(1, "dim"),
+    "scatter_add": _dimsarg(1, "dim"),
+    "index_add": _dimsarg(1, "dim"),
+    "index_copy": _dimsarg(1, "dim"),
+    "index_fill": _dimsarg(1, "dim"),
+    "repeat_interleave": _dimsarg(2, "dim"),
     "flip": _var_dims,
-    "roll": _dims_arg(2, "dims"),
-    "diff": _dims_arg(2, "dim", -1),
+    "roll": _dimsarg(2, "dims"),
+    "diff": _dimsarg(2, "dim", -1),
     # normalisation over trailing dims; GEMMs and attention over their inner dims
     "layer_norm": _trailing(_normalized_len),
     "rms_norm": _trailing(_normalized_len),
-    "normalize": _dims_arg(2, "dim", 1),
+    "normalize": _dimsarg(2, "dim", 1),
     "linear": _trailing(lambda n: 1),
     "matmul": _trailing(lambda n: 2),
     "bmm": _trailing(lambda n: 2),
@@ -180,7 +174,7 @@ _ALONG: dict[str, Callable[[fx.Node, int], Any]] = {
     "scaled_dot_product_attention": _trailing(lambda n: 2),
     "mm": _trailing(lambda n: 1),
     "addmm": _trailing(lambda n: 1),
-    "glu": _dims_arg(1, "dim", -1),
+    "glu": _dimsarg(1, "dim", -1),
     # collectives that concatenate or split ranks along dimension 0
     "all_gather_into_tensor": lambda n, ndim: [0],
     "reduce_scatter_tensor": lambda n, ndim: [0],
@@ -254,130 +248,6 @@ def _pointwise(node: fx.Node) -> bool:
     return torch.Tag.pointwise in tags
 
 
-def op_name(node: fx.Node) -> str:
-    """Return the short name of ``node``'s op (``linear``, ``flip``, ``add``...)."""
-    target = node.target
-    if node.op == "call_module":
-        owner = node.graph.owning_module
-        if owner is not None:
-            return type(owner.get_submodule(str(target))).__name__
-    if isinstance(target, str):
-        return target
-    schema = getattr(target, "_schema", None)
-    if schema is not None:
-        return str(schema.name).split("::")[-1]
-    name = getattr(target, "__name__", None) or getattr(target, "_name", None)
-    return dynamo_function_name(str(name or target))
-
-
-_IN_PLACE_OPERATORS = frozenset(
-    {"setitem"}
-    | {n for n in dir(operator) if n.startswith("i") and n[1:] in dir(operator) and n != "index"}
-)
-"""Python's own in-place operators (``x[i] = v``, ``x += y``): no torch schema describes them."""
-
-_ATEN_ALIASES = {f"dropout{n}d": "feature_dropout" for n in (1, 2, 3)}
-"""torch.nn.functional names whose aten op has another name."""
-
-
-def torch_overloads(node: fx.Node) -> list[Any]:
-    """Return the torch op overloads ``node`` may call: what its schema and tags are read from.
-
-    A torch op (an overload, or a packet: each of its overloads); a torch function or tensor
-    method of a Dynamo graph (``torch.rand``, ``F.dropout``, ``x.uniform_``): the ``aten``
-    op of that name, which it runs. Nothing for Python operators and unknown callables.
-    """
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return [target]
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return [getattr(target, o) for o in target.overloads()]
-    if node.op not in ("call_function", "call_method") or qualified_name(target):
-        return []
-    name = op_name(node)
-    packet = getattr(torch.ops.aten, _ATEN_ALIASES.get(name, name), None)
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
-        return []
-    return [getattr(packet, o) for o in packet.overloads()]
-
-
-def writes_in_place(node: fx.Node) -> bool:
-    """Return whether ``node`` may write one of its arguments in place.
-
-    From the schema of the op it calls (an argument annotated as written, as ``add_``,
-    ``copy_`` and a custom op with ``mutates_args`` are), Python's in-place operators
-    (``setitem``, ``iadd``...), or its arguments (``inplace=True``, ``out=``). Names are not
-    read: a custom op called ``relu_`` that writes nothing does not write.
-    """
-    if node.kwargs.get("inplace") is True or "out" in node.kwargs:
-        return True
-    overloads = torch_overloads(node)
-    if overloads:
-        # an overload with out= arguments is only chosen with them (checked above)
-        plain = [o for o in overloads if not any(a.is_out for a in o._schema.arguments)]
-        return any(_writes(o) for o in plain or overloads)
-    return node.op == "call_function" and op_name(node) in _IN_PLACE_OPERATORS
-
-
-def _writes(overload: Any) -> bool:
-    return any(
-        a.alias_info is not None and a.alias_info.is_write for a in overload._schema.arguments
-    )
-
-
-def draws_random(node: fx.Node) -> bool:
-    """Return whether ``node`` draws random numbers: the one predicate every pass asks.
-
-    From the op's ``torch.Tag.nondeterministic_seeded`` tag, then its arguments: a dropout
-    with ``p=0`` or not training, and attention with ``dropout_p=0``, draw nothing.
-    """
-    overloads = torch_overloads(node)
-    if not any(torch.Tag.nondeterministic_seeded in o.tags for o in overloads):
-        return False
-    p = _argument(node, overloads, ("p", "dropout_p"))
-    training = _argument(node, overloads, ("train", "training"))
-    if isinstance(p, (int, float)) and p == 0:
-        return False
-    return training is not False
-
-
-def _argument(node: fx.Node, overloads: list[Any], names: tuple[str, ...]) -> Any:
-    """Return the value ``node`` passes for the first of ``names`` its op's schema has."""
-    for name in names:
-        if name in node.kwargs:
-            return node.kwargs[name]
-    for overload in overloads:
-        for i, arg in enumerate(overload._schema.arguments):
-            if arg.name in names:
-                if i < len(node.args):
-                    return node.args[i]
-                return arg.default_value if arg.has_default_value() else None
-    return None
-
-
-def batch_dim_of(value: Any, sym: Any) -> int | str | None:
-    """Return the batch dimension of ``value``: its index, None (no batch), or "mixed".
-
-    "mixed" means the batch symbol appears in several dimensions, or in one whose size is
-    not a multiple of the batch (the batch was merged into a dimension that mixes samples).
-    """
-    if not isinstance(value, torch.Tensor):
-        return None
-    dims = [
-        i
-        for i, s in enumerate(value.shape)
-        if isinstance(s, torch.SymInt) and sym in s.node.expr.free_symbols
-    ]
-    if not dims:
-        return None
-    if len(dims) > 1:
-        return "mixed"
-    expr = value.shape[dims[0]].node.expr  # type: ignore[attr-defined]
-    if not (expr / sym).free_symbols.isdisjoint({sym}):
-        return "mixed"  # e.g. s*s or s + 1: not whole samples per row
-    return dims[0]
-
-
 def why_not_per_sample(node: fx.Node, sym: Any) -> str:
     """Return why ``node`` may compute a sample from other samples' data, or "" if it cannot.
 
@@ -433,7 +303,7 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
         if _keeps_samples(source, carrying[0][1], value, out_dim, sym):  # type: ignore[arg-type]
             return ""
         return f"{label} moves elements of different samples into one row"
-    if (by_rank := _rank_blocks_reason(node, name, carrying, sym, label)) is not None:
+    if (by_rank := rank_blocks_reason(node, name, carrying, sym, label)) is not None:
         return by_rank
     if name in _ALONG:
         return _aligned_reason(node, name, carrying, sym, label) or _along_reason(
@@ -485,133 +355,6 @@ def _dtensor_reason(
     return ""
 
 
-def _rank_blocks_reason(
-    node: fx.Node, name: str, carrying: list[tuple[fx.Node, Any]], sym: Any, label: str
-) -> str | None:
-    """Judge the ops that stack the ranks' batches along dimension 0 and take them apart.
-
-    A functional all-gather concatenates the ranks' tensors along dimension 0, and a
-    reduce-scatter's input holds one block per rank there. With the batch at dimension 0,
-    such a dimension holds rank blocks, each a whole batch: a nanobatch's gather is not a
-    slice of the batch's. It is per sample all the same where the blocks are taken apart
-    again before anything else reads them, as a gather along another dimension does
-    (``funcol.all_gather_tensor(x, gather_dim=1)``: gather, ``chunk`` per rank, ``cat``
-    along the sequence), and where the blocks were put together just before the
-    reduce-scatter (``funcol.reduce_scatter_tensor(x, scatter_dim=1)``: ``chunk`` along the
-    sequence, ``cat`` per rank, reduce-scatter). Returns "" for those, a reason for a
-    gather or a scatter whose blocks escape or mix, and None for other ops (the other rules
-    judge them).
-    """
-    dims = [d for _i, d in carrying]
-    if name == "all_gather_into_tensor" and dims == [0]:
-        ranks = _arg(node, 1, "group_size")
-        if _taken_apart(node, ranks, sym):
-            return ""
-        return (
-            f"{label} gathers the ranks' batches along the batch dimension, and they are "
-            "not taken apart by rank (a chunk per rank) before use"
-        )
-    if name in ("chunk", "split", "tensor_split") and dims == [0] and _along_0(node):
-        source = _through_waits(carrying[0][0])
-        if _op_is(source, "all_gather_into_tensor") and _taken_apart(source, None, sym):
-            return ""
-        return None
-    if name in ("cat", "concat", "concatenate") and 0 in dims and _along_0(node):
-        if _stacked_for_scatter(node, sym):
-            return ""
-        return None
-    if name == "reduce_scatter_tensor" and dims == [0]:
-        if _stacked_for_scatter(carrying[0][0], sym):  # (as many blocks as its ranks)
-            return ""
-        return (
-            f"{label} scatters along the batch dimension an input that is not one block "
-            "per rank of whole batches (a cat of a chunk per rank)"
-        )
-    return None
-
-
-def _op_is(node: Any, name: str) -> bool:
-    return isinstance(node, fx.Node) and node.op != "placeholder" and op_name(node) == name
-
-
-def _through_waits(node: fx.Node) -> fx.Node:
-    """Return the node whose value ``node`` is, through ``wait_tensor`` calls."""
-    while _op_is(node, "wait_tensor") and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
-
-
-def _along_0(node: fx.Node) -> bool:
-    index = 1 if op_name(node) in ("cat", "concat", "concatenate") else 2
-    dim = _arg(node, index, "dim", 0)
-    first = node.args[0] if node.args else None
-    if isinstance(first, (list, tuple)):
-        first = first[0] if first else None
-    value = first.meta.get("example_value") if isinstance(first, fx.Node) else None
-    ndim = value.dim() if isinstance(value, torch.Tensor) else 1
-    return isinstance(dim, int) and dim % max(ndim, 1) == 0
-
-
-def _rank_parts(node: fx.Node, sym: Any) -> int | None:
-    """Return how many equal parts along dimension 0 a chunk/split node makes, or None.
-
-    Each part must be a whole-batch block (the same rows per sample).
-    """
-    parts = node.meta.get("example_value")
-    if not isinstance(parts, (list, tuple)) or not parts:
-        return None
-    rows = {
-        _rows(p.shape[0], sym) if isinstance(p, torch.Tensor) and p.dim() else None for p in parts
-    }
-    if len(rows) != 1 or None in rows:
-        return None
-    return len(parts)
-
-
-def _taken_apart(gather: fx.Node, ranks: Any, sym: Any) -> bool:
-    """Whether every use of ``gather`` (through waits) splits it into one block per rank."""
-    ranks = _arg(gather, 1, "group_size") if ranks is None else ranks
-    pending = list(gather.users)
-    while pending:
-        user = pending.pop()
-        if _op_is(user, "wait_tensor"):
-            pending.extend(user.users)
-            continue
-        name = op_name(user)
-        if name not in ("chunk", "split", "tensor_split") or not _along_0(user):
-            return False
-        if not isinstance(ranks, int) or _rank_parts(user, sym) != ranks:
-            return False
-    return True
-
-
-def _stacked_for_scatter(node: Any, sym: Any) -> bool:
-    """Return whether ``node`` stacks whole-batch blocks for reduce-scatters.
-
-    That is: a cat along dimension 0 of equal blocks with the batch at dimension 0 of each,
-    used only by reduce-scatters of as many ranks as blocks.
-    """
-    if not isinstance(node, fx.Node) or op_name(node) not in ("cat", "concat", "concatenate"):
-        return False
-    if not _along_0(node):
-        return False
-    tensors = node.args[0] if node.args else node.kwargs.get("tensors")
-    if not isinstance(tensors, (list, tuple)) or not tensors:
-        return False
-    rows = set()
-    for t in tensors:
-        value = t.meta.get("example_value") if isinstance(t, fx.Node) else None
-        if batch_dim_of(value, sym) != 0:
-            return False
-        rows.add(_rows(value.shape[0], sym))  # type: ignore[union-attr]
-    if len(rows) != 1 or None in rows or not node.users:
-        return False
-    return all(
-        _op_is(u, "reduce_scatter_tensor") and _arg(u, 2, "group_size") == len(tensors)
-        for u in node.users
-    )
-
-
 _ALIGNED = {
     "scatter": (("index", 2), ("src", 3)),
     "scatter_add": (("index", 2), ("src", 3)),
@@ -633,7 +376,7 @@ def _aligned_reason(
     value = first.meta.get("example_value") if isinstance(first, fx.Node) else None
     self_dim = batch_dim_of(value, sym)
     for arg_name, index in _ALIGNED[name]:
-        arg = _arg(node, index, arg_name)
+        arg = arg_value(node, index, arg_name)
         if not isinstance(arg, fx.Node):
             continue  # a scalar value: the same for every element
         if batch_dim_of(arg.meta.get("example_value"), sym) != self_dim:
@@ -728,7 +471,10 @@ def _keeps_samples(source: torch.Tensor, dim: int, value: Any, out_dim: Any, sym
     """
     if not isinstance(value, torch.Tensor) or not isinstance(out_dim, int):
         return False
-    rows_in, rows_out = _rows(source.shape[dim], sym), _rows(value.shape[out_dim], sym)
+    rows_in, rows_out = (
+        rows_per_sample(source.shape[dim], sym),
+        rows_per_sample(value.shape[out_dim], sym),
+    )
     if rows_in is None or rows_out is None:
         return False
     p_in = math.prod(_hint(s) for s in source.shape[:dim])
@@ -736,13 +482,6 @@ def _keeps_samples(source: torch.Tensor, dim: int, value: Any, out_dim: Any, sym
     p_out = math.prod(_hint(s) for s in value.shape[:out_dim])
     k_out = rows_out * math.prod(_hint(s) for s in value.shape[out_dim + 1 :])
     return p_out > 0 and k_out > 0 and p_in % p_out == 0 and k_in % k_out == 0
-
-
-def _rows(size: Any, sym: Any) -> int | None:
-    """Return a batch dimension's size over the batch (rows per sample), if a whole number."""
-    expr = size.node.expr if isinstance(size, torch.SymInt) else size
-    ratio = expr / sym
-    return int(ratio) if getattr(ratio, "is_Integer", False) and int(ratio) > 0 else None
 
 
 def _body_reason(node: fx.Node, name: str, sym: Any) -> str:

@@ -43,7 +43,8 @@ import torch.fx as fx
 from kareus.passes.base import GraphPass, PassContext, PassResult
 from kareus.passes.census import census
 from kareus.passes.find_blocks import BlockSet
-from kareus.passes.per_sample import draws_random, op_name, why_not_per_sample, writes_in_place
+from kareus.passes.op_effects import draws_random, op_name, writes_in_place
+from kareus.passes.per_sample import why_not_per_sample
 from kareus.passes.tags import NodeTag, set_tag
 
 _BATCH_NORMS = frozenset({"batch_norm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d"})

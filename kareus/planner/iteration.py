@@ -21,134 +21,35 @@ from typing import Any
 
 from kareus.errors import KareusError
 from kareus.hardware import Emulator, GPUSpec
-from kareus.ir.costs import Evaluator, Knobs, PartitionWork
+from kareus.ir.costs import Evaluator
 from kareus.ir.partitions import Decision, PartitionSet
 from kareus.ir.plan_file import FrontierPoint, Plan, ScheduledInstruction
 from kareus.planner.compose import Composer, Solution
 from kareus.planner.dag import (
     SCHEDULES,
+    STEP,
     Iteration,
     Option,
     SwitchCost,
     schedule_iteration,
     switches,
 )
-from kareus.planner.data_parallel import (
-    IN_GRAPH,
-    STEP,
-    STEP_ORIGINAL,
+from kareus.planner.data_parallel import IN_GRAPH, STEP_ORIGINAL
+from kareus.planner.dp_pricing import (
     DataParallelPlanning,
     add_data_parallel,
     blind_gain,
     data_parallel_planning,
 )
-from kareus.planner.knobs import CountingEvaluator, KnobSpace, Setting, default_clocks, knobs_of
+from kareus.planner.instruction_options import ORIGINAL, Evaluated, Pair, evaluate_options
+from kareus.planner.knobs import CountingEvaluator, default_clocks
 from kareus.planner.pareto import TIME_RESOLUTION_S, pareto_front
-from kareus.planner.search import SearchResult, exhaustive, search
+from kareus.planner.search import SearchResult
 from kareus.planner.select import select
+from kareus.planner.settings import Parallelism, PlannerSettings
 from kareus.planner.sweep import REFINE_GAP, best_within
 
 METHODS = ("megatron", "perseus", "nanobatch+perseus", "kareus")
-Pair = tuple[int | None, int | None]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PlannerSettings:
-    """Knobs of the planner itself.
-
-    Attributes:
-        clocks_mhz: clocks to consider; None takes a spread of the top of the GPU's range
-            (:data:`~kareus.planner.knobs.DEFAULT_CLOCK_COUNT` of them).
-        sm_shares: SM shares of the collective to consider.
-        no_overlap_sm_share: SMs of a collective that runs alone: NCCL's defaults, which
-            reach its published bus bandwidth (about 230 GB/s on 8 A100s, with 24 channels:
-            NCCL's init log on an HGX A100, NVIDIA/nccl-tests#100), in the hardware model
-            32 CTAs of the measured copy rate.
-        default_sm_share: SMs of a collective that the nanobatching baseline overlaps on
-            the default communicator: NCCL's defaults again, hence the same 32. With 16
-            (an SM limit the baseline does not set) its plans priced 10 % slower than the
-            reference A100 nanobatching plans at TP 8 (``benchmarks/pipeline_fidelity.py``).
-        exhaustive: evaluate every setting instead of searching.
-        budget_fraction: search budget as a fraction of each type's grid.
-        sweep_points: bounds swept to trace each frontier.
-        solver_time_limit_s: CP-SAT's deterministic work limit per solve and 64
-            instructions (in its deterministic time units, roughly seconds of one core): a
-            limit of work, not of wall-clock time, so plans never depend on machine load.
-        solver_workers: CP-SAT workers; more than one are interleaved in one thread (that
-            keeps the search deterministic).
-        solver_gap_limit: a solve stops once its plan is proven within this fraction of
-            the least energy at its time bound: by the linear relaxation alone, or else by
-            CP-SAT's search (each point's proven gap is reported).
-        search_max_instructions: CP-SAT searches only iterations of at most this many
-            instructions; larger ones keep the relaxation's plan (improved by its dive) with
-            its proven gap. On the traced Llama 3.3 70B PP 8 x 16 with full recompute (256
-            instructions) CP-SAT's five searches took 102 s of the 127 s planning and
-            improved one point by 0.04 %. Smaller iterations (the README's main job has 32
-            instructions) keep it for the points the relaxation and dive leave loose.
-        dive_max_instructions: the relaxation's dive (re-solving with mixed instructions
-            fixed, round by round) improves the rounded plan only in iterations of at most
-            this many instructions; larger ones keep the rounded plan with its proven gap.
-            At 2,048 instructions (the traced Llama 3.3 70B, PP 16 x 64) each round
-            re-solves a program of about 100,000 variables: with dives planning took more
-            than 15 minutes, without them 24-47 s with every point within 0.92 % (the
-            chosen one within 0.43 %).
-        flow_min_instructions: iterations of at least this many instructions solve the
-            relaxation as a min-cost flow (:mod:`kareus.planner.flow`: the simplex's bound,
-            a plan rounded about as well, a solve in 0.1-2 s at 4,096 instructions) rather
-            than by the simplex (None: always the simplex). Where the flow's plan is not
-            proven within the gap limit and the iteration has at most
-            ``dive_max_instructions``, the simplex dives as well and the better plan and
-            bound are kept. The default starts past CP-SAT's search limit, so small
-            iterations plan as before. On Llama 3.3 70B shapes, TP 8 (``python
-            benchmarks/planner.py --scale 8x16,8x64,16x64,16x128``, 2026-12-03, 2 cores,
-            on the ten clocks then planned by default): PP 8 x 64 (1,024 instructions)
-            plans in 7.9 s instead of 16.9 s, PP 16 x 64 in 23 s instead of 63 s, PP 16 x
-            128 in 77 s instead of 661 s, gaps no larger.
-        switch: what one clock change costs; None takes the GPU spec's
-            (:func:`plan_for_gpu`), or none where no spec is given.
-    """
-
-    clocks_mhz: tuple[float, ...] | None = None
-    sm_shares: tuple[int, ...] = (2, 4, 8, 16, 32)
-    no_overlap_sm_share: int = 32
-    default_sm_share: int = 32
-    exhaustive: bool = False
-    budget_fraction: float = 0.2
-    sweep_points: int = 10
-    solver_time_limit_s: float = 1.0
-    solver_workers: int = 1
-    solver_gap_limit: float = 0.005
-    search_max_instructions: int | None = 128
-    dive_max_instructions: int | None = 1024
-    flow_min_instructions: int | None = 129
-    switch: SwitchCost | None = None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Parallelism:
-    """How the job is parallelised: tensor, context, pipeline stages, micro-batches."""
-
-    tp: int = 1
-    pp: int = 1
-    microbatches: int = 1
-    cp: int = 1
-    schedule: str = "1F1B"  # the pipeline schedule: a key of compose.SCHEDULES
-    virtual_stages: int = 1  # stages per pipeline rank (Interleaved1F1B: 2 or more)
-
-    @property
-    def stages(self) -> int:
-        """Pipeline stages: ranks times stages per rank (stage ``v * pp + r`` on rank r)."""
-        return self.pp * self.virtual_stages
-
-    @property
-    def gpus_per_stage(self) -> int:
-        """GPUs of one pipeline stage (tensor x context parallel)."""
-        return self.tp * self.cp
-
-    @property
-    def gpus(self) -> int:
-        """GPUs of one pipeline replica (its ranks, not its stages)."""
-        return self.gpus_per_stage * self.pp
 
 
 @dataclasses.dataclass
@@ -546,10 +447,6 @@ def _alongside(
     return {**out["baselines"], "kareus": mine}
 
 
-ORIGINAL = "original"
-"""The decision profile of the original graphs' options: blocks whole, collectives alone."""
-
-
 def _per_stage(psets: PartitionSet | Sequence[PartitionSet], stages: int) -> list[PartitionSet]:
     """Return one set per pipeline stage (a single set, or too few, repeat the first)."""
     out = list(psets) if isinstance(psets, Sequence) else [psets] * stages
@@ -638,155 +535,6 @@ def _point(s: Solution, iteration: Iteration) -> FrontierPoint:
     return FrontierPoint(s.time_s, s.energy_j, s.bound_j, _nanobatches(s), changes)
 
 
-@dataclasses.dataclass
-class Evaluated:
-    """What planning evaluates before it composes (:func:`evaluate_options`).
-
-    Attributes:
-        searches: each type's search, by ``"stage/type"``.
-        options: each (stage, kind)'s instruction options (clock x decision profile).
-        profiles: each (stage, kind)'s decision profiles, by name.
-        grid: the knob grid's size over the first stage's types.
-        searched: evaluations the searches made.
-    """
-
-    searches: dict[str, SearchResult]
-    options: dict[tuple[int, str], list[Option]]
-    profiles: dict[tuple[int, str], dict[str, dict[str, Pair]]]
-    grid: int
-    searched: int
-
-
-def evaluate_options(
-    stages: Sequence[PartitionSet],
-    ev: CountingEvaluator,
-    freqs: Sequence[float],
-    static_power_w: float,
-    settings: PlannerSettings,
-    note: Any = None,
-    originals: Sequence[PartitionSet] | None = None,
-) -> Evaluated:
-    """Search each partition type and build every instruction's options.
-
-    Every evaluation planning needs happens here (composing evaluates nothing), so a
-    profiler that runs this records everything a later replay is asked for. ``originals``
-    (the original graphs' sets, one per stage) add each instruction's options on them, at
-    every clock with every collective alone (profile :data:`ORIGINAL`).
-    """
-    note = note or (lambda _step: None)
-    freqs = tuple(freqs)
-
-    # Per partition type: the frontier over the knob space.
-    searches: dict[str, SearchResult] = {}
-    for si, pset in enumerate(stages):
-        for key, ptype in pset.types.items():
-            name = f"{si}/{key}"
-            if stages.index(pset) != si:  # the same set as an earlier stage
-                searches[name] = searches[f"{stages.index(pset)}/{key}"]
-                continue
-            note(f"searching {name}")
-            space = KnobSpace(
-                freqs,
-                settings.sm_shares,
-                len(ptype.slot_labels) if ptype.collective else 0,
-                settings.no_overlap_sm_share,
-            )
-            fn = exhaustive if settings.exhaustive else search
-            kwargs = {} if settings.exhaustive else {"budget_fraction": settings.budget_fraction}
-            work = PartitionWork(ptype.compute, ptype.collective)
-            searches[name] = fn(work, space, ev, **kwargs)  # type: ignore[operator]
-    grid = sum(r.grid_size for n, r in searches.items() if n.startswith("0/"))
-    searched = ev.evaluations
-
-    note("building instruction options")
-    profiles_by_group = default_profiles(stages, settings)
-    for (si, kind), profiles in profiles_by_group.items():
-        for name, prof in _searched_profiles(si, kind, stages[si], searches).items():
-            if prof not in profiles.values():  # a profile is tried once, by its first name
-                profiles[name] = prof
-    options = instruction_options(stages, ev, freqs, static_power_w, settings, profiles_by_group)
-    if originals is not None:
-        note("building the original graphs' options")
-        alone = {
-            group: {ORIGINAL: profiles["no-overlap"]}
-            for group, profiles in default_profiles(originals, settings).items()
-        }
-        extra = instruction_options(originals, ev, freqs, static_power_w, settings, alone)
-        for group, opts in extra.items():
-            options[group] = options[group] + opts
-    return Evaluated(searches, options, profiles_by_group, grid, searched)
-
-
-def default_profiles(
-    stages: Sequence[PartitionSet], settings: PlannerSettings
-) -> dict[tuple[int, str], dict[str, dict[str, Pair]]]:
-    """Return each (stage, kind)'s two fixed decision profiles (no search needed).
-
-    ``no-overlap``: every collective alone, as Megatron-LM and Perseus run; ``nanobatch``:
-    each collective launched at its partition's start on the default communicator.
-    """
-    out: dict[tuple[int, str], dict[str, dict[str, Pair]]] = {}
-    for si, pset in enumerate(stages):
-        for kind in ("forward", "backward"):
-            with_coll = [
-                k
-                for k, t in pset.types.items()
-                if t.instruction == kind and t.collective is not None
-            ]
-            out[(si, kind)] = {
-                "no-overlap": {k: (None, None) for k in with_coll},
-                "nanobatch": {k: (0, settings.default_sm_share) for k in with_coll},
-            }
-    return out
-
-
-def instruction_options(
-    stages: Sequence[PartitionSet],
-    ev: CountingEvaluator,
-    freqs: Sequence[float],
-    static_power_w: float,
-    settings: PlannerSettings,
-    profiles: dict[tuple[int, str], dict[str, dict[str, Pair]]],
-) -> dict[tuple[int, str], list[Option]]:
-    """Each (stage, kind)'s options: every clock of ``freqs`` x every decision profile.
-
-    An option's time and dynamic energy are those of the work outside partitions (with what
-    activation recompute re-runs) plus each partition type's, under the profile's (slot,
-    SM share), times the type's count in the instruction.
-    """
-    options: dict[tuple[int, str], list[Option]] = {}
-    for si, pset in enumerate(stages):
-        for kind in ("forward", "backward"):
-            counts = pset.counts(kind)
-            types = [k for k in pset.types if pset.types[k].instruction == kind]
-            spaces = {
-                key: KnobSpace(
-                    tuple(freqs),
-                    settings.sm_shares,
-                    len(pset.types[key].slot_labels) if pset.types[key].collective else 0,
-                    settings.no_overlap_sm_share,
-                )
-                for key in types
-            }
-            works = {
-                key: PartitionWork(pset.types[key].compute, pset.types[key].collective)
-                for key in types
-            }
-            opts = []
-            for f in freqs:
-                base_t, base_e = _base(pset, kind, f, ev, settings, static_power_w)
-                for pname, pairs in profiles[(si, kind)].items():
-                    t, e = base_t, base_e
-                    for key in types:
-                        pair = pairs[key] if pset.types[key].collective else (None, None)
-                        est = ev.partition(works[key], knobs_of(Setting(f, *pair), spaces[key]))
-                        t += counts.get(key, 0) * est.time_s
-                        e += counts.get(key, 0) * (est.energy_j - static_power_w * est.time_s)
-                    opts.append(Option(f, pname, t, e))
-            options[(si, kind)] = opts
-    return options
-
-
 def plan_for_gpu(
     psets: PartitionSet | Sequence[PartitionSet],
     spec: GPUSpec,
@@ -819,59 +567,3 @@ def plan_for_gpu(
         settings=settings,
         **kwargs,
     )
-
-
-def _searched_profiles(
-    stage: int, kind: str, pset: PartitionSet, searches: dict[str, SearchResult]
-) -> dict[str, dict[str, Pair]]:
-    """Decision profiles (one (slot, share) per type) the searches suggest for one group.
-
-    Per type, the pairs on its frontier that are fastest and most frugal at the top, middle
-    and bottom of the clock grid (the fixed profiles, :func:`default_profiles`, come first).
-    """
-    with_coll = [
-        k for k, t in pset.types.items() if t.instruction == kind and t.collective is not None
-    ]
-    profiles: dict[str, dict[str, Pair]] = {}
-    for label in ("fast", "frugal"):
-        for where in ("top", "mid", "low"):
-            prof: dict[str, Pair] = {}
-            for key in with_coll:
-                pts = searches[f"{stage}/{key}"].points
-                clocks = sorted({p.setting.freq_mhz for p in pts}, reverse=True)
-                f = {"top": clocks[0], "mid": clocks[len(clocks) // 2], "low": clocks[-1]}[where]
-                at = [p for p in pts if p.setting.freq_mhz == f]
-                best = min(
-                    at, key=(lambda p: p.time_s) if label == "fast" else (lambda p: p.energy_j)
-                )
-                prof[key] = best.setting.pair
-            profiles[f"{label}@{where}"] = prof
-    return profiles
-
-
-def _base(
-    pset: PartitionSet,
-    kind: str,
-    f: float,
-    ev: CountingEvaluator,
-    settings: PlannerSettings,
-    static_power_w: float,
-) -> tuple[float, float]:
-    """Time and dynamic energy of an instruction's work outside partitions at clock f.
-
-    That is the compute outside partitions, what activation recompute re-runs, and the
-    collectives that overlap nothing.
-    """
-    t = e = 0.0
-    for ops in (pset.outside(kind), pset.recompute.get(kind, ())):
-        if ops:
-            est = ev.ops(ops, f)
-            t += est.time_s
-            e += est.energy_j - static_power_w * est.time_s
-    for coll in pset.exposed.get(kind, ()) + pset.recompute_collectives.get(kind, ()):
-        est = ev.partition(
-            PartitionWork((), coll), Knobs(f, settings.no_overlap_sm_share, launch_slot=None)
-        )
-        t += est.time_s
-        e += est.energy_j - static_power_w * est.time_s
-    return t, e

@@ -14,8 +14,8 @@ equally often; their results are combined the same way (:meth:`ProfilingDevice.c
 
 Devices: :class:`EmulatedProfilingDevice` advances a virtual time and a coarse energy
 counter with the hardware model, so the profiler is tested without a GPU (its figures are
-modelled); ``kareus.jobs.profile.ProgramDevice`` runs the partitions extracted from the model's
-own graphs (``kareus profile``).
+modelled); ``kareus.jobs.program_device.ProgramDevice`` runs the partitions extracted from
+the model's own graphs (``kareus profile``).
 """
 
 from __future__ import annotations

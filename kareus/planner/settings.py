@@ -1,0 +1,106 @@
+"""The planner's own knobs and the job's parallelism: what every planning call is given."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kareus.planner.dag import SwitchCost
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlannerSettings:
+    """Knobs of the planner itself.
+
+    Attributes:
+        clocks_mhz: clocks to consider; None takes a spread of the top of the GPU's range
+            (:data:`~kareus.planner.knobs.DEFAULT_CLOCK_COUNT` of them).
+        sm_shares: SM shares of the collective to consider.
+        no_overlap_sm_share: SMs of a collective that runs alone: NCCL's defaults, which
+            reach its published bus bandwidth (about 230 GB/s on 8 A100s, with 24 channels:
+            NCCL's init log on an HGX A100, NVIDIA/nccl-tests#100), in the hardware model
+            32 CTAs of the measured copy rate.
+        default_sm_share: SMs of a collective that the nanobatching baseline overlaps on
+            the default communicator: NCCL's defaults again, hence the same 32. With 16
+            (an SM limit the baseline does not set) its plans priced 10 % slower than the
+            reference A100 nanobatching plans at TP 8 (``benchmarks/pipeline_fidelity.py``).
+        exhaustive: evaluate every setting instead of searching.
+        budget_fraction: search budget as a fraction of each type's grid.
+        sweep_points: bounds swept to trace each frontier.
+        solver_time_limit_s: CP-SAT's deterministic work limit per solve and 64
+            instructions (in its deterministic time units, roughly seconds of one core): a
+            limit of work, not of wall-clock time, so plans never depend on machine load.
+        solver_workers: CP-SAT workers; more than one are interleaved in one thread (that
+            keeps the search deterministic).
+        solver_gap_limit: a solve stops once its plan is proven within this fraction of
+            the least energy at its time bound: by the linear relaxation alone, or else by
+            CP-SAT's search (each point's proven gap is reported).
+        search_max_instructions: CP-SAT searches only iterations of at most this many
+            instructions; larger ones keep the relaxation's plan (improved by its dive) with
+            its proven gap. On the traced Llama 3.3 70B PP 8 x 16 with full recompute (256
+            instructions) CP-SAT's five searches took 102 s of the 127 s planning and
+            improved one point by 0.04 %. Smaller iterations (the README's main job has 32
+            instructions) keep it for the points the relaxation and dive leave loose.
+        dive_max_instructions: the relaxation's dive (re-solving with mixed instructions
+            fixed, round by round) improves the rounded plan only in iterations of at most
+            this many instructions; larger ones keep the rounded plan with its proven gap.
+            At 2,048 instructions (the traced Llama 3.3 70B, PP 16 x 64) each round
+            re-solves a program of about 100,000 variables: with dives planning took more
+            than 15 minutes, without them 24-47 s with every point within 0.92 % (the
+            chosen one within 0.43 %).
+        flow_min_instructions: iterations of at least this many instructions solve the
+            relaxation as a min-cost flow (:mod:`kareus.planner.flow`: the simplex's bound,
+            a plan rounded about as well, a solve in 0.1-2 s at 4,096 instructions) rather
+            than by the simplex (None: always the simplex). Where the flow's plan is not
+            proven within the gap limit and the iteration has at most
+            ``dive_max_instructions``, the simplex dives as well and the better plan and
+            bound are kept. The default starts past CP-SAT's search limit, so small
+            iterations plan as before. On Llama 3.3 70B shapes, TP 8 (``python
+            benchmarks/planner.py --scale 8x16,8x64,16x64,16x128``, 2026-12-03, 2 cores,
+            on the ten clocks then planned by default): PP 8 x 64 (1,024 instructions)
+            plans in 7.9 s instead of 16.9 s, PP 16 x 64 in 23 s instead of 63 s, PP 16 x
+            128 in 77 s instead of 661 s, gaps no larger.
+        switch: what one clock change costs; None takes the GPU spec's
+            (:func:`plan_for_gpu`), or none where no spec is given.
+    """
+
+    clocks_mhz: tuple[float, ...] | None = None
+    sm_shares: tuple[int, ...] = (2, 4, 8, 16, 32)
+    no_overlap_sm_share: int = 32
+    default_sm_share: int = 32
+    exhaustive: bool = False
+    budget_fraction: float = 0.2
+    sweep_points: int = 10
+    solver_time_limit_s: float = 1.0
+    solver_workers: int = 1
+    solver_gap_limit: float = 0.005
+    search_max_instructions: int | None = 128
+    dive_max_instructions: int | None = 1024
+    flow_min_instructions: int | None = 129
+    switch: SwitchCost | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Parallelism:
+    """How the job is parallelised: tensor, context, pipeline stages, micro-batches."""
+
+    tp: int = 1
+    pp: int = 1
+    microbatches: int = 1
+    cp: int = 1
+    schedule: str = "1F1B"  # the pipeline schedule: a key of compose.SCHEDULES
+    virtual_stages: int = 1  # stages per pipeline rank (Interleaved1F1B: 2 or more)
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages: ranks times stages per rank (stage ``v * pp + r`` on rank r)."""
+        return self.pp * self.virtual_stages
+
+    @property
+    def gpus_per_stage(self) -> int:
+        """GPUs of one pipeline stage (tensor x context parallel)."""
+        return self.tp * self.cp
+
+    @property
+    def gpus(self) -> int:
+        """GPUs of one pipeline replica (its ranks, not its stages)."""
+        return self.gpus_per_stage * self.pp
