@@ -800,7 +800,7 @@ def step_sizes(ctx: Context) -> StepResult:
 
 
 def step_profile(ctx: Context) -> StepResult:
-    from kareus.jobs.profile import Piece, ProgramDevice
+    from kareus.jobs.program_device import Piece, ProgramDevice
     from kareus.jobs.trace import Workload, fake_world, trace_stage
     from kareus.planner.knobs import _digest
     from kareus.planner.measured import ProfilerEvaluator

@@ -8,7 +8,7 @@ plan, else 1), with and without ``kareus.compile(model, plan=...)``. Prints plan
 the largest loss difference and kareus's verdict lines. The tests run a sample of these
 (tests/test_sources.py).
 
-    python benchmarks/own_models.py [--kinds phi3,olmo,...]
+    python benchmarks/own_models.py [--kinds phi3,olmo,...] [--graphs inductor|aot]
 """
 
 import argparse
@@ -39,7 +39,7 @@ def _train(rank, source, tp, plan):
     return ref.losses, got.losses, kareus.explain(model).verdict()
 
 
-def run(kind: str, tmp: pathlib.Path) -> dict:
+def run(kind: str, tmp: pathlib.Path, graphs: str = "inductor") -> dict:
     if kind == "factory":
         option, source = ["--factory", "titan_style:factory"], FactoryModel("titan_style:factory")
     else:
@@ -48,7 +48,7 @@ def run(kind: str, tmp: pathlib.Path) -> dict:
     out = tmp / kind
     args = ["plan", *option, "--tp", str(TP[kind]), "--microbatch-size", "4", "--seq-len", "16"]
     args += ["--dtype", "fp32", "--microbatches", "1", "--select", "min_energy"]
-    args += ["--out", str(out), "--quiet", "--no-cache"]
+    args += ["--graphs", graphs, "--out", str(out), "--quiet", "--no-cache"]
     start = time.perf_counter()
     assert main(args) == EXIT_OK, kind
     plan_s = time.perf_counter() - start
@@ -72,12 +72,18 @@ def run(kind: str, tmp: pathlib.Path) -> dict:
 def main_() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", default=",".join([*HF_CONFIG_KINDS, "factory"]))
+    parser.add_argument(
+        "--graphs",
+        choices=("inductor", "aot"),
+        default="inductor",
+        help="kareus plan --graphs: the graphs traced (the run is on Inductor either way)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         rows = []
         for kind in args.kinds.split(","):
             try:
-                rows.append(run(kind, pathlib.Path(tmp)))
+                rows.append(run(kind, pathlib.Path(tmp), args.graphs))
             except Exception as err:  # one model failing is a row of the table, not the end
                 last = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
                 rows.append({"kind": kind, "tp": TP[kind], "failed": last})

@@ -323,6 +323,42 @@ def custom_partitioner_base() -> type | None:
     return CustomPartitionerFn  # type: ignore[no-any-return]
 
 
+@dataclasses.dataclass(frozen=True)
+class InductorLowering:
+    """What Inductor does to a graph before it generates code, for the python codegen.
+
+    Attributes:
+        decompositions: Inductor's decomposition table (what AOTAutograd traces into).
+        partition_fn: Inductor's partition step: its joint-graph passes, then the
+            partitioner given as ``partitioner_fn_override``.
+    """
+
+    decompositions: dict[Any, Any]
+    partition_fn: Any
+
+
+@functools.cache
+def inductor_lowering() -> InductorLowering | None:
+    """Return Inductor's stages before code generation (None: this PyTorch's differ).
+
+    ``torch._inductor.compile_fx.partition_fn`` runs the joint-graph passes and takes the
+    partitioner to run after them (``partitioner_fn_override``: torch 2.13 has it).
+    """
+    import inspect
+
+    try:
+        from torch._inductor import compile_fx
+        from torch._inductor.decomposition import select_decomp_table
+    except ImportError:
+        return None
+    partition = getattr(compile_fx, "partition_fn", None)
+    if partition is None:
+        return None
+    if "partitioner_fn_override" not in inspect.signature(partition).parameters:
+        return None
+    return InductorLowering(dict(select_decomp_table()), partition)
+
+
 def resolve_group(name: str | None) -> Any:
     """Return the process group registered as ``name`` (c10d's private lookup).
 
@@ -391,6 +427,7 @@ def self_test() -> dict[str, bool]:
         "invoke_subgraph calls paired and differentiated": outlining_problem() is None,
         "backward ops numbered as their forward op": seq_nr_pairs(),
         "Inductor takes a custom partitioner": custom_partitioner_base() is not None,
+        "Inductor's partition step takes a partitioner": inductor_lowering() is not None,
         "the backend of a module compiled in place found": getattr(
             dynamo_context(in_place), "callback", None
         )

@@ -116,3 +116,7 @@ def install_excepthook() -> None:
 
     hook._kareus = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+class TraceError(KareusError, RuntimeError):
+    """Tracing a configuration failed, or its graphs had no partitions to plan."""

@@ -15,6 +15,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "kareus"
 
 MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 350
 MAX_LOOSE_MODULES = 10
 
 
@@ -165,6 +167,20 @@ def test_functions_fit_in_a_readers_mind():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{_module_name(path)}.{node.name}: {lines} lines")
     assert long == []
+
+
+def test_modules_and_classes_are_rooms_not_halls():
+    big = []
+    for path in sorted(ROOT.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > MAX_MODULE_LINES:
+            big.append(f"{_module_name(path)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_CLASS_LINES:
+                    big.append(f"{_module_name(path)}.{node.name}: {lines} lines")
+    assert big == []
 
 
 def _module_names() -> list[str]:

@@ -149,7 +149,7 @@ def test_kareus_clocks_off_holds_on_a_real_gpu():
 def test_a_profiled_partition_runs_inductors_kernels_and_reads_energy():
     from kareus.hardware import gpu
     from kareus.ir.costs import Knobs, PartitionWork
-    from kareus.jobs.profile import Piece, ProgramDevice
+    from kareus.jobs.program_device import Piece, ProgramDevice
     from kareus.jobs.trace import Workload, fake_world, trace_stage
     from kareus.planner.knobs import _digest
     from kareus.planner.measured import ProfilerEvaluator

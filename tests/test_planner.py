@@ -22,13 +22,8 @@ from kareus.planner.dag import (
     pipeline,
     with_steps,
 )
-from kareus.planner.iteration import (
-    Parallelism,
-    PlannerSettings,
-    evaluate_options,
-    plan_for_gpu,
-    plan_iteration,
-)
+from kareus.planner.instruction_options import evaluate_options
+from kareus.planner.iteration import plan_for_gpu, plan_iteration
 from kareus.planner.knobs import (
     CountingEvaluator,
     KnobSpace,
@@ -45,6 +40,7 @@ from kareus.planner.pareto import (
 )
 from kareus.planner.search import exhaustive, search
 from kareus.planner.select import InfeasiblePlanError, select
+from kareus.planner.settings import Parallelism, PlannerSettings
 from kareus.testing import megatron_partition_set, tradeoff_options
 
 SPEC = gpu("a100-sxm4-40gb")
@@ -1011,7 +1007,8 @@ def test_full_recompute_adds_each_layers_forward_to_its_backward():
 
 
 def test_layers_not_traced_are_counted_from_an_ordinary_block_split_or_whole():
-    from kareus.jobs.trace import TraceError, extrapolate
+    from kareus.errors import TraceError
+    from kareus.jobs.extrapolate import extrapolate
 
     split = megatron_partition_set(
         hidden=1024, ffn=4096, heads=16, seq=1024, microbatch=4, layers=4, tp=2

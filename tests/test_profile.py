@@ -245,7 +245,7 @@ def test_a_partition_runs_with_inductors_kernels_and_computes_what_its_ops_do(tr
     training runs, not one per aten op); compiled or op by op, it computes the same."""
     from kareus.hardware import Emulator, gpu
     from kareus.ir.costs import Knobs
-    from kareus.jobs.profile import Piece, ProgramDevice
+    from kareus.jobs.program_device import Piece, ProgramDevice
     from kareus.planner.knobs import _digest
 
     key = next(k for k, t in traced.pset.types.items() if t.collective is not None)

@@ -80,7 +80,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _bad_input(err: Exception) -> bool:
-    from kareus.jobs.trace import TraceError
+    from kareus.errors import TraceError
 
     return not isinstance(err, TraceError)
 

@@ -284,6 +284,7 @@ def _workload(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         schedule=args.schedule,
         recompute=args.recompute,
+        graphs=args.graphs,
         layers_per_stage=args.layers_per_stage,
         dp=_dp_degree(args),
         dp_mode=args.dp_mode,

@@ -30,7 +30,7 @@ def _positive(text: str) -> float:
 
 
 def _layers_traced(text: str) -> int:
-    from kareus.jobs.trace import TEMPLATE_POSITION
+    from kareus.jobs.extrapolate import TEMPLATE_POSITION
 
     least = TEMPLATE_POSITION + 2
     value = int(text) if text.strip().isdigit() else -1
@@ -115,6 +115,15 @@ def _workload_options(p: argparse.ArgumentParser) -> None:
         default="none",
         help="activation recompute: full re-runs each layer's forward in its backward "
         "(collectives included), selective the attention core only",
+    )
+    p.add_argument(
+        "--graphs",
+        choices=("aot", "inductor"),
+        default="aot",
+        help="the graphs traced and priced, which applying the plan runs: aot (AOTAutograd's "
+        "plain graphs, the backward recomputing nothing; default) or inductor (those "
+        "Inductor compiles: its decompositions, joint-graph passes and min-cut partition; "
+        "for a model whose aot plan the fit check refuses on Inductor)",
     )
     p.add_argument(
         "--layers-per-stage",

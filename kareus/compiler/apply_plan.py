@@ -14,7 +14,7 @@ import logging
 import torch
 
 from kareus._table import fig
-from kareus.compiler.config import Config
+from kareus.compiler.config import GRAPHS, Config
 from kareus.compiler.region import Region
 from kareus.errors import PlanMismatchError
 from kareus.ir.plan_file import PIPELINE_SCHEDULES, Plan
@@ -84,6 +84,10 @@ class Decisions(dict):  # type: ignore[type-arg]
 def check_plan(plan: Plan, config: Config, stage: int, schedule: str | None) -> Config:
     """Check that ``plan`` fits this job; return the config it runs with.
 
+    That config runs the plan's graphs: the original ones for a plan of nanobatches 1, and
+    the graphs the plan was traced on (Inductor's or AOTAutograd's, with their
+    partitioner) where the config leaves them open.
+
     Raises:
         PlanMismatchError: the plan runs the original graphs but ``nanobatches=2`` was
             asked for, the job's pipeline schedule is not the plan's, or ``stage`` is not
@@ -98,6 +102,10 @@ def check_plan(plan: Plan, config: Config, stage: int, schedule: str | None) -> 
                 "nanobatches=2, or plan again"
             )
         config = config.replace(nanobatches=1)
+    traced = GRAPHS.get(str(plan.workload.get("graphs")), {})
+    unset = {k: v for k, v in traced.items() if getattr(config, k) is None}
+    if unset:  # the graphs the plan was traced on (`kareus plan --graphs`)
+        config = config.replace(**unset)
     check_schedule(plan, schedule)
     check_data_parallel(plan)
     if stage not in plan.stages():

@@ -26,15 +26,17 @@ from kareus._torch_internals import dynamo_context, traced_frame
 from kareus.compiler import apply_plan
 from kareus.compiler.apply_plan import Decisions
 from kareus.compiler.config import Config
+from kareus.compiler.inductor_lowering import lower_with_inductor
+from kareus.compiler.inductor_options import inductor_options, split_options
 from kareus.compiler.lowering import (
     Compiled,
     LostCollectivesError,
     Specialised,
     copy_module,
     lower_with_aot,
-    lower_with_inductor,
     symbols,
 )
+from kareus.compiler.module_hooks import BatchMarks, add_orig_prefix, strip_orig_prefix
 from kareus.compiler.region import GraphRecord, Region
 from kareus.errors import ConfigError, PassError, PlanMismatchError
 from kareus.ir.partitions import Decision, PartitionSet
@@ -55,7 +57,6 @@ T = TypeVar("T")
 _REGION_IDS = itertools.count()
 """Process-wide region numbers: the clock runtime of a GPU counts each region's passes on
 its own, and regions of different backends (a model compiled block by block) share it."""
-_ORIG = "_orig_mod."
 
 
 class KareusBackend:
@@ -87,10 +88,10 @@ class KareusBackend:
         base = config if config is not None else Config()
         if not isinstance(base, Config):
             raise TypeError(f"config must be a kareus.Config, got {type(base).__name__}")
-        inductor, fields = _split_options(options)
+        inductor, fields = split_options(options)
         self.config = base.replace(**fields, **overrides) if fields or overrides else base
         self.mode = mode
-        self.inductor_options = _inductor_options(mode, inductor, self.config.codegen)
+        self.inductor_options = inductor_options(mode, inductor, self.config.codegen)
         if isinstance(plan, (str, pathlib.Path)):
             from kareus.hardware import clock_range
 
@@ -238,6 +239,7 @@ class KareusBackend:
                 run_passes=switch_only,
                 on_graphs=lambda _compiled: None,
                 options=self.inductor_options,
+                min_cut=self.config.min_cut,
             )
         return lower_with_aot(
             captured,
@@ -276,7 +278,12 @@ class KareusBackend:
         region.codegen = Codegen(self.config.codegen)
         if self.config.codegen == "inductor":
             return lower_with_inductor(
-                gm, example_inputs, run_passes=run, on_graphs=plan, options=self.inductor_options
+                gm,
+                example_inputs,
+                run_passes=run,
+                on_graphs=plan,
+                options=self.inductor_options,
+                min_cut=self.config.min_cut,
             )
         return lower_with_aot(
             gm,
@@ -445,80 +452,6 @@ default_backend = _DefaultBackend()
 """The backend behind ``torch.compile(model, backend="kareus")`` (shared by such calls)."""
 
 
-def _split_options(
-    options: Mapping[str, Any] | None,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split ``torch.compile``'s ``options=`` into Inductor's and kareus's Config fields.
-
-    Raises:
-        ConfigError: an option is neither a Config field nor an Inductor config option.
-    """
-    import dataclasses
-
-    if not options:
-        return {}, {}
-    if not isinstance(options, Mapping):
-        raise ConfigError(
-            "options", options, "a dict of Inductor options or Config fields", owner=""
-        )
-    fields = {f.name for f in dataclasses.fields(Config)}
-    ours = {k: v for k, v in options.items() if k in fields}
-    inductor = {k: v for k, v in options.items() if k not in fields}
-    if inductor:
-        import torch._inductor.config as inductor_config
-
-        known = inductor_config.get_config_copy()
-        unknown = sorted(k for k in inductor if k not in known)
-        if unknown:
-            raise ConfigError(
-                "options",
-                unknown,
-                "Inductor config options (torch._inductor.config; see "
-                "torch._inductor.list_options()) or kareus Config fields "
-                f"({', '.join(sorted(fields))})",
-                owner="",
-            )
-    return inductor, ours
-
-
-MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-"""``torch.compile``'s modes, which kareus takes too (they configure Inductor)."""
-
-
-def _inductor_options(mode: str | None, options: dict[str, Any], codegen: str) -> dict[str, Any]:
-    """Return the Inductor config patches of ``mode`` and ``options`` (as torch.compile).
-
-    Raises:
-        ConfigError: an unknown mode, both a mode and Inductor options (torch.compile
-            refuses them together too), or either with ``codegen='python'``.
-    """
-    if mode is not None and mode not in MODES:
-        raise ConfigError("mode", mode, f"one of {MODES} (torch.compile's modes)", owner="")
-    if mode in (None, "default") and not options:
-        return {}
-    if codegen != "inductor":
-        raise ConfigError(
-            "mode" if mode not in (None, "default") else "options",
-            mode if mode not in (None, "default") else options,
-            "none with codegen='python': modes and Inductor options configure Inductor, "
-            "which runs with codegen='inductor' (the default)",
-            owner="",
-        )
-    if mode not in (None, "default") and options:
-        raise ConfigError(
-            "mode",
-            mode,
-            "either mode or Inductor options, not both (as torch.compile): put the "
-            "mode's options (torch._inductor.list_mode_options(mode)) in options",
-            owner="",
-        )
-    if options:
-        return dict(options)
-    import torch._inductor
-
-    return dict(torch._inductor.list_mode_options(mode))
-
-
 def _clock_choice(clocks: ClockController | str | None) -> tuple[ClockController | None, bool]:
     """Return the controller asked for and whether compile-time plans' clocks are applied.
 
@@ -593,154 +526,17 @@ def compile(
         return model
     compiled = torch.compile(model, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
     if isinstance(compiled, nn.Module):
-        marks = _BatchMarks(
+        marks = BatchMarks(
             backend.config.batch_dim or 0, model, mark=backend.config.nanobatches != 1
         )
         compiled.register_forward_pre_hook(marks.mark, with_kwargs=True)
         compiled.register_forward_hook(marks.unmark, always_call=True)
         compiled._kareus_backend = backend  # type: ignore[assignment]
-        compiled.register_state_dict_post_hook(_strip_orig_prefix)
-        compiled.register_load_state_dict_pre_hook(_add_orig_prefix)
+        compiled.register_state_dict_post_hook(strip_orig_prefix)
+        compiled.register_load_state_dict_pre_hook(add_orig_prefix)
     else:
         compiled._kareus_backend = backend  # type: ignore[attr-defined]
     return compiled  # type: ignore[return-value]
-
-
-class _BatchMarks:
-    """Mark the inputs' batch dimension dynamic for the call, and only for it.
-
-    The nanobatch split needs a symbolic batch (sizes like ``view(b, ...)`` must follow
-    it). Two marks, because the tensors Dynamo traces are not always the ones passed:
-
-    - on each tensor input (``maybe_mark_dynamic``), read when Dynamo traces the call;
-    - by name, through ``torch.compiler.config.dynamic_sources`` (``L['x']:0`` for each
-      tensor argument of the module's ``forward``), read when Dynamo starts a frame at
-      ``forward`` after hooks it does not trace. FSDP2's pre-forward hook is one: it returns
-      new tensors (its post-backward hook's outputs), which carry no mark.
-
-    Dynamo reads the tensor mark from the tensor object, which the program owns: left there,
-    it made the same batch recompile with a dynamic batch under another ``torch.compile``
-    (a guard on the mark). So both marks are removed once the call returns or raises,
-    unless the program had marked the tensor itself.
-
-    Inputs that are still in flight (an ``AsyncCollectiveTensor``, as a TP layer's
-    ``to_local()`` after a reduce-scatter returns) are waited for first, by a copy that
-    autograd records (``wait()`` would cut the gradient to the layer that made it): a
-    compiled block given one computes right but its backward fails inside DTensor (torch
-    2.13, with ``torch.compile`` alone too).
-    """
-
-    def __init__(self, dim: int, module: Any, *, mark: bool = True) -> None:
-        self.dim = dim
-        self.do_mark = mark
-        self.signature = _signature(getattr(module, "forward", None))  # read once
-        self.marked: list[tuple[list[torch.Tensor], Any]] = []
-
-    def mark(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        """Mark the batch dimension of each tensor input (a forward pre-hook)."""
-        args, kwargs, waited = _wait_in_flight(args, kwargs)
-        marked: list[torch.Tensor] = []
-        patch = None
-        if self.do_mark:
-            for value in (*args, *kwargs.values()):
-                if self._batched(value):
-                    if not getattr(value, "_has_dynamo_dim_marking", False):
-                        marked.append(value)
-                    torch._dynamo.maybe_mark_dynamic(value, self.dim)
-            patch = self._by_name(args, kwargs)
-            if patch is not None:
-                patch.__enter__()
-        self.marked.append((marked, patch))
-        return (args, kwargs) if waited else None
-
-    def unmark(self, module: nn.Module, args: Any, output: Any) -> None:
-        """Remove the marks this call made (a forward hook that runs even on errors)."""
-        marked, patch = self.marked.pop() if self.marked else ([], None)
-        if patch is not None:
-            patch.__exit__(None, None, None)
-        for value in marked:
-            for attr in ("_dynamo_weak_dynamic_indices", "_has_dynamo_dim_marking"):
-                if hasattr(value, attr):
-                    delattr(value, attr)
-
-    def _batched(self, value: Any) -> bool:
-        return (
-            isinstance(value, torch.Tensor)
-            and value.dim() > self.dim
-            and value.shape[self.dim] >= 2
-        )
-
-    def _by_name(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Return a config patch naming the forward's tensor arguments dynamic, or None."""
-        import re
-
-        if self.signature is None:
-            return None
-        try:
-            bound = self.signature.bind(*args, **kwargs)
-        except TypeError:
-            return None
-        entries = []
-        for name, value in bound.arguments.items():
-            values = value if isinstance(value, tuple) else (value,)  # *args
-            for i, v in enumerate(values):
-                if self._batched(v):
-                    source = f"L[{name!r}]" + (f"[{i}]" if isinstance(value, tuple) else "")
-                    entries.append(f"{re.escape(source)}$:{self.dim}")
-        config: Any = torch.compiler.config  # a config module: its fields are attributes
-        if not entries or not hasattr(config, "dynamic_sources"):
-            return None
-        given = config.dynamic_sources
-        return config.patch(dynamic_sources=",".join([given, *entries]).strip(","))
-
-
-def _signature(fn: Any) -> Any:
-    import inspect
-
-    try:
-        return inspect.signature(fn) if fn is not None else None
-    except (TypeError, ValueError):  # a builtin without one
-        return None
-
-
-def _wait_in_flight(
-    args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any], bool]:
-    """Replace inputs that are ``AsyncCollectiveTensor``s by waited copies.
-
-    A clone waits for the collective and returns a plain tensor; a view would stay in flight.
-    """
-    try:
-        from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    except ImportError:  # pragma: no cover - a build without torch.distributed
-        return args, kwargs, False
-    if not any(isinstance(v, AsyncCollectiveTensor) for v in (*args, *kwargs.values())):
-        return args, kwargs, False
-
-    def waited(v: Any) -> Any:
-        return v.clone() if isinstance(v, AsyncCollectiveTensor) else v
-
-    return tuple(map(waited, args)), {k: waited(v) for k, v in kwargs.items()}, True
-
-
-def _strip_orig_prefix(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
-) -> None:
-    # torch.compile's wrapper names every key "_orig_mod.<key>"; give back the model's keys.
-    for key in [k for k in state_dict if k.startswith(prefix + _ORIG)]:
-        state_dict[prefix + key[len(prefix) + len(_ORIG) :]] = state_dict.pop(key)
-
-
-def _add_orig_prefix(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
-) -> None:
-    # Accept both the model's keys and torch.compile's "_orig_mod." keys.
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        rest = key[len(prefix) :]
-        if not rest.startswith(_ORIG):
-            state_dict[prefix + _ORIG + rest] = state_dict.pop(key)
 
 
 def find_backend(compiled: object) -> KareusBackend | None:

@@ -16,6 +16,14 @@ from typing import Any
 from kareus.errors import ConfigError
 
 _CODEGENS = ("python", "inductor")
+PARTITIONERS = ("min_cut", "default")
+"""How AOTAutograd's joint graph is split into forward and backward (:attr:`Config.partitioner`)."""
+GRAPHS: dict[str, dict[str, Any]] = {
+    "aot": {"inductor_graphs": False, "partitioner": "default"},
+    "inductor": {"inductor_graphs": True, "partitioner": "min_cut"},
+}
+"""The graphs a plan is traced on (``kareus plan --graphs``), as the Config fields that run
+them: a plan records its own, and applying it fills those fields the config leaves open."""
 
 
 CODEGEN_ENV = "KAREUS_CODEGEN"
@@ -105,6 +113,27 @@ class Config:
         "costs every op as eager PyTorch runs it. None: True with codegen='inductor', "
         "False with 'python': the model prices the kernels that run.",
     )
+    partitioner: str | None = _field(
+        None,
+        f"None or one of {PARTITIONERS}",
+        lambda v: v is None or v in PARTITIONERS,
+        "How the joint graph is split into forward and backward, which decides what the "
+        "forward saves and what the backward computes again. 'min_cut': Inductor's min-cut "
+        "rematerialisation (as torch.compile); 'default': AOTAutograd's default (the "
+        "backward recomputes nothing it could be given). None: the partitioner a plan "
+        "given was traced with (`kareus plan --graphs`), so "
+        "that the plan's graphs are the ones that run; without a plan, 'min_cut' on "
+        "Inductor's graphs and 'default' on AOTAutograd's (inductor_graphs).",
+    )
+    inductor_graphs: bool | None = _field(
+        None,
+        "None, True or False",
+        lambda v: v is None or isinstance(v, bool),
+        "With codegen='python', run the graphs Inductor would compile (its decompositions "
+        "and joint-graph passes, then the partitioner) op by op instead of AOTAutograd's "
+        "plain ones; `kareus plan --graphs inductor` traces so. None: what a plan given "
+        "was traced on, else False (codegen='inductor' always compiles Inductor's).",
+    )
     trace_blocks_once: bool | None = _field(
         None,
         "None, True or False",
@@ -168,6 +197,18 @@ class Config:
         if self.fuse_memory_ops is None:
             return self.codegen == "inductor"
         return self.fuse_memory_ops
+
+    @property
+    def inductors_graphs(self) -> bool:
+        """Whether the passes see Inductor's graphs (its decompositions and joint passes)."""
+        return self.codegen == "inductor" or bool(self.inductor_graphs)
+
+    @property
+    def min_cut(self) -> bool:
+        """Whether the joint graph is split by Inductor's min-cut partition (see the field)."""
+        if self.partitioner is None:
+            return self.inductors_graphs
+        return self.partitioner == "min_cut"
 
     def replace(self, **changes: Any) -> Config:
         """Return a copy with ``changes`` applied (validated like the constructor).

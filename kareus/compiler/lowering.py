@@ -1,7 +1,8 @@
-"""Lowering a region through AOTAutograd (or TorchInductor) with kareus's graph compilers.
+"""Lowering a region through AOTAutograd with kareus's graph compilers.
 
 The backend (:mod:`kareus.compiler.backend`) runs the structural passes on the Dynamo graph;
-this module hands the result to AOTAutograd, checks on the way that no collective was lost,
+this module hands the result to AOTAutograd (TorchInductor:
+:mod:`kareus.compiler.inductor_lowering`), checks on the way that no collective was lost,
 traces repeated blocks once where that compiles faster, and lowers a region per batch size
 when the batch is its only symbolic size. Which passes run on each graph is the caller's
 (``run_passes``); what happens once both training graphs exist is too (``on_graphs``).
@@ -13,14 +14,15 @@ import functools
 import logging
 import warnings
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from kareus._torch_internals import (
-    custom_partitioner_base,
+    InductorLowering,
+    inductor_lowering,
     input_mutation_check_off,
     outlining_problem,
 )
@@ -35,7 +37,6 @@ from kareus.passes.outline import (
     outline_blocks,
 )
 from kareus.passes.subgraphs import copy_graph
-from kareus.passes.tags import get_tag
 
 _log = logging.getLogger(__name__)
 
@@ -100,12 +101,14 @@ def lower_with_aot(
 
         return make_boxed_func(run)
 
+    inductor = _inductor_stages(config, region)
+
     def lower(graph: fx.GraphModule, outlined: bool = False) -> Callable[..., Any]:
         return aot_autograd(  # type: ignore[no-any-return]
             fw_compiler=functools.partial(compiler, "forward"),
             bw_compiler=functools.partial(compiler, "backward"),
             inference_compiler=functools.partial(compiler, "inference"),
-            partition_fn=functools.partial(checked_partition, expected, outlined=outlined),
+            **_partitioning(expected, outlined, config.min_cut, inductor),
         )(graph, example_inputs)
 
     outlined, calls, shared = _outlined(gm, config, region)
@@ -136,6 +139,32 @@ def lower_with_aot(
     return fn
 
 
+def _partitioning(
+    expected: Counter[Key], outlined: bool, min_cut: bool, inductor: InductorLowering | None
+) -> dict[str, Any]:
+    """AOTAutograd's partition function (and decompositions) for kareus's lowering."""
+    partition = functools.partial(checked_partition, expected, outlined=outlined, min_cut=min_cut)
+    if inductor is None:
+        return {"partition_fn": partition}
+    return {  # Inductor's graphs: its decompositions, its joint-graph passes, then ours
+        "decompositions": inductor.decompositions,
+        "partition_fn": functools.partial(inductor.partition_fn, partitioner_fn_override=partition),
+    }
+
+
+def _inductor_stages(config: Config, region: Region) -> InductorLowering | None:
+    """Return Inductor's stages where the python codegen runs its graphs (else None)."""
+    if not config.inductor_graphs:
+        return None
+    found = inductor_lowering()
+    if found is None:
+        region.warn(
+            f"inductor_graphs=True: torch {torch.__version__}'s Inductor has no partition "
+            "step that takes a partitioner; AOTAutograd's plain graphs run instead"
+        )
+    return found
+
+
 def _outlined(
     gm: fx.GraphModule, config: Config, region: Region
 ) -> tuple[fx.GraphModule, int, int]:
@@ -164,178 +193,6 @@ def _warn_internals(message: str) -> None:
         RuntimeWarning,
         stacklevel=2,
     )
-
-
-def lower_with_inductor(
-    gm: fx.GraphModule,
-    example_inputs: Sequence[Any],
-    *,
-    run_passes: RunPasses,
-    on_graphs: Callable[[Compiled], None],
-    options: Mapping[str, Any] | None = None,
-) -> Callable[..., Any]:
-    """Hand the Dynamo graph to TorchInductor with kareus's passes; return what runs.
-
-    kareus's passes run where AOTAutograd has just partitioned the joint graph (Inductor's
-    custom partitioner hook), on the forward and the backward together, before Inductor
-    compiles either: ``on_graphs`` (compile-time planning) sees both graphs at once and may
-    replace them, so Inductor compiles the planned graphs, once. An inference graph gets
-    its passes in Inductor's inner compile. ``options`` are Inductor's config options
-    (``torch.compile``'s ``options=`` and those of its ``mode=``).
-
-    Raises:
-        LostCollectivesError: as :func:`lower_with_aot`.
-    """
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
-    expected = census(gm)
-    compiled: Compiled = {}
-
-    def inner(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
-        if kwargs.get("is_inference"):
-            check_lowered(g, expected, "inference")
-            compiled["inference"] = (g, inputs, run_passes("inference", g, inputs))
-            g = compiled["inference"][2]
-        # The backward compiles at the first backward, outside the patch below: both are
-        # set here too, so that the cache key holds the partitioner (its uuid names the
-        # fusion rule) for every graph.
-        with (
-            torch._inductor.config.patch(custom_partitioner_fn=partitioner),
-            keep_nanobatches_apart(),
-        ):
-            return compile_fx_inner(g, inputs, **kwargs)
-
-    partitioner = _partitioner_type()(expected, compiled, run_passes, on_graphs)
-    if example_inputs and not symbols(example_inputs):
-        gm = specialise_ints(gm, example_inputs)
-    # kareus's passes run after AOTAutograd's trace: its cache, keyed by the graph before
-    # them, would skip them silently on a hit, so it stays off. Inductor's FX graph cache
-    # is keyed by the graph compile_fx_inner receives, the one the passes made (plan,
-    # clock switches and overlap order in it): a hit reuses the code generated for exactly
-    # that graph. It needs a shape environment, which a region lowered per batch size
-    # (outside Dynamo's tracing context) lacks: give it one (without it every graph
-    # bypassed the cache: "No shape env").
-    with (
-        tracing_context(static_inputs=example_inputs),
-        torch._functorch.config.patch(enable_autograd_cache=False),
-        torch._inductor.config.patch(custom_partitioner_fn=partitioner),
-    ):
-        return compile_fx(  # type: ignore[return-value]
-            gm, example_inputs, inner_compile=inner, config_patches=dict(options or {})
-        )
-
-
-class KareusPartitioner:
-    """Inductor's partitioner, then kareus's passes on the forward and backward it made.
-
-    Inductor's own min-cut partition decides what the forward saves and what the backward
-    recomputes (as under ``torch.compile``); the joint graph's collectives are counted
-    first, and dead copies of collectives the partition left in the backward are removed,
-    as :func:`checked_partition` does.
-    """
-
-    def __init__(
-        self,
-        expected: Counter[Key],
-        compiled: Compiled,
-        run_passes: RunPasses,
-        on_graphs: Callable[[Compiled], None],
-    ) -> None:
-        self._expected = expected
-        self._compiled = compiled
-        self._run_passes = run_passes
-        self._on_graphs = on_graphs
-
-    def __call__(
-        self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
-    ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        """Partition ``gm`` (a joint graph), run the passes on both sides, plan, return them."""
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-        check_lowered(gm, self._expected, "joint", joint=True)
-        forward, backward = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        if backward.graph.eliminate_dead_code(_impure_unless_collective):
-            backward.recompile()
-        for kind, g in (("forward", forward), ("backward", backward)):
-            inputs = [n.meta.get("val") for n in g.graph.find_nodes(op="placeholder")]
-            self._compiled[kind] = (g, inputs, self._run_passes(kind, g, inputs))
-        self._on_graphs(self._compiled)  # may plan, and replace both rewritten graphs
-        return self._compiled["forward"][2], self._compiled["backward"][2]
-
-    def uuid(self) -> Any:
-        """Return the partitioner's part of Inductor's FX graph cache key.
-
-        The graphs the passes made, which Inductor compiles, key the cache already.
-        """
-        return "kareus-partitioner-3 (nanobatches kept apart)"
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Inductor pickles its config into the FX graph cache key; the passes this
-        # partitioner runs are closures, so it stands there as its uuid.
-        return (str, (self.uuid(),))
-
-
-def keep_nanobatches_apart() -> Any:
-    """Return a context in which Inductor fuses no kernel of one nanobatch with the other's.
-
-    Inductor fuses independent kernels that read the same data (horizontal fusion), and a
-    producer into its consumer (vertical): the two nanobatches' RMSNorms, which read one
-    weight, became one kernel, and in the backward both RMSNorm gradients joined the sum
-    of their weight gradients; either kernel then waited for the collective of the
-    nanobatch it was meant to overlap. Inductor's fusion heuristics (``InductorChoices``)
-    are the hook: a fusion that would join nodes of both nanobatches (by their kareus
-    tags) is refused; every other fusion is Inductor's own choice.
-    """
-    import contextlib
-
-    handler = _nanobatch_choices()
-    if handler is None:
-        return contextlib.nullcontext()
-    from torch._inductor.virtualized import V
-
-    return V.set_choices_handler(handler)
-
-
-@functools.cache
-def _nanobatch_choices() -> Any:
-    """Return Inductor's fusion heuristics that keep nanobatches apart (None: no hook)."""
-    try:
-        from torch._inductor.choices import InductorChoices
-    except ImportError:
-        return None
-    if not hasattr(InductorChoices, "can_fuse"):
-        return None
-
-    def nanobatches(node: Any) -> set[int]:
-        found: set[int] = set()
-        for sub in node.get_nodes():
-            ir = getattr(sub, "node", None)
-            for origin in getattr(ir, "origins", ()) or ():
-                tag = get_tag(origin)
-                if tag is not None and tag.nanobatch is not None:
-                    found.add(tag.nanobatch)
-        return found
-
-    class NanobatchChoices(InductorChoices):  # type: ignore[misc]
-        @staticmethod
-        def can_fuse(scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:
-            if len(nanobatches(node1) | nanobatches(node2)) > 1:
-                return False
-            return bool(InductorChoices.can_fuse(scheduler, node1, node2, shared_data_score))
-
-    return NanobatchChoices()
-
-
-@functools.cache
-def _partitioner_type() -> type[KareusPartitioner]:
-    """Return :class:`KareusPartitioner` as the Inductor partitioner type it must be."""
-    base = custom_partitioner_base()
-    if base is None:  # torch>=2.11 (pyproject) has it: an unexpected build
-        raise RuntimeError(
-            f"torch {torch.__version__} has no torch._inductor.config.custom_partitioner_fn, "
-            "which codegen='inductor' needs: install torch>=2.11 or pass codegen='python'"
-        )
-    return type("KareusPartitioner", (KareusPartitioner, base), {})
 
 
 def specialise_ints(gm: fx.GraphModule, inputs: Sequence[Any]) -> fx.GraphModule:
@@ -477,35 +334,66 @@ def checked_partition(
     joint_inputs: Any,
     *,
     outlined: bool = False,
+    min_cut: bool = False,
     **kwargs: Any,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """AOTAutograd's default partition, after checking the joint graph's collectives.
+    """Partition the joint graph, after checking its collectives; drop dead collectives.
 
-    With ``outlined`` (blocks lowered as ``invoke_subgraph`` calls), AOTAutograd first
-    partitions each body's joint graph (as it is: a body that draws random numbers ends
-    the outlined lowering), then the region's, whose calls pass each forward body's saved
-    values to its backward body; the census counts the bodies' collectives. The forward and
-    backward graphs are inlined before they are returned: kareus's passes see flat graphs.
+    ``min_cut``: Inductor's min-cut rematerialisation partition (what torch.compile runs),
+    else AOTAutograd's default. With ``outlined`` (blocks lowered as ``invoke_subgraph``
+    calls), AOTAutograd first partitions each body's joint graph (as it is: a body that
+    draws random numbers ends the outlined lowering), then the region's, whose calls pass
+    each forward body's saved values to its backward body; the census counts the bodies'
+    collectives. The forward and backward graphs are inlined before they are returned:
+    kareus's passes see flat graphs.
     """
-    from torch._functorch.partitioners import default_partition
-
+    partition = partition_function(min_cut)
     if outlined and not is_outlined(joint):  # one body's joint graph
         check_no_random(joint)
-        return default_partition(joint, joint_inputs, **kwargs)  # type: ignore[no-any-return]
+        return partition(joint, joint_inputs, **kwargs)  # type: ignore[no-any-return]
     check_lowered(joint, expected, "joint", joint=True)  # the census counts bodies too
-    forward, backward = default_partition(joint, joint_inputs, **kwargs)
+    forward, backward = partition(joint, joint_inputs, **kwargs)
     if inline_bodies(forward, backward, recompile=False):  # the passes see flat graphs
         forward, backward = lazy(forward), lazy(backward)  # code made when needed
-    # The partitioner copies into the backward every forward node it can recompute from the
-    # saved values and then removes dead code except collectives: the output projection
-    # and FC2 of a tensor-parallel layer (with static shapes, attention too) would run
-    # again, unused, in every backward, and so would the head's logits GEMM feeding a
-    # copy of the vocab-parallel loss's max all-reduce whose result nothing reads. A
-    # functional collective whose result is unused is dead on every rank alike (each runs
-    # this graph), so it goes too; random ops count as pure: eager never ran these.
-    if backward.graph.eliminate_dead_code(_impure_unless_collective):
-        backward.recompile()
+    drop_dead_collectives(backward)
     return forward, backward
+
+
+def partition_function(min_cut: bool) -> Callable[..., tuple[fx.GraphModule, fx.GraphModule]]:
+    """Return Inductor's min-cut partition (``min_cut``) or AOTAutograd's default one.
+
+    Either takes the keywords its caller passes that it knows (Inductor passes
+    ``compiler=``, which only the min-cut partition takes).
+    """
+    import inspect
+
+    from torch._functorch.partitioners import (
+        default_partition,
+        min_cut_rematerialization_partition,
+    )
+
+    chosen = min_cut_rematerialization_partition if min_cut else default_partition
+    known = inspect.signature(chosen).parameters
+
+    def partition(joint: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
+        return chosen(joint, inputs, **{k: v for k, v in kwargs.items() if k in known})
+
+    return partition
+
+
+def drop_dead_collectives(backward: fx.GraphModule) -> None:
+    """Remove dead code from the backward, collectives whose result nothing reads included.
+
+    A partitioner copies into the backward forward nodes it can recompute from the saved
+    values and then removes dead code except collectives: the output projection and FC2 of
+    a tensor-parallel layer (with static shapes, attention too) would run again, unused, in
+    every backward, and so would the head's logits GEMM feeding a copy of the
+    vocab-parallel loss's max all-reduce whose result nothing reads. A functional
+    collective whose result is unused is dead on every rank alike (each runs this graph),
+    so it goes too; random ops count as pure: eager never ran these.
+    """
+    if backward.graph.eliminate_dead_code(impure_unless_collective):
+        backward.recompile()
 
 
 def lazy(gm: fx.GraphModule, graph: fx.Graph | None = None) -> fx.GraphModule:
@@ -515,7 +403,7 @@ def lazy(gm: fx.GraphModule, graph: fx.Graph | None = None) -> fx.GraphModule:
     return _LazyGraphModule(gm, gm.graph if graph is None else graph, class_name=type(gm).__name__)
 
 
-def _impure_unless_collective(node: fx.Node) -> bool:
+def impure_unless_collective(node: fx.Node) -> bool:
     """DCE's test: impure nodes stay, except functional collectives and their waits."""
     kind = collective_kind(node)
     if is_wait(node) or (kind is not None and not kind.endswith("_")):  # in-place ones stay
@@ -590,15 +478,3 @@ def copy_module(gm: fx.GraphModule) -> fx.GraphModule:
         if isinstance(child, fx.GraphModule):
             setattr(work, name, copy_module(child))
     return work
-
-
-def inductor_inference(gm: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
-    """Compile an aten graph run without gradients with Inductor.
-
-    For ``kareus profile``'s partitions: the fused kernels training runs, not one kernel
-    per aten op. Returns a callable taking the graph's inputs and returning its outputs as a list.
-    """
-    from torch._inductor.compile_fx import compile_fx
-
-    with torch.no_grad():
-        return compile_fx(gm, list(inputs))  # type: ignore[return-value]

@@ -29,6 +29,7 @@ TRACED_FIELDS = (
     "layers_per_stage",
     "virtual_stages",
     "graph_dp",
+    "graphs",
 )
 """Workload fields the partition sets depend on (the micro-batch count does not; the
 data-parallel layout only where its collectives are in the graphs, SimpleFSDP)."""

@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from kareus.errors import KareusError
-from kareus.ir.partitions import Partition, PartitionSet
+from kareus.compiler.config import GRAPHS
+from kareus.errors import KareusError, TraceError
+from kareus.ir.partitions import PartitionSet
+from kareus.jobs.extrapolate import TEMPLATE_POSITION, extrapolate
 from kareus.models.llama import Llama, LlamaConfig, preset
 from kareus.models.parallel import gather_in_graph
 from kareus.models.sources import FactoryModel, HFModel, ModelSource, StepInputs, step_loss
@@ -38,10 +40,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 RECOMPUTE = ("none", "full", "selective")
 """Activation recompute modes (:attr:`Workload.recompute`)."""
-
-
-class TraceError(KareusError, RuntimeError):
-    """Tracing a configuration failed, or its graphs had no partitions to plan."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,6 +61,11 @@ class Workload:
             ``r``; else 1).
         recompute: activation recompute: ``none``; ``full`` (each backward re-runs its
             layers' forward, collectives included); ``selective`` (the attention core only).
+        graphs: which graphs are traced and priced, recorded in the plan, whose application
+            runs the same: ``aot``, AOTAutograd's plain graphs with its default partition
+            (the backward recomputes nothing); ``inductor``, the graphs Inductor compiles
+            (its decompositions, joint-graph passes and min-cut partition), as the default
+            codegen runs them (:data:`GRAPHS`).
         layers_per_stage: decoder layers of each pipeline stage (say ``(15, 13)``; the first
             stage also holds the embedding, the last the head and loss); None splits evenly.
         dp, dp_mode, gpus_per_node, reshard_after_forward: the data-parallel layout
@@ -79,6 +82,7 @@ class Workload:
     dtype: str = "bf16"
     schedule: str = "1F1B"
     recompute: str = "none"
+    graphs: str = "aot"
     layers_per_stage: tuple[int, ...] | None = None
     virtual_stages: int = 1
     dp: int | None = None
@@ -111,6 +115,8 @@ class Workload:
                 f"microbatch_size={self.microbatch_size}: splitting into two nanobatches "
                 "needs at least 4 sequences per micro-batch"
             )
+        if self.graphs not in GRAPHS:
+            raise ValueError(f"graphs={self.graphs!r} must be one of {', '.join(GRAPHS)}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r} must be one of {', '.join(RECOMPUTE)}")
         split = self.layers_per_stage
@@ -328,7 +334,14 @@ def trace_stage(
             (blocks left whole), as Megatron-LM runs them.
     """
     import kareus
+    from kareus._torch_internals import inductor_lowering
 
+    if work.graphs == "inductor" and inductor_lowering() is None:
+        raise TraceError(
+            f"tracing Inductor's graphs needs an Inductor partition step that takes a "
+            f"partitioner, which torch {torch.__version__} lacks: trace AOTAutograd's "
+            "(--graphs aot), and apply the plan with codegen='python'"
+        )
     torch._dynamo.reset()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -353,6 +366,7 @@ def trace_stage(
             # kernels priced are the fused ones kareus.compile's default codegen runs.
             codegen="python",
             fuse_memory_ops=True,
+            **GRAPHS[work.graphs],  # recorded in the plan: applying it runs the same
         )
         out = step_loss(compiled(*inputs.args, **inputs.kwargs))
         out.backward(torch.ones_like(out))
@@ -435,69 +449,6 @@ def _stage_trace(compiled: Any, work: Workload, stage: int, groups: tuple[Any, .
 
 
 _log = logging.getLogger(__name__)
-
-TEMPLATE_POSITION = 2
-"""Which block, in execution order, stands for the repeated ones: the third. The first
-block overlaps nothing before it, and a block's first partition takes in the tail of the
-block run before it, so the third is the first whose neighbours are all ordinary."""
-
-
-def template_block(pset: PartitionSet, kind: str) -> str | None:
-    """Return the block that stands for the untraced layers in ``kind``'s graph, if any.
-
-    The block at :data:`TEMPLATE_POSITION` in execution order: of the split blocks, else of
-    the blocks left whole.
-    """
-    split = list(dict.fromkeys(p.block for p in pset.partitions if p.instruction == kind))
-    order = split or list(pset.block_other.get(kind, {}))
-    return order[TEMPLATE_POSITION] if len(order) > TEMPLATE_POSITION else None
-
-
-def extrapolate(pset: PartitionSet, traced: int, total: int, family: str = "layers") -> None:
-    """Add the work of ``total - traced`` more layers, copying an ordinary layer's.
-
-    Per instruction (forward, backward: the backward runs the layers in reverse), the
-    block at :data:`TEMPLATE_POSITION` in execution order is copied: its partitions, its
-    compute outside them and the collectives it runs alone; a stage whose blocks were left
-    whole copies a whole block's compute and collectives. Needs ``traced >=
-    TEMPLATE_POSITION + 2`` so that the template is not the last block either.
-
-    Raises:
-        TraceError: too few layers traced to count the rest, or no layer blocks found to
-            count them from.
-    """
-    if total <= traced:
-        return
-    if traced < TEMPLATE_POSITION + 2:
-        raise TraceError(
-            f"tracing {traced} layers cannot stand for {total}: trace at least "
-            f"{TEMPLATE_POSITION + 2}"
-        )
-    kinds = sorted({p.instruction for p in pset.partitions} | set(pset.block_other))
-    added: list[Partition] = []
-    counted = False
-    for kind in kinds:
-        block = template_block(pset, kind)
-        if block is None:
-            continue
-        counted = True
-        template = [p for p in pset.partitions if p.instruction == kind and p.block == block]
-        blocks = pset.block_other.get(kind, {})
-        alone = pset.block_exposed.get(kind, {})
-        for extra in range(traced, total):
-            name = f"{family}.{extra}"
-            added.extend(dataclasses.replace(p, block=name) for p in template)
-            if block in blocks:
-                blocks[name] = blocks[block]
-            if block in alone:
-                alone[name] = alone[block]
-                pset.exposed[kind] = pset.exposed.get(kind, ()) + alone[block]
-    if not counted:
-        raise TraceError(
-            f"found no layer blocks among the {traced} layers traced to count the other "
-            f"{total - traced} from: trace all {total} (layers={total})"
-        )
-    pset.partitions.extend(added)
 
 
 def trace(

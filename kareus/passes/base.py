@@ -61,6 +61,10 @@ class PassConfig(Protocol):
     def strict(self) -> bool | None:
         """Whether a failed pass or a plan mismatch raises."""
 
+    @property
+    def inductors_graphs(self) -> bool:
+        """Whether the graphs are Inductor's (its decompositions and joint-graph passes)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class RegionInputs:

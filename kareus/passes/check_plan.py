@@ -80,6 +80,7 @@ class CheckPlan(GraphPass):
             + (f"; and {len(differences) - 6} more" if len(differences) > 6 else "")
             + ". Plan this model (kareus plan with its shape and parallel sizes), or pass "
             "strict=False to apply only the decisions of matching types"
+            + _graphs_hint(plan, ctx.config.inductors_graphs)
         )
         if ctx.config.strict is not False:
             raise PlanMismatchError(message)
@@ -91,6 +92,20 @@ class CheckPlan(GraphPass):
             for key in [k for k in decisions if k != "*" and want.get(k) != have.get(k)]:
                 del decisions[key]
         return PassResult(gm, modified=False)
+
+
+def _graphs_hint(plan: Plan, inductors: bool) -> str:
+    """Say which graphs to trace where the plan's are not the ones this run lowers ("")."""
+    traced = plan.workload.get("graphs", "aot")
+    if not plan.workload or inductors == (traced == "inductor"):
+        return ""
+    if inductors:
+        return (
+            ". The plan was traced on AOTAutograd's graphs and this run lowers Inductor's "
+            "(its decompositions move collectives): trace those with kareus plan ... "
+            "--graphs inductor"
+        )
+    return ". The plan was traced on Inductor's graphs: pass inductor_graphs=True"
 
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}

@@ -1,0 +1,150 @@
+"""The hooks ``kareus.compile`` puts on a compiled module.
+
+Its batch dimension marked dynamic for each call and only for it, inputs still in flight
+waited for, and ``state_dict`` keys as the uncompiled model's (torch.compile's wrapper adds
+``_orig_mod.``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+_ORIG = "_orig_mod."
+
+
+class BatchMarks:
+    """Mark the inputs' batch dimension dynamic for the call, and only for it.
+
+    The nanobatch split needs a symbolic batch (sizes like ``view(b, ...)`` must follow
+    it). Two marks, because the tensors Dynamo traces are not always the ones passed:
+
+    - on each tensor input (``maybe_mark_dynamic``), read when Dynamo traces the call;
+    - by name, through ``torch.compiler.config.dynamic_sources`` (``L['x']:0`` for each
+      tensor argument of the module's ``forward``), read when Dynamo starts a frame at
+      ``forward`` after hooks it does not trace. FSDP2's pre-forward hook is one: it returns
+      new tensors (its post-backward hook's outputs), which carry no mark.
+
+    Dynamo reads the tensor mark from the tensor object, which the program owns: left there,
+    it made the same batch recompile with a dynamic batch under another ``torch.compile``
+    (a guard on the mark). So both marks are removed once the call returns or raises,
+    unless the program had marked the tensor itself.
+
+    Inputs that are still in flight (an ``AsyncCollectiveTensor``, as a TP layer's
+    ``to_local()`` after a reduce-scatter returns) are waited for first, by a copy that
+    autograd records (``wait()`` would cut the gradient to the layer that made it): a
+    compiled block given one computes right but its backward fails inside DTensor (torch
+    2.13, with ``torch.compile`` alone too).
+    """
+
+    def __init__(self, dim: int, module: Any, *, mark: bool = True) -> None:
+        self.dim = dim
+        self.do_mark = mark
+        self.signature = _signature(getattr(module, "forward", None))  # read once
+        self.marked: list[tuple[list[torch.Tensor], Any]] = []
+
+    def mark(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Mark the batch dimension of each tensor input (a forward pre-hook)."""
+        args, kwargs, waited = _wait_in_flight(args, kwargs)
+        marked: list[torch.Tensor] = []
+        patch = None
+        if self.do_mark:
+            for value in (*args, *kwargs.values()):
+                if self._batched(value):
+                    if not getattr(value, "_has_dynamo_dim_marking", False):
+                        marked.append(value)
+                    torch._dynamo.maybe_mark_dynamic(value, self.dim)
+            patch = self._by_name(args, kwargs)
+            if patch is not None:
+                patch.__enter__()
+        self.marked.append((marked, patch))
+        return (args, kwargs) if waited else None
+
+    def unmark(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Remove the marks this call made (a forward hook that runs even on errors)."""
+        marked, patch = self.marked.pop() if self.marked else ([], None)
+        if patch is not None:
+            patch.__exit__(None, None, None)
+        for value in marked:
+            for attr in ("_dynamo_weak_dynamic_indices", "_has_dynamo_dim_marking"):
+                if hasattr(value, attr):
+                    delattr(value, attr)
+
+    def _batched(self, value: Any) -> bool:
+        return (
+            isinstance(value, torch.Tensor)
+            and value.dim() > self.dim
+            and value.shape[self.dim] >= 2
+        )
+
+    def _by_name(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Return a config patch naming the forward's tensor arguments dynamic, or None."""
+        import re
+
+        if self.signature is None:
+            return None
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError:
+            return None
+        entries = []
+        for name, value in bound.arguments.items():
+            values = value if isinstance(value, tuple) else (value,)  # *args
+            for i, v in enumerate(values):
+                if self._batched(v):
+                    source = f"L[{name!r}]" + (f"[{i}]" if isinstance(value, tuple) else "")
+                    entries.append(f"{re.escape(source)}$:{self.dim}")
+        config: Any = torch.compiler.config  # a config module: its fields are attributes
+        if not entries or not hasattr(config, "dynamic_sources"):
+            return None
+        given = config.dynamic_sources
+        return config.patch(dynamic_sources=",".join([given, *entries]).strip(","))
+
+
+def _signature(fn: Any) -> Any:
+    import inspect
+
+    try:
+        return inspect.signature(fn) if fn is not None else None
+    except (TypeError, ValueError):  # a builtin without one
+        return None
+
+
+def _wait_in_flight(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any], bool]:
+    """Replace inputs that are ``AsyncCollectiveTensor``s by waited copies.
+
+    A clone waits for the collective and returns a plain tensor; a view would stay in flight.
+    """
+    try:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    except ImportError:  # pragma: no cover - a build without torch.distributed
+        return args, kwargs, False
+    if not any(isinstance(v, AsyncCollectiveTensor) for v in (*args, *kwargs.values())):
+        return args, kwargs, False
+
+    def waited(v: Any) -> Any:
+        return v.clone() if isinstance(v, AsyncCollectiveTensor) else v
+
+    return tuple(map(waited, args)), {k: waited(v) for k, v in kwargs.items()}, True
+
+
+def strip_orig_prefix(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """Give back the model's keys (torch.compile's wrapper names each "_orig_mod.<key>")."""
+    for key in [k for k in state_dict if k.startswith(prefix + _ORIG)]:
+        state_dict[prefix + key[len(prefix) + len(_ORIG) :]] = state_dict.pop(key)
+
+
+def add_orig_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Accept both the model's keys and torch.compile's "_orig_mod." keys."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        rest = key[len(prefix) :]
+        if not rest.startswith(_ORIG):
+            state_dict[prefix + _ORIG + rest] = state_dict.pop(key)
