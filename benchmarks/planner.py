@@ -78,8 +78,8 @@ def at_scale(spec, configs, dp=None, dp_mode="ddp"):
     """Plan 70B shapes at each (PP, micro-batches) of ``configs``; print the figures."""
     from kareus.planner.compose import Composer
     from kareus.planner.dag import one_f_one_b
-    from kareus.planner.knobs import CountingEvaluator
     from kareus.planner.instruction_options import evaluate_options
+    from kareus.planner.knobs import CountingEvaluator
     from kareus.planner.settings import PlannerSettings
 
     for pp, micro in configs:
