@@ -92,12 +92,13 @@ def test_each_step_prices_the_clock_its_kernels_ran_at_not_the_idle_one(tmp_path
         reader=fixed_reader(1455.0, 665.0),  # what NVML says while the kernels run
     )
     emu = Emulator(h200)
+    results = {}
     for step in (gpu_check.step_ops, gpu_check.step_sizes, gpu_check.step_profile):
-        result = step(ctx)
+        results[step] = result = step(ctx)
         assert result.rows and "1455 MHz" in result.summary, result.summary
         for row in result.rows:
             assert float(row["clock_mhz"]) == 1455.0, (step.__name__, row)
-    ops = gpu_check.step_ops(ctx)
+    ops = results[gpu_check.step_ops]
     gemm = next(r for r in ops.rows if r["class"] == "gemm")
     case = next(c for c in gpu_check._op_cases(ctx) if c[1] == gemm["op"] and c[0] == gemm["model"])
     costs = gpu_check._costs(case[3], case[4])

@@ -120,6 +120,7 @@ def _sizes(spans):
 
 
 @needs_outlining
+@pytest.mark.slow  # CI keeps the split blocks' bitwise test of the same lowering
 def test_whole_blocks_are_traced_once_too_and_inference_is_inlined(grab):
     flat, _r, _o = _train(False, grab, nanobatches=1)
     once, region, _ops = _train(True, grab, nanobatches=1)
