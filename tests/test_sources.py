@@ -124,10 +124,11 @@ def test_the_model_options_exclude_each_other(capsys):
 
 
 def test_a_plan_runs_the_graphs_it_was_traced_on():
-    """The graphs a plan was traced on are the ones that run: its recorded graphs (`kareus
-    plan --graphs`: AOTAutograd's plain ones, or Inductor's, with its decompositions,
-    joint-graph passes and min-cut partition) fill the Config fields the user leaves open,
-    on either codegen; a plan that predates the record runs the codegen's own."""
+    """The graphs a plan was traced on are the ones that run: a plan traced on Inductor's
+    graphs (`kareus plan --graphs inductor`: its decompositions, joint-graph passes and
+    min-cut partition) fills the Config fields the user leaves open, on either codegen; one
+    traced on AOTAutograd's (the default), or made before plans recorded it, changes
+    nothing (Inductor keeps torch.compile's partition)."""
     from kareus.compiler.backend import KareusBackend
 
     def config(graphs, **given):
@@ -137,7 +138,7 @@ def test_a_plan_runs_the_graphs_it_was_traced_on():
 
     assert config("inductor", codegen="python") == (True, True)
     assert config("aot", codegen="python") == (False, False)
-    assert config("aot", codegen="inductor") == (True, False)  # Inductor's own decompositions
+    assert config("aot", codegen="inductor") == (True, True)
     assert config("inductor", codegen="python", partitioner="default") == (True, False)
     assert config(None, codegen="inductor") == (True, True)
     assert config(None, codegen="python") == (False, False)

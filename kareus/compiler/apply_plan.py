@@ -85,8 +85,11 @@ def check_plan(plan: Plan, config: Config, stage: int, schedule: str | None) -> 
     """Check that ``plan`` fits this job; return the config it runs with.
 
     That config runs the plan's graphs: the original ones for a plan of nanobatches 1, and
-    the graphs the plan was traced on (Inductor's or AOTAutograd's, with their
-    partitioner) where the config leaves them open.
+    Inductor's (its decompositions, joint-graph passes and min-cut partition) for a plan
+    traced on them, on either codegen, where the config leaves those fields open. A plan
+    traced on AOTAutograd's graphs (the default) changes nothing: the python codegen runs
+    those, and Inductor keeps its own partition (as torch.compile; its decompositions
+    would differ from the plan's graphs all the same).
 
     Raises:
         PlanMismatchError: the plan runs the original graphs but ``nanobatches=2`` was
@@ -102,10 +105,9 @@ def check_plan(plan: Plan, config: Config, stage: int, schedule: str | None) -> 
                 "nanobatches=2, or plan again"
             )
         config = config.replace(nanobatches=1)
-    traced = GRAPHS.get(str(plan.workload.get("graphs")), {})
-    unset = {k: v for k, v in traced.items() if getattr(config, k) is None}
-    if unset:  # the graphs the plan was traced on (`kareus plan --graphs`)
-        config = config.replace(**unset)
+    if plan.workload.get("graphs") == "inductor":  # `kareus plan --graphs inductor`
+        unset = {k: v for k, v in GRAPHS["inductor"].items() if getattr(config, k) is None}
+        config = config.replace(**unset) if unset else config
     check_schedule(plan, schedule)
     check_data_parallel(plan)
     if stage not in plan.stages():

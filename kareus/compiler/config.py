@@ -23,7 +23,8 @@ GRAPHS: dict[str, dict[str, Any]] = {
     "inductor": {"inductor_graphs": True, "partitioner": "min_cut"},
 }
 """The graphs a plan is traced on (``kareus plan --graphs``), as the Config fields that run
-them: a plan records its own, and applying it fills those fields the config leaves open."""
+them: a plan records its own, and applying one traced on Inductor's fills those fields the
+config leaves open."""
 
 
 CODEGEN_ENV = "KAREUS_CODEGEN"
@@ -120,10 +121,9 @@ class Config:
         "How the joint graph is split into forward and backward, which decides what the "
         "forward saves and what the backward computes again. 'min_cut': Inductor's min-cut "
         "rematerialisation (as torch.compile); 'default': AOTAutograd's default (the "
-        "backward recomputes nothing it could be given). None: the partitioner a plan "
-        "given was traced with (`kareus plan --graphs`), so "
-        "that the plan's graphs are the ones that run; without a plan, 'min_cut' on "
-        "Inductor's graphs and 'default' on AOTAutograd's (inductor_graphs).",
+        "backward recomputes nothing it could be given). None: 'min_cut' on Inductor's "
+        "graphs (codegen='inductor', inductor_graphs, a plan traced `--graphs inductor`) "
+        "and 'default' on AOTAutograd's.",
     )
     inductor_graphs: bool | None = _field(
         None,
@@ -131,8 +131,8 @@ class Config:
         lambda v: v is None or isinstance(v, bool),
         "With codegen='python', run the graphs Inductor would compile (its decompositions "
         "and joint-graph passes, then the partitioner) op by op instead of AOTAutograd's "
-        "plain ones; `kareus plan --graphs inductor` traces so. None: what a plan given "
-        "was traced on, else False (codegen='inductor' always compiles Inductor's).",
+        "plain ones; `kareus plan --graphs inductor` traces so. None: True for a plan "
+        "traced so, else False (codegen='inductor' always compiles Inductor's).",
     )
     trace_blocks_once: bool | None = _field(
         None,
