@@ -19,8 +19,8 @@ _CODEGENS = ("python", "inductor")
 PARTITIONERS = ("min_cut", "default")
 """How AOTAutograd's joint graph is split into forward and backward (:attr:`Config.partitioner`)."""
 GRAPHS: dict[str, dict[str, Any]] = {
-    "aot": {"inductor_graphs": False, "partitioner": "default"},
-    "inductor": {"inductor_graphs": True, "partitioner": "min_cut"},
+    "aot": {"inductor_graphs": False},  # and so AOTAutograd's partition (Config.min_cut)
+    "inductor": {"inductor_graphs": True},  # and so Inductor's min-cut partition
 }
 """The graphs a plan is traced on (``kareus plan --graphs``), as the Config fields that run
 them: a plan records its own, and applying one traced on Inductor's fills those fields the
