@@ -20,14 +20,14 @@
 
 4. Traced workloads (``--traced``): the planner on partition sets traced from the models
    (kareus's Llama on fake tensors, as `kareus plan` traces them), re-planned at the
-   micro-batch counts a user changes to: Llama 3.3 70B at TP 8 x PP 8 with 16 and 64
+   micro-batch counts a user changes to: Llama 3.3 70B at TP 8 x PP 8 with 16, 32 and 64
    micro-batches, and the main job (Llama 3.2 3B, TP 8 x PP 2) with 8 and 64. Each model is
    traced once into ``--traced-dir`` (partitions.json, as `kareus plan` writes it); each
    re-plan reads it, as `kareus plan --partitions` does: planning seconds (measured),
    solves, solves not proven within the gap limit, the largest proven gap, frontier points.
 
 Run: python benchmarks/planner.py [--gpu a100-sxm4-40gb] [--scale [PPxM,...] [--dp N]]
-     python benchmarks/planner.py --traced [70b-16,70b-64,3b-8,3b-64] [--traced-dir DIR]
+     python benchmarks/planner.py --traced [70b-16,70b-32,70b-64,3b-8,3b-64] [--traced-dir DIR]
 """
 
 import argparse
@@ -97,7 +97,7 @@ def at_scale(spec, configs, dp=None, dp_mode="ddp"):
         # The uniform-clock plans, enumerated on the same options as the planner's.
         settings = PlannerSettings()
         ev = CountingEvaluator(Emulator(spec))
-        freqs = default_clocks(spec.clocks_mhz())
+        freqs = default_clocks(spec.clocks_mhz(), plan.evaluations["clocks"])
         static = spec.calibration.static_power_w
         opts = evaluate_options([pset] * pp, ev, freqs, static, settings).options
         comp = Composer(one_f_one_b(pp, micro), opts, static_power_w=static, gpus=8 * pp,
@@ -113,7 +113,8 @@ def at_scale(spec, configs, dp=None, dp_mode="ddp"):
         )
         print(
             f"\n70B shapes, TP 8, PP {pp} x {micro} micro-batches{layout} "
-            f"({2 * pp * micro} instructions): planning {wall:.1f} s wall (measured); "
+            f"({2 * pp * micro} instructions, {plan.evaluations['clocks']} clocks): planning "
+            f"{wall:.1f} s wall (measured); "
             f"{len(plan.frontier)} frontier points; largest proven gap "
             f"{100 * max(gaps):.2f} %, chosen {100 * (plan.chosen.gap or 0):.2f} %; least "
             f"energy {least:.0f} J{against}; "
@@ -125,6 +126,7 @@ def at_scale(spec, configs, dp=None, dp_mode="ddp"):
 TRACED = {
     # name: (model, pp, micro-batches)
     "70b-16": ("llama3.3-70b", 8, 16),
+    "70b-32": ("llama3.3-70b", 8, 32),
     "70b-64": ("llama3.3-70b", 8, 64),
     "3b-8": ("llama3.2-3b", 2, 8),
     "3b-64": ("llama3.2-3b", 2, 64),
@@ -155,7 +157,8 @@ def traced(spec, names, directory):
         ev = plan.evaluations
         print(
             f"{name}: {model} TP 8 x PP {pp} x {micro} micro-batches ({2 * pp * micro} "
-            f"instructions), from {saved}: planning {wall:.1f} s wall (measured); "
+            f"instructions), from {saved}: {ev['clocks']} clocks, planning {wall:.1f} s wall "
+            "(measured); "
             f"{ev.get('solves', 0)} solves ({ev.get('cp_sat_solves', 0)} CP-SAT), "
             f"{ev.get('solves_not_proven_optimal', 0)} not proven within the gap limit; "
             f"largest proven gap {100 * max(gaps, default=float('nan')):.2f} %; "

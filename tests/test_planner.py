@@ -25,6 +25,7 @@ from kareus.planner.dag import (
 from kareus.planner.instruction_options import evaluate_options
 from kareus.planner.iteration import plan_for_gpu, plan_iteration
 from kareus.planner.knobs import (
+    DEFAULT_CLOCK_COUNT,
     CountingEvaluator,
     KnobSpace,
     RecordingEvaluator,
@@ -1359,3 +1360,60 @@ def _every_plan(comp):
                 for i in comp.it.instructions
             )
         )
+
+
+def test_the_search_ranks_candidates_by_the_same_hypervolume_bit_for_bit():
+    # The search's staircase adds one point to a front without sorting it again; it must
+    # give hypervolume()'s float exactly (the candidates' order, and so every plan, rests
+    # on it): dominated points, points past the reference, ties in time or energy.
+    import random
+
+    from kareus.planner.search import _Staircase
+
+    rng = random.Random(0)
+    for _ in range(300):
+        pts = [(rng.choice([1.0, 2.0, rng.random() * 3]), rng.random() * 3) for _ in range(12)]
+        ref = (2.5, 2.5)
+        stairs = _Staircase(pts, ref)
+        for p in [*pts, *((rng.random() * 3, rng.random() * 3) for _ in range(20))]:
+            assert stairs.with_point(*p) == hypervolume([*pts, p], ref), (pts, p)
+        assert stairs.area[-1] == hypervolume(pts, ref)
+
+
+def test_a_large_iteration_left_unproven_is_planned_again_on_every_clock():
+    # Past the dive the plan is the flow's rounding, whose loss the clock grid's step sets:
+    # where the default clocks leave solves unproven, planning runs again on every clock of
+    # the top half and keeps the pass with fewer unproven solves; explicit clocks, a small
+    # iteration, or a first pass proven throughout are planned once.
+    pset = megatron_partition_set(hidden=1024, ffn=4096, heads=16, seq=1024, microbatch=4,
+                                  layers=1, tp=2)  # fmt: skip
+    every = [c for c in SPEC.clocks_mhz() if c >= SPEC.clock_max_mhz / 2]
+    settings = PlannerSettings(sweep_points=3, dive_max_instructions=4, search_max_instructions=0)
+    assert settings.finer_clocks(SPEC.clocks_mhz(), 4) is None
+    assert settings.finer_clocks(SPEC.clocks_mhz(), 5) == tuple(sorted(every, reverse=True))
+    given = dataclasses.replace(settings, clocks_mhz=(1410,))
+    assert given.finer_clocks(SPEC.clocks_mhz(), 5) is None
+
+    def plan(gap):
+        notes = []
+        s = dataclasses.replace(settings, solver_gap_limit=gap)
+        got = plan_for_gpu(pset, SPEC, parallel=Parallelism(tp=2, pp=2, microbatches=2),
+                           settings=s, progress=notes.append)  # fmt: skip
+        return got.plan, [n for n in notes if "every clock" in n]
+
+    loose, notes = plan(0.5)  # proven on the default clocks: one pass
+    assert loose.evaluations["clocks"] == DEFAULT_CLOCK_COUNT and not notes
+    tight, notes = plan(1e-9)  # nothing proven that close: a second pass
+    assert len(notes) == 1 and "solves not proven" in notes[0]
+    first = int(notes[0].split()[0])  # the first pass's unproven solves
+    kept = tight.evaluations["solves_not_proven_optimal"]
+    if tight.evaluations["clocks"] == len(every):
+        assert kept < first
+    else:
+        assert tight.evaluations["clocks"] == DEFAULT_CLOCK_COUNT and kept == first
+    # the report says when the plan was made on every clock, and only then
+    from kareus.jobs.report import _clocks_planned
+
+    assert "all 48" in _clocks_planned(48, settings)[0]
+    assert _clocks_planned(DEFAULT_CLOCK_COUNT, settings) == []
+    assert _clocks_planned(None, settings) == []

@@ -51,7 +51,7 @@ from kareus.jobs.trace import Workload, trace_programs
 from kareus.jobs.workload import with_recompute
 from kareus.planner import PlannerSettings
 from kareus.planner.instruction_options import evaluate_options
-from kareus.planner.knobs import CountingEvaluator, RecordingEvaluator, _digest, default_clocks
+from kareus.planner.knobs import CountingEvaluator, RecordingEvaluator, _digest
 from kareus.planner.measured import ProfilerEvaluator
 from kareus.runtime.clocks import ClockController, ClockError, EmulatedClocks
 
@@ -311,7 +311,9 @@ def _clocks_to_measure(
 ) -> tuple[float, ...]:
     """Return the clocks the search measures: the planner's if they can be locked, else one."""
     if lock:
-        return tuple(planner.clocks_mhz or default_clocks(spec.clocks_mhz()))
+        # (the first grid only: a plan replayed from these is not planned again on every
+        # clock, which would mean measuring 2-3 times the settings on the GPU)
+        return planner.planned_clocks(spec.clocks_mhz())
     found = sm_clock(device.index or 0) if device.type == "cuda" else None
     freqs = (float(found or spec.clock_max_mhz),)
     notes.append(

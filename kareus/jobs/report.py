@@ -16,6 +16,7 @@ from kareus.ir.plan_file import FrontierPoint, Plan
 from kareus.jobs.stages_file import save_stages
 from kareus.jobs.workload import WorkloadPlan
 from kareus.planner import PlannerSettings
+from kareus.planner.knobs import DEFAULT_CLOCK_COUNT
 from kareus.planner.pareto import iso_energy_time_reduction, iso_time_energy_reduction
 
 
@@ -196,6 +197,17 @@ def _why_loose(instructions: int, settings: PlannerSettings) -> str:
         + " and ".join(skipped)
         + ": raise the limit for tighter plans at the cost of planning time"
     )
+
+
+def _clocks_planned(clocks: int | None, settings: PlannerSettings) -> list[str]:
+    """Say on how many clocks the plan was made, where more than the first grid's."""
+    if clocks is None or settings.clocks_mhz or clocks <= DEFAULT_CLOCK_COUNT:
+        return []
+    return [
+        f"- clocks: planned on all {clocks} of the GPU's top half, after the default "
+        f"{DEFAULT_CLOCK_COUNT} left solves unproven past the dive "
+        "(`PlannerSettings.finer_clocks`)"
+    ]
 
 
 def report_markdown(planned: WorkloadPlan, plot_name: str = "frontier.png") -> str:
@@ -538,6 +550,7 @@ def _cost_section(planned: WorkloadPlan) -> list[str]:
         f"{unproven} not proven within {100 * settings.solver_gap_limit:g} % of optimal; "
         "each point's proven gap is in *Frontiers*)"
         + (_why_loose(len(plan.schedule), settings) if unproven else ""),
+        *_clocks_planned(ev.get("clocks"), settings),
         "",
         'Apply the plan: `model = kareus.compile(model, plan="plan.json", stage=STAGE)`.',
     ]

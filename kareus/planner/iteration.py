@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from kareus.errors import KareusError
 from kareus.hardware import Emulator, GPUSpec
@@ -42,7 +42,7 @@ from kareus.planner.dp_pricing import (
     data_parallel_planning,
 )
 from kareus.planner.instruction_options import ORIGINAL, Evaluated, Pair, evaluate_options
-from kareus.planner.knobs import CountingEvaluator, default_clocks
+from kareus.planner.knobs import CountingEvaluator
 from kareus.planner.pareto import TIME_RESOLUTION_S, pareto_front
 from kareus.planner.search import SearchResult
 from kareus.planner.select import select
@@ -114,20 +114,36 @@ def plan_iteration(
     stages = _per_stage(psets, parallel.stages)
     originals = None if original is None else _per_stage(original, parallel.stages)
     ev = CountingEvaluator(evaluator)
-    freqs = tuple(settings.clocks_mhz or default_clocks(clocks_mhz))
     note = progress or (lambda _step: None)
-    evaluated = evaluate_options(stages, ev, freqs, static_power_w, settings, note, originals)
-    blind_options = dict(evaluated.options)  # the data-parallel traffic replaces its lists
-    iteration, dp_record = _iteration_for(
-        parallel, evaluated.options, (stages, originals), data_parallel, freqs, note
-    )
-    comps = _composers(
-        iteration, evaluated.options, max(freqs), static_power_w, parallel, settings, originals
-    )
-    frontiers = _frontiers(comps, settings, deadline_s, note, with_originals=bool(originals))
+
+    def plan_on(freqs: tuple[float, ...]) -> _Planned:
+        evaluated = evaluate_options(stages, ev, freqs, static_power_w, settings, note, originals)
+        blind = dict(evaluated.options)  # the data-parallel traffic replaces its lists
+        iteration, dp_record = _iteration_for(
+            parallel, evaluated.options, (stages, originals), data_parallel, freqs, note
+        )
+        comps = _composers(
+            iteration, evaluated.options, max(freqs), static_power_w, parallel, settings, originals
+        )
+        frontiers = _frontiers(comps, settings, deadline_s, note, with_originals=bool(originals))
+        counts = {"search": evaluated.searched, "total": ev.evaluations, "grid": evaluated.grid}
+        counts |= _solve_counts(comps.values(), settings.solver_gap_limit)
+        return _Planned(freqs, evaluated, blind, iteration, dp_record, comps, frontiers, counts)
+
+    # (a data-parallel step is one instruction more per rank)
+    instructions = parallel.instructions + (parallel.pp if data_parallel is not None else 0)
+    run = plan_on(settings.planned_clocks(clocks_mhz))
+    finer = settings.finer_clocks(clocks_mhz, instructions)
+    unproven = run.counts["solves_not_proven_optimal"]
+    if finer is not None and unproven and finer != run.freqs:
+        note(f"{unproven} solves not proven within the gap limit: planning every clock")
+        again = plan_on(finer)
+        if again.counts["solves_not_proven_optimal"] < unproven:
+            run = again
+    freqs, evaluated, blind_options, iteration, dp_record, comps, frontiers, counts = run
+    # (every evaluation made, in either pass; the solves are the kept pass's)
+    counts = {**counts, "total": ev.evaluations, "clocks": len(freqs)}
     chosen = _choose(frontiers, policy, energy_budget_j, deadline_s)
-    counts = {"search": evaluated.searched, "total": ev.evaluations, "grid": evaluated.grid}
-    counts |= _solve_counts(comps.values(), settings.solver_gap_limit)
     graphs = (stages, originals)
     if data_parallel is not None and data_parallel.layout.mode not in IN_GRAPH:  # else planned
         dp_record["blind"] = _seeing_data_parallel(
@@ -144,6 +160,19 @@ def plan_iteration(
     return PlanningResult(
         plan, evaluated.searches, frontiers, ev.evaluations, evaluated.grid, settings
     )
+
+
+class _Planned(NamedTuple):
+    """One planning pass on one clock grid (:func:`plan_iteration`)."""
+
+    freqs: tuple[float, ...]
+    evaluated: Evaluated
+    blind_options: dict[tuple[int, str], list[Option]]
+    iteration: Iteration
+    dp_record: dict[str, Any]
+    comps: dict[str, Composer]
+    frontiers: dict[str, list[Solution]]
+    counts: dict[str, int]
 
 
 def _seeing_data_parallel(

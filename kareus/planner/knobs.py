@@ -65,7 +65,9 @@ next clock down, and the relaxation proves what a mix of the two would save. Wit
 their bounds at nine solves; with 19 (the 10 and one between each two) every solve is
 proven within 0.5 % and planning is faster (``python benchmarks/planner.py --scale 8x16``:
 2.1 s against 6.0 s, 2026-12-03), for 31 % more evaluations in the search and 46 % more in
-all on the README's main job.
+all on the README's main job. An iteration too large for the dive that 19 clocks leave loose
+is planned again on all of them
+(:meth:`~kareus.planner.settings.PlannerSettings.finer_clocks`).
 """
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from kareus.planner.dag import SwitchCost
 
@@ -13,7 +14,9 @@ class PlannerSettings:
 
     Attributes:
         clocks_mhz: clocks to consider; None takes a spread of the top of the GPU's range
-            (:data:`~kareus.planner.knobs.DEFAULT_CLOCK_COUNT` of them).
+            (:data:`~kareus.planner.knobs.DEFAULT_CLOCK_COUNT` of them), planned again on
+            every clock there where an iteration past ``dive_max_instructions`` leaves
+            solves unproven (:meth:`finer_clocks`).
         sm_shares: SM shares of the collective to consider.
         no_overlap_sm_share: SMs of a collective that runs alone: NCCL's defaults, which
             reach its published bus bandwidth (about 230 GB/s on 8 A100s, with 24 channels:
@@ -42,7 +45,16 @@ class PlannerSettings:
             instructions) keep it for the points the relaxation and dive leave loose.
         dive_max_instructions: the relaxation's dive (re-solving with mixed instructions
             fixed, round by round) improves the rounded plan only in iterations of at most
-            this many instructions; larger ones keep the rounded plan with its proven gap.
+            this many instructions; larger ones keep the rounded plan with its proven gap,
+            and are planned again on every clock of the GPU's top half where that leaves
+            solves unproven (:meth:`finer_clocks`). The traced Llama 3.3 70B at TP 8 x
+            PP 8 (``python benchmarks/planner.py --traced``, 2 cores; docs/planning.md): at
+            32 micro-batches (512 instructions) dives on 19 clocks took 172.5 s and left 8
+            solves unproven within 0.5 % (largest gap 0.52 %), the flow on 19 clocks and
+            then on every clock 22.6 s and 1 (0.50 %); at 64 (1,024) 404 s and 6 (0.68 %)
+            against 46.0 s and none (0.49 %). The simplex's programs at that size stall
+            after a dive (45-249 s a fresh solve) and bought a tighter bound, not a better
+            plan.
             At 2,048 instructions (the traced Llama 3.3 70B, PP 16 x 64) each round
             re-solves a program of about 100,000 variables: with dives planning took more
             than 15 minutes, without them 24-47 s with every point within 0.92 % (the
@@ -74,9 +86,43 @@ class PlannerSettings:
     solver_workers: int = 1
     solver_gap_limit: float = 0.005
     search_max_instructions: int | None = 128
-    dive_max_instructions: int | None = 1024
+    dive_max_instructions: int | None = 256
     flow_min_instructions: int | None = 129
     switch: SwitchCost | None = None
+
+    def planned_clocks(self, supported_mhz: Sequence[int]) -> tuple[float, ...]:
+        """Return the clocks planned first: ``clocks_mhz``, or a spread of ``supported_mhz``.
+
+        The spread is :data:`~kareus.planner.knobs.DEFAULT_CLOCK_COUNT` clocks of the top
+        half of the GPU's (``supported_mhz``).
+        """
+        from kareus.planner.knobs import default_clocks
+
+        return tuple(self.clocks_mhz or default_clocks(supported_mhz))
+
+    def finer_clocks(
+        self, supported_mhz: Sequence[int], instructions: int
+    ) -> tuple[float, ...] | None:
+        """Return the clocks planned again where the first grid leaves solves unproven.
+
+        Every clock of the top half of ``supported_mhz``, for an iteration of more than
+        ``dive_max_instructions`` instructions planned on the default clocks (None
+        otherwise). Without a dive the plan is the flow's rounding, and each instruction
+        that mixes two clocks pays a fraction of the step between them: a pipeline mixes
+        hundreds. On the traced Llama 3.3 70B at TP 8 x PP 8 x 64 micro-batches, near the
+        fastest plan the stages that wait on the last one lost 0.6 % of the energy so on
+        19 clocks; on every clock (48 on an A100) every solve is proven within 0.5 %. Not
+        first, nor everywhere: with every clock nearly each instruction changes clock (on
+        the synthetic 70B pipelines of ``benchmarks/planner.py --scale``, 980 changes a
+        solve against 50-650), which the flow's bound leaves out, so where the default
+        grid proves its solves it plans tighter and sooner (2026-12-06, 2 cores).
+        """
+        from kareus.planner.knobs import default_clocks
+
+        dives = self.dive_max_instructions is None or instructions <= self.dive_max_instructions
+        if self.clocks_mhz or dives:
+            return None
+        return default_clocks(supported_mhz, len(supported_mhz))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,6 +140,11 @@ class Parallelism:
     def stages(self) -> int:
         """Pipeline stages: ranks times stages per rank (stage ``v * pp + r`` on rank r)."""
         return self.pp * self.virtual_stages
+
+    @property
+    def instructions(self) -> int:
+        """Forward and backward instructions of one iteration (each micro-batch's, per stage)."""
+        return 2 * self.stages * self.microbatches
 
     @property
     def gpus_per_stage(self) -> int:
