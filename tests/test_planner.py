@@ -1118,9 +1118,9 @@ def test_where_splitting_does_not_pay_the_plan_runs_the_original_graphs():
 def test_interleaved_split_and_unsplit_frontiers_are_proven_point_by_point():
     # Two composers on 3 swept bounds each, whose frontiers interleave: each point's time
     # falls between the other's bounds, so combined naively the points sit 8-13 % from
-    # what is proven. _with_unsplit solves such points at their own times until each is
+    # what is proven. with_unsplit solves such points at their own times until each is
     # within the refine gap (what the solves find joins the front).
-    from kareus.planner.iteration import _with_unsplit
+    from kareus.planner.frontiers import with_unsplit
     from kareus.planner.sweep import REFINE_GAP
 
     it = one_f_one_b(2, 4)
@@ -1150,7 +1150,7 @@ def test_interleaved_split_and_unsplit_frontiers_are_proven_point_by_point():
 
     naive = pareto_front([*unsplit, *split], key=lambda s: (s.time_s, s.energy_j))
     assert max(proven(p) for p in naive) > 0.05
-    out = _with_unsplit(split, unsplit, mine, theirs)
+    out = with_unsplit(split, unsplit, mine, theirs)
     assert all(p.gap <= REFINE_GAP for p in out)
     assert is_monotone([(p.time_s, p.energy_j) for p in out])
     # nothing the naive front held is lost: every one of its points is matched or beaten

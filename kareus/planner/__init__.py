@@ -7,7 +7,8 @@ passes produce and writes a :class:`~kareus.ir.plan_file.Plan`.
 from kareus.planner.compose import Composer
 from kareus.planner.dag import chain, one_f_one_b
 from kareus.planner.data_parallel import DataParallel, StageWeights
-from kareus.planner.iteration import METHODS, plan_for_gpu, plan_iteration
+from kareus.planner.frontiers import METHODS
+from kareus.planner.iteration import plan_for_gpu, plan_iteration
 from kareus.planner.knobs import KnobSpace, RecordingEvaluator, ReplayEvaluator, Setting
 from kareus.planner.search import exhaustive, search
 from kareus.planner.select import POLICIES, InfeasiblePlanError, select

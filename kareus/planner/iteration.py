@@ -15,7 +15,7 @@ and applies the plan's clocks only).
 from __future__ import annotations
 
 import dataclasses
-import threading
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -41,15 +41,12 @@ from kareus.planner.dp_pricing import (
     blind_gain,
     data_parallel_planning,
 )
+from kareus.planner.frontiers import compose_frontiers
 from kareus.planner.instruction_options import ORIGINAL, Evaluated, Pair, evaluate_options
 from kareus.planner.knobs import CountingEvaluator
-from kareus.planner.pareto import TIME_RESOLUTION_S, pareto_front
 from kareus.planner.search import SearchResult
 from kareus.planner.select import select
 from kareus.planner.settings import Parallelism, PlannerSettings
-from kareus.planner.sweep import REFINE_GAP, best_within
-
-METHODS = ("megatron", "perseus", "nanobatch+perseus", "kareus")
 
 
 @dataclasses.dataclass
@@ -116,30 +113,13 @@ def plan_iteration(
     ev = CountingEvaluator(evaluator)
     note = progress or (lambda _step: None)
 
-    def plan_on(freqs: tuple[float, ...]) -> _Planned:
-        evaluated = evaluate_options(stages, ev, freqs, static_power_w, settings, note, originals)
-        blind = dict(evaluated.options)  # the data-parallel traffic replaces its lists
-        iteration, dp_record = _iteration_for(
-            parallel, evaluated.options, (stages, originals), data_parallel, freqs, note
-        )
-        comps = _composers(
-            iteration, evaluated.options, max(freqs), static_power_w, parallel, settings, originals
-        )
-        frontiers = _frontiers(comps, settings, deadline_s, note, with_originals=bool(originals))
-        counts = {"search": evaluated.searched, "total": ev.evaluations, "grid": evaluated.grid}
-        counts |= _solve_counts(comps.values(), settings.solver_gap_limit)
-        return _Planned(freqs, evaluated, blind, iteration, dp_record, comps, frontiers, counts)
-
+    plan_on = functools.partial(
+        _one_pass, (stages, originals), ev, parallel, data_parallel, static_power_w, settings,
+        deadline_s, note,
+    )  # fmt: skip
     # (a data-parallel step is one instruction more per rank)
     instructions = parallel.instructions + (parallel.pp if data_parallel is not None else 0)
-    run = plan_on(settings.planned_clocks(clocks_mhz))
-    finer = settings.finer_clocks(clocks_mhz, instructions)
-    unproven = run.counts["solves_not_proven_optimal"]
-    if finer is not None and unproven and finer != run.freqs:
-        note(f"{unproven} solves not proven within the gap limit: planning every clock")
-        again = plan_on(finer)
-        if again.counts["solves_not_proven_optimal"] < unproven:
-            run = again
+    run = _two_passes(plan_on, settings, clocks_mhz, instructions, note)
     freqs, evaluated, blind_options, iteration, dp_record, comps, frontiers, counts = run
     # (every evaluation made, in either pass; the solves are the kept pass's)
     counts = {**counts, "total": ev.evaluations, "clocks": len(freqs)}
@@ -160,6 +140,55 @@ def plan_iteration(
     return PlanningResult(
         plan, evaluated.searches, frontiers, ev.evaluations, evaluated.grid, settings
     )
+
+
+def _one_pass(
+    graphs: tuple[list[PartitionSet], list[PartitionSet] | None],
+    ev: CountingEvaluator,
+    parallel: Parallelism,
+    data_parallel: DataParallelPlanning | None,
+    static_power_w: float,
+    settings: PlannerSettings,
+    deadline_s: float | None,
+    note: Callable[[str], None],
+    freqs: tuple[float, ...],
+) -> _Planned:
+    """Evaluate, compose and solve the frontiers on one clock grid."""
+    stages, originals = graphs
+    evaluated = evaluate_options(stages, ev, freqs, static_power_w, settings, note, originals)
+    blind = dict(evaluated.options)  # the data-parallel traffic replaces its lists
+    iteration, dp_record = _iteration_for(
+        parallel, evaluated.options, graphs, data_parallel, freqs, note
+    )
+    comps = _composers(
+        iteration, evaluated.options, max(freqs), static_power_w, parallel, settings, originals
+    )
+    frontiers = compose_frontiers(comps, settings, deadline_s, note, with_originals=bool(originals))
+    counts = {"search": evaluated.searched, "total": ev.evaluations, "grid": evaluated.grid}
+    counts |= _solve_counts(comps.values(), settings.solver_gap_limit)
+    return _Planned(freqs, evaluated, blind, iteration, dp_record, comps, frontiers, counts)
+
+
+def _two_passes(
+    plan_on: Callable[[tuple[float, ...]], _Planned],
+    settings: PlannerSettings,
+    clocks_mhz: Sequence[int],
+    instructions: int,
+    note: Callable[[str], None],
+) -> _Planned:
+    """Plan on the default clocks; past the dive, plan every clock where solves stay unproven.
+
+    The pass with fewer unproven solves is kept (the first on a tie: same inputs, same plan).
+    """
+    run = plan_on(settings.planned_clocks(clocks_mhz))
+    finer = settings.finer_clocks(clocks_mhz, instructions)
+    unproven = run.counts["solves_not_proven_optimal"]
+    if finer is not None and unproven and finer != run.freqs:
+        note(f"{unproven} solves not proven within the gap limit: planning every clock")
+        again = plan_on(finer)
+        if again.counts["solves_not_proven_optimal"] < unproven:
+            run = again
+    return run
 
 
 class _Planned(NamedTuple):
@@ -349,54 +378,6 @@ def _composers(
     }
 
 
-def _frontiers(
-    comps: dict[str, Composer],
-    settings: PlannerSettings,
-    deadline_s: float | None,
-    note: Callable[[str], Any],
-    *,
-    with_originals: bool,
-) -> dict[str, list[Solution]]:
-    """Compose every method's frontier; kareus's is proven against the baselines' plans."""
-    # kareus is also solved at each baseline's fastest time (every instruction at its
-    # fastest option: known without a solve) and at the policy's deadline, the times it is
-    # compared and selected at.
-    anchors = [comps[m].fastest_choice().time_s for m in METHODS if m != "kareus"]
-    anchors += [deadline_s] if deadline_s is not None else []
-
-    def compose(method: str) -> list[Solution]:
-        comp = comps[method]
-        if method == "megatron":
-            return [comp.solve(minimise="time")]
-        return comp.frontier(settings.sweep_points, anchors if method == "kareus" else ())
-
-    # The baselines are composed in a second thread while kareus is composed in this one:
-    # the linear solver releases the GIL, and no composer reads another's results, so the
-    # plan is the same as one thread's (at PP 16 x 64 this saves the baselines' ~25 s).
-    note("composing kareus (the baselines alongside)")
-    frontiers = _alongside(
-        lambda: {m: compose(m) for m in METHODS if m != "kareus"},
-        lambda: compose("kareus"),
-    )
-    note("proving kareus's frontier against the baselines")
-
-    # Every baseline plan on the split graphs is also a kareus plan (its options are a
-    # subset of kareus's): a point kareus's solves missed (CP-SAT stopped at its work limit)
-    # must not make kareus look worse.
-    # Its lower bounds are those kareus's own solves proved (a baseline's hold for its
-    # options only); a baseline point left on it between kareus's bounds is solved at its
-    # time by kareus's composer, so that it is improved or proven.
-    split = [s for sols in frontiers.values() for s in sols if s.choices[0].profile != ORIGINAL]
-    frontiers["kareus"] = comps["kareus"].prove(split)
-    if with_originals:
-        # A Perseus plan leaves the graphs unsplit; where no split plan beats it, it is
-        # kareus's plan too (on a tie the simpler plan stays), proven by either bound.
-        frontiers["kareus"] = _with_unsplit(
-            frontiers["kareus"], frontiers["perseus"], comps["kareus"], comps["perseus"]
-        )
-    return frontiers
-
-
 def _clock_schedule(iteration: Iteration, chosen: Solution) -> tuple[ScheduledInstruction, ...]:
     """Return each instruction with the clock, time and energy of its chosen option."""
     return tuple(
@@ -451,31 +432,6 @@ def _solve_counts(comps: Iterable[Composer], gap_limit: float) -> dict[str, int]
     }
 
 
-def _alongside(
-    baselines: Callable[[], dict[str, list[Solution]]], kareus: Callable[[], list[Solution]]
-) -> dict[str, list[Solution]]:
-    """Run ``baselines`` in a daemon thread and ``kareus`` in this one; return both.
-
-    The thread is a daemon so that an interrupt need not wait for it. What either raised is
-    raised here, this thread's first; the baselines' frontiers come first in the result.
-    """
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["baselines"] = baselines()
-        except BaseException as e:  # re-raised in the caller's thread
-            out["error"] = e
-
-    thread = threading.Thread(target=run, name="kareus-baselines", daemon=True)
-    thread.start()
-    mine = kareus()
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    return {**out["baselines"], "kareus": mine}
-
-
 def _per_stage(psets: PartitionSet | Sequence[PartitionSet], stages: int) -> list[PartitionSet]:
     """Return one set per pipeline stage (a single set, or too few, repeat the first)."""
     out = list(psets) if isinstance(psets, Sequence) else [psets] * stages
@@ -485,78 +441,6 @@ def _per_stage(psets: PartitionSet | Sequence[PartitionSet], stages: int) -> lis
 def _nanobatches(s: Solution) -> int:
     """Return 1 for a plan of the original graphs, 2 for one of the split graphs."""
     return 1 if s.choices and s.choices[0].profile == ORIGINAL else 2
-
-
-UNSPLIT_REFINE_ROUNDS = 4
-"""Rounds of solving interleaved split and unsplit points at their own times (a solve's
-plan can itself land between the other composer's bounds)."""
-
-
-def _with_unsplit(
-    split: Sequence[Solution], unsplit: Sequence[Solution], mine: Composer, theirs: Composer
-) -> list[Solution]:
-    """Return the front of both frontiers, each point with the lower of both proven bounds.
-
-    A split point's bound holds for split plans only; the least energy of any plan within
-    its time is the lower of that and what the Perseus solves proved for unsplit plans
-    (none is faster than Perseus's fastest: no bound is needed below it). Unsplit points
-    come first, so that of two equal points the one that does not split stays. Where the
-    two frontiers interleave, a point's time falls between the other composer's swept
-    bounds, whose proof there is loose: a point left outside the refine gap is solved at
-    its own time by each composer whose bound is loose there (once per composer and time),
-    and what those solves find joins the front, for up to :data:`UNSPLIT_REFINE_ROUNDS`
-    rounds (a solve's plan can itself land between the other composer's bounds).
-    """
-    known_split, known_unsplit = list(split), list(unsplit)
-    # (no plan of a family is faster than its least time: no bound is needed below it)
-    fastest_split = mine.fastest_choice().time_s
-    fastest_unsplit = theirs.fastest_choice().time_s if unsplit else float("inf")
-
-    def bounds(p: Solution) -> tuple[float | None, float | None]:
-        ours = Composer.lower_bounds([p], mine.solves)[0]
-        other = Composer.lower_bounds([p], theirs.solves)[0]
-        return (
-            float("inf") if p.time_s < fastest_split else ours,
-            float("inf") if p.time_s < fastest_unsplit else other,
-        )
-
-    def front() -> list[Solution]:
-        return pareto_front(
-            [*known_unsplit, *known_split],
-            key=lambda s: (s.time_s, s.energy_j),
-            time_resolution=TIME_RESOLUTION_S,
-        )
-
-    def solved_at(comp: Composer, at: float) -> bool:
-        return any(s.within_s is not None and abs(s.within_s - at) < 1e-9 for s in comp.solves)
-
-    for _round in range(UNSPLIT_REFINE_ROUNDS):
-        solved = False
-        for p in front():
-            ours, other = bounds(p)
-            if ours is None or other is None:
-                continue
-            loose = max(REFINE_GAP, mine.gap_limit) * p.energy_j
-            if p.energy_j - min(ours, other) <= loose:
-                continue
-            at = p.time_s + 1e-6
-            split_loose = p.energy_j - ours > loose and p.time_s >= fastest_split
-            if split_loose and not solved_at(mine, at):
-                known_split.append(mine.solve(bound_s=at, hint=best_within(at, known_split)))
-                solved = True
-            unsplit_loose = p.energy_j - other > loose and p.time_s >= fastest_unsplit
-            if unsplit_loose and not solved_at(theirs, at):
-                hint = best_within(at, known_unsplit)
-                known_unsplit.append(theirs.solve(bound_s=at, hint=hint))
-                solved = True
-        if not solved:
-            break
-    out = []
-    for p in front():
-        ours, other = bounds(p)
-        bound = None if ours is None or other is None else min(ours, other)
-        out.append(dataclasses.replace(p, within_s=p.time_s, bound_j=bound))
-    return out
 
 
 def _point(s: Solution, iteration: Iteration) -> FrontierPoint:
