@@ -77,7 +77,13 @@ def test_a_model_of_your_own_is_planned_and_its_plan_applied(kind, tp, tmp_path)
     for ref, got, verdict in run_ranks(
         _train, source, tp, str(tmp_path / "out" / "plan.json"), world=tp, timeout_s=300
     ):
-        assert_same_history(ref, got, bitwise_loss=False)
+        # Traced on Inductor's graphs, by default for your own model: its decompositions
+        # change the op order, and AdamW's first step moves a weight whose near-zero
+        # gradient rounds to the other sign by twice the learning rate (Phi-3: one gradient
+        # element of 1.5e-3 off by 1.02e-6 at the second step, on this CPU, 2026-12-06).
+        assert plan["workload"]["graphs"] == "inductor"
+        loose = {"rtol": 1e-4, "atol": 1e-4} if kind == "phi3" else {}
+        assert_same_history(ref, got, bitwise_loss=False, **loose)
         # the plan was applied: the fit check passed and its clocks ran on the emulated GPU
         assert verdict[2].startswith("clocks: planned"), verdict
         switched = re.search(r"applied by the emulated controller \((\d+) switches\)", verdict[2])
@@ -127,7 +133,7 @@ def test_a_plan_runs_the_graphs_it_was_traced_on():
     """The graphs a plan was traced on are the ones that run: a plan traced on Inductor's
     graphs (`kareus plan --graphs inductor`: its decompositions, joint-graph passes and
     min-cut partition) fills the Config fields the user leaves open, on either codegen; one
-    traced on AOTAutograd's (the default), or made before plans recorded it, changes
+    traced on AOTAutograd's (the presets' default), or made before plans recorded it, changes
     nothing (Inductor keeps torch.compile's partition)."""
     from kareus.compiler.backend import KareusBackend
 
@@ -154,6 +160,28 @@ def test_the_graphs_are_traced_recorded_and_checked_on_reuse(tmp_path, capsys):
     again = [*args, "--graphs", "inductor", "--partitions", str(out / "partitions.json")]
     assert main([*again, "--out", str(tmp_path / "again")]) == EXIT_BAD_INPUT
     assert "graphs 'aot' != 'inductor'" in capsys.readouterr().err
+
+
+def test_your_own_model_is_traced_on_inductors_graphs_by_default(monkeypatch, capsys):
+    """`--hf-config` and `--factory` trace the graphs kareus.compile runs by default
+    (Inductor's); the presets keep AOTAutograd's; --graphs wins; a torch that cannot trace
+    Inductor's graphs falls back to AOTAutograd's and says so."""
+    import kareus._torch_internals as internals
+    from kareus.cli.commands import _graphs
+    from kareus.cli.options import _parser
+
+    def graphs(*argv):
+        return _graphs(_parser().parse_args(["plan", *argv]))
+
+    assert graphs("--hf-config", "c.json") == "inductor"
+    assert graphs("--factory", "m:f") == "inductor"
+    assert graphs("--model", "tiny") == "aot"
+    assert graphs("--hf-config", "c.json", "--graphs", "aot") == "aot"
+    assert graphs("--model", "tiny", "--graphs", "inductor") == "inductor"
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(internals, "inductor_lowering", lambda: None)
+    assert graphs("--factory", "m:f") == "aot"
+    assert "codegen='python'" in capsys.readouterr().err
 
 
 def test_a_plan_refused_on_other_graphs_names_the_graphs_to_trace():

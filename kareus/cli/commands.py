@@ -284,7 +284,7 @@ def _workload(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         schedule=args.schedule,
         recompute=args.recompute,
-        graphs=args.graphs,
+        graphs=_graphs(args),
         layers_per_stage=args.layers_per_stage,
         dp=_dp_degree(args),
         dp_mode=args.dp_mode,
@@ -309,6 +309,33 @@ def _model(args: argparse.Namespace) -> Any:
     if getattr(args, "factory", None):
         return FactoryModel(args.factory)
     return args.model
+
+
+def _graphs(args: argparse.Namespace) -> str:
+    """Return the graphs to trace: ``--graphs``, else Inductor's for your own model.
+
+    A plan of a Hugging Face config or a factory is applied to the model it was made from
+    with ``kareus.compile``, whose default codegen is Inductor: traced on Inductor's graphs
+    it fits by construction (AOTAutograd's may not: a torchtitan-style factory's backward
+    had 9 all-gathers on Inductor against 8 traced). The presets keep AOTAutograd's, the
+    graphs their figures (docs/results.md) were planned on; so does a torch without the
+    Inductor internals tracing them needs (said on stderr).
+    """
+    from kareus._torch_internals import inductor_lowering
+
+    if getattr(args, "graphs", None):
+        return args.graphs  # type: ignore[no-any-return]
+    if not (getattr(args, "hf_config", None) or getattr(args, "factory", None)):
+        return "aot"
+    if inductor_lowering() is None:
+        print(
+            "kareus plan: this torch lacks the Inductor partition step that tracing "
+            "Inductor's graphs needs; tracing AOTAutograd's (apply the plan with "
+            "codegen='python')",
+            file=sys.stderr,
+        )
+        return "aot"
+    return "inductor"
 
 
 def _dp_degree(args: argparse.Namespace) -> int | None:

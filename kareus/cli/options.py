@@ -119,11 +119,11 @@ def _workload_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--graphs",
         choices=("aot", "inductor"),
-        default="aot",
         help="the graphs traced and priced, which applying the plan runs: aot (AOTAutograd's "
-        "plain graphs, the backward recomputing nothing; default) or inductor (those "
-        "Inductor compiles: its decompositions, joint-graph passes and min-cut partition; "
-        "for a model whose aot plan the fit check refuses on Inductor)",
+        "plain graphs, the backward recomputing nothing) or inductor (those Inductor "
+        "compiles: its decompositions, joint-graph passes and min-cut partition). Default: "
+        "inductor for --hf-config and --factory (your model, which kareus.compile runs on "
+        "Inductor: the plan fits it as traced), aot for the presets",
     )
     p.add_argument(
         "--layers-per-stage",
