@@ -3,10 +3,15 @@
 For each of five Hugging Face architectures (tiny configs written by
 ``kareus.testing.hf_config_file``) and a torchtitan-style ``--factory`` model: ``kareus plan``
 (fake tensors, emulated A100, ``--select min_energy``: clocks below the maximum), then 3
-AdamW steps in as many gloo ranks as the TP degree (2 where the model has a tensor-parallel
-plan, else 1), with and without ``kareus.compile(model, plan=...)``. Prints plan seconds,
-the largest loss difference and kareus's verdict lines. The tests run a sample of these
-(tests/test_sources.py).
+AdamW steps in as many gloo ranks as the TP degree, with and without
+``kareus.compile(model, plan=...)``. Prints plan seconds, the largest loss difference and
+kareus's verdict lines. The tests run a sample of these (tests/test_sources.py).
+
+TP 2 where the model runs sharded: Phi-3 and OLMo by transformers' own tensor-parallel
+plan, BERT by one written into its config (``kareus.testing.HF_TP_PLANS``, as a user adds
+one). GPT-2 and StableLM run at TP 1: transformers' TP styles shard ``nn.Linear`` and
+GPT-2's layers are ``Conv1D``; StableLM's attention reshapes by the config's head count, so
+a plan sharding its heads fails (``kareus plan`` says so in one line).
 
     python benchmarks/own_models.py [--kinds phi3,olmo,...] [--graphs inductor|aot]
 """
@@ -25,9 +30,9 @@ sys.path.insert(0, str(ROOT / "tests"))  # the factory lives beside the tests (t
 
 from kareus.cli import EXIT_OK, main  # noqa: E402
 from kareus.models.sources import FactoryModel, HFModel  # noqa: E402
-from kareus.testing import HF_CONFIG_KINDS, hf_config_file, run_ranks  # noqa: E402
+from kareus.testing import HF_CONFIG_KINDS, HF_TP_PLANS, hf_config_file, run_ranks  # noqa: E402
 
-TP = {"phi3": 2, "olmo": 2, "stablelm": 1, "gpt2": 1, "bert": 1, "factory": 2}
+TP = {"phi3": 2, "olmo": 2, "stablelm": 1, "gpt2": 1, "bert": 2, "factory": 2}
 
 
 def _train(rank, source, tp, plan):
@@ -43,7 +48,7 @@ def run(kind: str, tmp: pathlib.Path, graphs: str = "inductor") -> dict:
     if kind == "factory":
         option, source = ["--factory", "titan_style:factory"], FactoryModel("titan_style:factory")
     else:
-        path = str(hf_config_file(kind, tmp))
+        path = str(hf_config_file(kind, tmp, tp_plan=kind in HF_TP_PLANS and TP[kind] > 1))
         option, source = ["--hf-config", path], HFModel(path)
     out = tmp / kind
     args = ["plan", *option, "--tp", str(TP[kind]), "--microbatch-size", "4", "--seq-len", "16"]

@@ -36,6 +36,22 @@ def check_output_dir(out: str | pathlib.Path, option: str = "--out") -> pathlib.
 
 
 @contextlib.contextmanager
+def output_dir(out: str | pathlib.Path, option: str = "--out") -> Iterator[pathlib.Path]:
+    """Check ``out`` as :func:`check_output_dir` does, for the length of a command.
+
+    A directory this made is removed again if the command fails before writing into it.
+    """
+    made = not pathlib.Path(out).exists()
+    path = check_output_dir(out, option)
+    try:
+        yield path
+    except BaseException:
+        if made and path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+        raise
+
+
+@contextlib.contextmanager
 def atomic_path(path: str | pathlib.Path) -> Iterator[pathlib.Path]:
     """Yield a temporary path beside ``path``; on success it replaces ``path`` at once.
 

@@ -36,6 +36,10 @@ class FileFormatError(KareusError, ValueError):
     """A kareus file (plan, partitions) cannot be read, is not JSON, or breaks its schema."""
 
 
+class SourceError(KareusError, ValueError):
+    """A model source (``--hf-config``, ``--factory``) cannot be used as given."""
+
+
 class PlanMismatchError(KareusError, ValueError):
     """A plan was made for another workload (or stage) than the model it is applied to."""
 

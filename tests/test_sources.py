@@ -9,7 +9,8 @@ first call).
 
 The CI sample: a torchtitan-style factory at TP 2 with sequence parallelism whose loss follows
 a graph break (as Hugging Face's GPT-2's does: the plan covers the graph holding the layers
-and decides nothing in the other); Phi-3 at TP 2 is marked slow. `benchmarks/own_models.py`
+and decides nothing in the other); Phi-3 and BERT (TP by a plan in its config) at TP 2 are
+marked slow. `benchmarks/own_models.py`
 runs all five Hugging Face architectures and the factory, applied on Inductor.
 """
 
@@ -25,7 +26,13 @@ from kareus.ir.plan_file import Plan
 from kareus.models.sources import FactoryModel, HFModel
 from kareus.passes.check_plan import _plan_command
 from kareus.planner.knobs import default_clocks
-from kareus.testing import assert_same_history, hf_config_file, run_ranks, source_training
+from kareus.testing import (
+    HF_TP_PLANS,
+    assert_same_history,
+    hf_config_file,
+    run_ranks,
+    source_training,
+)
 
 FAST = ["--microbatch-size", "4", "--seq-len", "16", "--dtype", "fp32", "--microbatches", "1"]
 FAST += [
@@ -56,14 +63,18 @@ def _train(rank, source, tp, plan):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
     ("kind", "tp"),
-    [pytest.param("phi3", 2, marks=pytest.mark.slow), ("factory", 2)],
-    ids=["phi3-tp2", "factory-tp2"],
+    [
+        pytest.param("phi3", 2, marks=pytest.mark.slow),
+        pytest.param("bert", 2, marks=pytest.mark.slow),  # TP by a plan in its config
+        ("factory", 2),
+    ],
+    ids=["phi3-tp2", "bert-tp2", "factory-tp2"],
 )
 def test_a_model_of_your_own_is_planned_and_its_plan_applied(kind, tp, tmp_path):
     if kind == "factory":
         option, source = ["--factory", "titan_style:factory"], FactoryModel("titan_style:factory")
     else:
-        path = str(hf_config_file(kind, tmp_path))
+        path = str(hf_config_file(kind, tmp_path, tp_plan=kind == "bert"))
         option, source = ["--hf-config", path], HFModel(path)
     plan = _plan(option, tp, tmp_path / "out")
     assert plan["workload"]["tp"] == tp
@@ -72,6 +83,9 @@ def test_a_model_of_your_own_is_planned_and_its_plan_applied(kind, tp, tmp_path)
     else:  # the plan names the config, its shape, and the command that remakes it
         assert plan["workload"]["model"]["hf_config"] == path
         assert plan["workload"]["shape"] == {"hidden_size": 64, "num_layers": 4}
+        assert plan["workload"]["model"]["config"].get("base_model_tp_plan") == (
+            HF_TP_PLANS.get(kind) if kind == "bert" else None
+        )
         remake = _plan_command(Plan.load(tmp_path / "out" / "plan.json"), {})
         assert f"--hf-config {path}" in remake
     for ref, got, verdict in run_ranks(
@@ -112,6 +126,17 @@ def test_tensor_parallel_without_a_plan_in_the_model_says_so(tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert "no tensor-parallel plan" in err and "--tp 1" in err
+
+
+def test_a_model_that_fails_under_its_tp_plan_says_why_in_one_line(tmp_path, capsys):
+    # StableLM reshapes by the config's head count: sharding its heads cannot run
+    path = str(hf_config_file("stablelm", tmp_path, tp_plan=True))
+    out = tmp_path / "o"
+    assert main(["plan", "--hf-config", path, "--tp", "2", *FAST, "--out", str(out)]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kareus")]
+    assert err[-1].startswith(f"kareus: error: --hf-config {path}: the model failed at TP 2")
+    assert "RuntimeError: shape '[" in err[-1] and "plan it with --tp 1" in err[-1], err
+    assert not out.exists()  # nothing written for a plan that was not made
 
 
 def test_pipeline_stages_of_your_own_model_are_refused_with_the_fix(tmp_path, capsys):

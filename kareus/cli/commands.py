@@ -93,7 +93,7 @@ def _explain(path: pathlib.Path) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from kareus._files import check_output_dir
+    from kareus._files import output_dir
     from kareus.hardware import gpu
     from kareus.jobs.stages_file import save_stages
     from kareus.jobs.trace import stage_kinds
@@ -104,36 +104,37 @@ def _plan(args: argparse.Namespace) -> int:
     _check_policy_options(args)
     _check_clocks(args.clocks, spec)
     evaluator, settings = _plan_evaluator(args, spec)
-    out = check_output_dir(args.out)  # before minutes of tracing, not after
-    print(f"kareus plan: {work.describe()} on {spec.name} ({args.evaluator})", flush=True)
+    # checked before minutes of tracing, not after; removed again if nothing was written
+    with output_dir(args.out) as out:
+        print(f"kareus plan: {work.describe()} on {spec.name} ({args.evaluator})", flush=True)
 
-    def traced(stages: Any, originals: Any) -> None:
-        # Saved at once: an infeasible policy or a later failure still leaves it to re-plan
-        # from (--partitions).
-        save_stages(work, stages, out / "partitions.json", originals)
-        dp = work.data_parallel() is not None
-        progress.start("planning", planning_steps(stages, originals is not None, dp))
+        def traced(stages: Any, originals: Any) -> None:
+            # Saved at once: an infeasible policy or a later failure still leaves it to re-plan
+            # from (--partitions).
+            save_stages(work, stages, out / "partitions.json", originals)
+            dp = work.data_parallel() is not None
+            progress.start("planning", planning_steps(stages, originals is not None, dp))
 
-    with _Progress(enabled=not args.quiet) as progress:
-        # the split graphs, then the original ones (a replay plans the split ones only)
-        graphs = 1 if args.evaluator == "replay" else 2
-        progress.start("tracing", graphs * len(stage_kinds(work.stages)))
-        planned = plan_workload(
-            work,
-            args.gpu,
-            policy=args.select,
-            settings=settings,
-            evaluator=evaluator,
-            energy_budget_j=args.energy_budget,
-            deadline_s=args.deadline,
-            layers=args.layers_traced,
-            partitions=args.partitions,
-            cache=not args.no_cache,
-            on_traced=traced,
-            progress=progress.step,
-        )
-    _print_planned(planned, args)
-    return EXIT_OK
+        with _Progress(enabled=not args.quiet) as progress:
+            # the split graphs, then the original ones (a replay plans the split ones only)
+            graphs = 1 if args.evaluator == "replay" else 2
+            progress.start("tracing", graphs * len(stage_kinds(work.stages)))
+            planned = plan_workload(
+                work,
+                args.gpu,
+                policy=args.select,
+                settings=settings,
+                evaluator=evaluator,
+                energy_budget_j=args.energy_budget,
+                deadline_s=args.deadline,
+                layers=args.layers_traced,
+                partitions=args.partitions,
+                cache=not args.no_cache,
+                on_traced=traced,
+                progress=progress.step,
+            )
+        _print_planned(planned, args)
+        return EXIT_OK
 
 
 def _check_policy_options(args: argparse.Namespace) -> None:

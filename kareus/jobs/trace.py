@@ -27,15 +27,19 @@ from kareus.compiler.config import GRAPHS
 from kareus.errors import KareusError, TraceError
 from kareus.ir.partitions import PartitionSet
 from kareus.jobs.extrapolate import TEMPLATE_POSITION, extrapolate
-from kareus.models.llama import Llama, LlamaConfig, preset
-from kareus.models.parallel import gather_in_graph
-from kareus.models.sources import FactoryModel, HFModel, ModelSource, StepInputs, step_loss
+from kareus.jobs.fake_step import DTYPES, run_stage
+from kareus.models.llama import LlamaConfig, preset
+from kareus.models.sources import (
+    FactoryModel,
+    HFModel,
+    ModelSource,
+    run_failure,
+)
 from kareus.passes.extract_partitions import PartitionProgram
 
 if TYPE_CHECKING:
     from kareus.planner.data_parallel import DataParallel, StageWeights
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """Training dtypes by name."""
 
 RECOMPUTE = ("none", "full", "selective")
@@ -333,7 +337,6 @@ def trace_stage(
         nanobatches: 2 traces the nanobatched graphs kareus plans; 1 the original ones
             (blocks left whole), as Megatron-LM runs them.
     """
-    import kareus
     from kareus._torch_internals import inductor_lowering
 
     if work.graphs == "inductor" and inductor_lowering() is None:
@@ -343,66 +346,20 @@ def trace_stage(
             "(--graphs aot), and apply the plan with codegen='python'"
         )
     torch._dynamo.reset()
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    dp_group = groups[2] if len(groups) > 2 else None
     mesh = None
     if isinstance(work.model, (HFModel, FactoryModel)) and groups[0] is not None:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device, (work.tp,))  # a source runs TP only: the whole world
-    with FakeTensorMode(), torch.device(device):
-        model, inputs = _build_stage(work, stage, layers, groups, mesh)
-        compiled = kareus.compile(
-            model,
-            disable_passes=("schedule_overlap", "insert_clock_switches"),
-            # 2: what is planned, collectives or not; under SimpleFSDP compile's own choice
-            # (a block whose only collectives gather its weights stays whole, and the
-            # gathers overlap the compute before them)
-            nanobatches=None if nanobatches == 2 and dp_group is not None else nanobatches,
-            extract_partitions=extract,
-            gpus_per_node=work.gpus_per_node,
-            # Fake tensors: the analysis passes run, Inductor generates nothing. The
-            # kernels priced are the fused ones kareus.compile's default codegen runs.
-            codegen="python",
-            fuse_memory_ops=True,
-            **GRAPHS[work.graphs],  # recorded in the plan: applying it runs the same
-        )
-        out = step_loss(compiled(*inputs.args, **inputs.kwargs))
-        out.backward(torch.ones_like(out))
-    return _stage_trace(compiled, work, stage, groups)
-
-
-def _build_stage(
-    work: Workload, stage: int, layers: int, groups: tuple[Any, ...], mesh: Any
-) -> tuple[torch.nn.Module, StepInputs]:
-    """Build ``layers`` layers of the stage and one step's inputs (under fake tensors)."""
-    dtype = DTYPES[work.dtype]
-    tp_group, cp_group, *rest = groups
-    dp_group = rest[0] if rest else None
-    local_seq = work.seq_len // work.cp
-    if isinstance(work.model, (HFModel, FactoryModel)):
-        return work.model.build(
-            layers=layers,
-            tp_mesh=mesh,
-            microbatch_size=work.microbatch_size,
-            seq_len=local_seq,
-            dtype=dtype,
-        )
-    cfg = dataclasses.replace(work.config, num_layers=layers * work.stages)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
     try:
-        model = Llama(cfg, tp_group, cp_group, stage=(stage, work.stages))
-    finally:
-        torch.set_default_dtype(default)
-    if dp_group is not None:
-        gather_in_graph(model, dp_group)
-    shape = (work.microbatch_size, local_seq)
-    ids = torch.zeros(shape, dtype=torch.long)
-    x = ids if model.first else torch.zeros(*shape, cfg.hidden_size, dtype=dtype)
-    x.requires_grad_(x.is_floating_point())
-    return model, StepInputs(args=(x, ids if model.last else None))
+        compiled = run_stage(work, stage, layers, groups, mesh, device, nanobatches, extract)
+    except KareusError:
+        raise
+    except Exception as err:
+        if not isinstance(work.model, (HFModel, FactoryModel)):
+            raise  # a preset that fails is kareus's bug: its traceback says where
+        raise TraceError(run_failure(work.model, work.tp, err)) from err
+    return _stage_trace(compiled, work, stage, groups)
 
 
 def _stage_trace(compiled: Any, work: Workload, stage: int, groups: tuple[Any, ...]) -> StageTrace:

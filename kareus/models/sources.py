@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kareus.errors import SourceError
 from kareus.models.llama import LlamaConfig
 
 _UNSUPPORTED = (
@@ -50,7 +51,7 @@ def step_loss(out: Any) -> torch.Tensor:
     if isinstance(out, (tuple, list)) and out:
         out = out[0]
     if not isinstance(out, torch.Tensor):
-        raise ValueError(
+        raise SourceError(
             f"the model returned {type(out).__name__}: a traced training step needs a tensor "
             "(the loss), a tuple starting with one, or an output with a .loss"
         )
@@ -66,7 +67,7 @@ class HFModel:
             made (what is traced and what the plan records are the same config).
 
     Raises:
-        ValueError: no such file, or not a JSON object with a ``model_type``.
+        SourceError: no such file, or not a JSON object with a ``model_type``.
     """
 
     path: str
@@ -130,9 +131,9 @@ class HFModel:
         """Raise ValueError for a layout kareus cannot trace this model in."""
         del dp  # hooks' traffic: priced from the shape
         if cp > 1 or pp > 1 or graph_dp > 1:
-            raise ValueError(_UNSUPPORTED.format(what=f"--hf-config {self.path}"))
+            raise SourceError(_UNSUPPORTED.format(what=f"--hf-config {self.path}"))
         if tp > 1 and not (self.raw().get("base_model_tp_plan") or self._class_tp_plan()):
-            raise ValueError(
+            raise SourceError(
                 f"--hf-config {self.path}: a {self.raw()['model_type']} model has no "
                 "tensor-parallel plan (base_model_tp_plan) in transformers or its config; plan "
                 "it with --tp 1, add a base_model_tp_plan to the config, or parallelise it in "
@@ -222,21 +223,21 @@ class FactoryModel:
         """Return the factory function.
 
         Raises:
-            ValueError: not ``MODULE:FUNCTION``, not importable, or not callable.
+            SourceError: not ``MODULE:FUNCTION``, not importable, or not callable.
         """
         module_name, sep, attr = self.target.partition(":")
         if not sep or not module_name or not attr:
-            raise ValueError(f"--factory {self.target!r} must be MODULE:FUNCTION")
+            raise SourceError(f"--factory {self.target!r} must be MODULE:FUNCTION")
         try:
             module = _import_from_cwd(module_name)
         except ImportError as err:
-            raise ValueError(
+            raise SourceError(
                 f"--factory {self.target}: cannot import {module_name!r} ({err}); check the "
                 "name and that its directory is on PYTHONPATH"
             ) from None
         fn = getattr(module, attr, None)
         if not callable(fn):
-            raise ValueError(f"--factory {self.target}: {module_name} has no function {attr!r}")
+            raise SourceError(f"--factory {self.target}: {module_name} has no function {attr!r}")
         return fn
 
     def config(self) -> None:
@@ -255,9 +256,9 @@ class FactoryModel:
     def check(self, *, tp: int, cp: int, pp: int, graph_dp: int, dp: int | None = None) -> None:
         """Raise ValueError for a layout kareus cannot trace a factory's model in."""
         if cp > 1 or pp > 1 or graph_dp > 1:
-            raise ValueError(_UNSUPPORTED.format(what=f"--factory {self.target}"))
+            raise SourceError(_UNSUPPORTED.format(what=f"--factory {self.target}"))
         if dp is not None:
-            raise ValueError(
+            raise SourceError(
                 f"--factory {self.target}: pricing data parallelism needs the model's shape, "
                 "which a factory does not declare; plan without --dp (or use --hf-config)"
             )
@@ -275,7 +276,7 @@ class FactoryModel:
         """Call the factory (``layers`` is ignored: the model is traced whole).
 
         Raises:
-            ValueError: the factory did not return ``(nn.Module, inputs)``.
+            SourceError: the factory did not return ``(nn.Module, inputs)``.
         """
         del layers
         fn = self.function()
@@ -291,7 +292,7 @@ class FactoryModel:
         if not (
             isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)
         ):
-            raise ValueError(
+            raise SourceError(
                 f"--factory {self.target} returned {type(result).__name__}; it must return "
                 "(model, inputs): an nn.Module and a dict of keyword or a tuple of positional "
                 "arguments"
@@ -306,6 +307,30 @@ class FactoryModel:
 
 ModelSource = HFModel | FactoryModel
 """A model that is not a preset."""
+
+
+def run_failure(source: HFModel | FactoryModel, tp: int, err: BaseException) -> str:
+    """Say in one line that ``source``'s own code failed while kareus traced it at TP ``tp``.
+
+    The innermost cause is named (Dynamo wraps the model's own error in its explanation):
+    for example a model that reshapes by its global head count under a TP plan that shards
+    the heads.
+    """
+    cause = err
+    while (inner := cause.__cause__ or cause.__context__) is not None:
+        cause = inner  # Dynamo raises its own error "from None": the context holds the model's
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    what = f"{type(cause).__name__}: {lines[0] if lines else 'no message'}"
+    flag = (
+        f"--hf-config {source.path}"
+        if isinstance(source, HFModel)
+        else f"--factory {source.target}"
+    )
+    layout = f" at TP {tp}" if tp > 1 else ""
+    advice = "; run it once at this layout without kareus to see where" + (
+        ", or plan it with --tp 1" if tp > 1 else ""
+    )
+    return f"{flag}: the model failed{layout} while kareus traced it ({what}){advice}"
 
 
 def _import_from_cwd(name: str) -> Any:
@@ -327,7 +352,7 @@ def _transformers() -> Any:
     try:
         return importlib.import_module("transformers")
     except ImportError:
-        raise ValueError("--hf-config needs transformers: pip install 'kareus[hf]'") from None
+        raise SourceError("--hf-config needs transformers: pip install 'kareus[hf]'") from None
 
 
 def _read_config(path: str) -> dict[str, Any]:
@@ -337,11 +362,11 @@ def _read_config(path: str) -> dict[str, Any]:
     try:
         data = json.loads(file.read_text())
     except OSError as err:
-        raise ValueError(f"--hf-config {path}: cannot read {file} ({err.strerror})") from None
+        raise SourceError(f"--hf-config {path}: cannot read {file} ({err.strerror})") from None
     except json.JSONDecodeError as err:
-        raise ValueError(f"--hf-config {path}: {file} is not JSON ({err})") from None
+        raise SourceError(f"--hf-config {path}: {file} is not JSON ({err})") from None
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise ValueError(
+        raise SourceError(
             f"--hf-config {path}: {file} has no model_type; pass a Hugging Face config.json"
         )
     return data

@@ -26,6 +26,7 @@ from kareus.testing.ranks import free_port, run_ranks
 from kareus.testing.tiny_models import (
     HF_CONFIG_KINDS,
     HF_KINDS,
+    HF_TP_PLANS,
     InplaceTPLayer,
     InplaceTPNet,
     SleepyLayer,
@@ -49,6 +50,7 @@ from kareus.testing.verdicts import PerSampleVerdict, per_sample_verdict
 __all__ = [
     "HF_CONFIG_KINDS",
     "HF_KINDS",
+    "HF_TP_PLANS",
     "Batch",
     "History",
     "InplaceTPLayer",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 from collections.abc import Callable
 from typing import Any
@@ -67,8 +68,34 @@ HF_CONFIG_KINDS = ("phi3", "olmo", "stablelm", "gpt2", "bert")
 """Hugging Face architectures :func:`hf_config_file` writes, none of them a kareus preset."""
 
 
-def hf_config_file(kind: str, directory: str | pathlib.Path) -> pathlib.Path:
+HF_TP_PLANS: dict[str, dict[str, str]] = {
+    # BERT: transformers has no plan; its attention reshapes by the local width, so the
+    # usual Megatron split (attention and MLP in column then row) runs sharded
+    "bert": {
+        **{f"encoder.layer.*.attention.self.{p}": "colwise" for p in ("query", "key", "value")},
+        "encoder.layer.*.attention.output.dense": "rowwise",
+        "encoder.layer.*.intermediate.dense": "colwise",
+        "encoder.layer.*.output.dense": "rowwise",
+    },
+    # StableLM: the same split does not run: its attention reshapes by the config's head
+    # count (a TP 2 trace fails, and kareus says so in one line)
+    "stablelm": {
+        **{f"layers.*.self_attn.{p}": "colwise" for p in ("q_proj", "k_proj", "v_proj")},
+        "layers.*.self_attn.o_proj": "rowwise",
+        **{f"layers.*.mlp.{p}": "colwise" for p in ("gate_proj", "up_proj")},
+        "layers.*.mlp.down_proj": "rowwise",
+    },
+}
+"""Tensor-parallel plans a user adds to a config (``base_model_tp_plan``) where transformers
+has none, as ``kareus plan --tp 2`` advises."""
+
+
+def hf_config_file(
+    kind: str, directory: str | pathlib.Path, *, tp_plan: bool = False
+) -> pathlib.Path:
     """Write a tiny ``config.json`` of a Hugging Face architecture (4 layers); return its path.
+
+    ``tp_plan``: add the kind's :data:`HF_TP_PLANS` entry as its ``base_model_tp_plan``.
 
     Raises:
         ValueError: a kind not in :data:`HF_CONFIG_KINDS`.
@@ -110,6 +137,9 @@ def hf_config_file(kind: str, directory: str | pathlib.Path) -> pathlib.Path:
     config.architectures = [architecture]
     path = pathlib.Path(directory) / f"{kind}.json"
     config.to_json_file(str(path))
+    if tp_plan:  # a key of the file, which transformers reads but does not write
+        raw = json.loads(path.read_text())
+        path.write_text(json.dumps({**raw, "base_model_tp_plan": HF_TP_PLANS[kind]}, indent=2))
     return path
 
 
