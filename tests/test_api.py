@@ -191,6 +191,7 @@ print(json.dumps({"loss": loss.item(), "passes": len(region.history), **counters
 """
 
 
+@pytest.mark.slow  # CI: tests/test_inductor.py's test_no_size_symbol_reaches_inductor
 def test_inductor_lowers_a_split_region_with_static_sizes(monkeypatch):
     # The shape environment Inductor's cache needs must not make the sizes symbolic: a
     # region is lowered once per batch size, with the sizes it runs at (symbolic, the

@@ -314,7 +314,7 @@ def test_a_doctor_report_prices_clock_changes_in_kareus_plan(monkeypatch, nvml, 
     path = tmp_path / "doctor.json"
     write_json(report, path)
     small = ["--model", "tiny-4l", "--tp", "2", "--microbatch-size", "4", "--seq-len", "32"]
-    small += ["--solver-work", "0.2", "--clocks", "1410,1260,1095,945,780"]  # the switch price
+    small += ["--solver-work", "0.05", "--clocks", "1410,1260,1095,945,780"]  # the switch price
     # is checked, not the proofs or the clock grid
     out = tmp_path / "out"
     args = ["plan", *small, "--quiet", "--out", str(out), "--gpu-profile", str(path)]
