@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from kareus.jobs.trace import Workload
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""Training dtypes by name."""
 
 
 def run_stage(

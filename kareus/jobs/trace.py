@@ -40,8 +40,6 @@ from kareus.passes.extract_partitions import PartitionProgram
 if TYPE_CHECKING:
     from kareus.planner.data_parallel import DataParallel, StageWeights
 
-"""Training dtypes by name."""
-
 RECOMPUTE = ("none", "full", "selective")
 """Activation recompute modes (:attr:`Workload.recompute`)."""
 
