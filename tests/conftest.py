@@ -110,26 +110,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-# pytest-xdist (--dist loadfile) hands a worker the next file in collection order whenever it
-# finishes one: the longest files go first, so that the run does not end on one worker
-# finishing a long file while the other idles (the longest in CI=true runs on 2 cores,
-# 2026-12-06; the others keep their order).
-LONG_FILES_FIRST = (
-    "test_cli.py",
-    "test_titan.py",
-    "test_inductor.py",
-    "test_sources.py",
-    "test_stacks.py",
-    "test_split_nanobatches.py",
-    "test_data_parallel.py",
-    "test_planner.py",
-    "test_models.py",
-)
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: within a file
     # CI (CI=true) keeps within its time budget by leaving out the few tests marked slow
     # (docs/development.md lists them), unless KAREUS_SLOW_TESTS=1; everywhere else they run.
     slow = os.environ.get("CI") and os.environ.get("KAREUS_SLOW_TESTS") != "1"
