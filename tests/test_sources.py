@@ -84,7 +84,7 @@ def test_a_model_of_your_own_is_planned_and_its_plan_applied(kind, tp, tmp_path)
         assert plan["workload"]["model"]["hf_config"] == path
         assert plan["workload"]["shape"] == {"hidden_size": 64, "num_layers": 4}
         assert plan["workload"]["model"]["config"].get("base_model_tp_plan") == (
-            HF_TP_PLANS.get(kind) if kind == "bert" else None
+            HF_TP_PLANS["bert"] if kind == "bert" else None
         )
         remake = _plan_command(Plan.load(tmp_path / "out" / "plan.json"), {})
         assert f"--hf-config {path}" in remake

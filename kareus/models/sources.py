@@ -84,6 +84,11 @@ class HFModel:
         """The config's model type and file (``phi3 (configs/phi3.json)``)."""
         return f"{self.raw().get('model_type', 'hf')} ({self.path})"
 
+    @property
+    def flag(self) -> str:
+        """The ``kareus plan`` option that names this model (``--hf-config PATH``)."""
+        return f"--hf-config {self.path}"
+
     def raw(self) -> dict[str, Any]:
         """Return the config file's contents (as read when the model was made)."""
         return self._raw
@@ -219,6 +224,11 @@ class FactoryModel:
         """The factory's path."""
         return self.target
 
+    @property
+    def flag(self) -> str:
+        """The ``kareus plan`` option that names this model (``--factory MODULE:FUNCTION``)."""
+        return f"--factory {self.target}"
+
     def function(self) -> Any:
         """Return the factory function.
 
@@ -317,20 +327,19 @@ def run_failure(source: HFModel | FactoryModel, tp: int, err: BaseException) -> 
     the heads.
     """
     cause = err
-    while (inner := cause.__cause__ or cause.__context__) is not None:
-        cause = inner  # Dynamo raises its own error "from None": the context holds the model's
+    # Dynamo re-raises its own error "from None": the suppressed context holds the model's.
+    # An error merely raised while handling another keeps its own message.
+    while (
+        inner := cause.__cause__ or (cause.__context__ if cause.__suppress_context__ else None)
+    ) is not None:
+        cause = inner
     lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
     what = f"{type(cause).__name__}: {lines[0] if lines else 'no message'}"
-    flag = (
-        f"--hf-config {source.path}"
-        if isinstance(source, HFModel)
-        else f"--factory {source.target}"
-    )
     layout = f" at TP {tp}" if tp > 1 else ""
     advice = "; run it once at this layout without kareus to see where" + (
         ", or plan it with --tp 1" if tp > 1 else ""
     )
-    return f"{flag}: the model failed{layout} while kareus traced it ({what}){advice}"
+    return f"{source.flag}: the model failed{layout} while kareus traced it ({what}){advice}"
 
 
 def _import_from_cwd(name: str) -> Any:
