@@ -77,7 +77,9 @@ def trace(args: argparse.Namespace) -> PartitionSet:
             gathered = shard_layers(model.layers, world)
             ids = torch.zeros((args.microbatch_size, args.seq_len), dtype=torch.long)
             compiled = kareus.compile(
-                model, disable_passes=("schedule_overlap", "insert_clock_switches")
+                model,
+                disable_passes=("schedule_overlap", "insert_clock_switches"),
+                split_when="communicates",  # unpriced: the planner prices it
             )
             compiled(ids, ids).backward()
     finally:

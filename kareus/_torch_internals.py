@@ -369,6 +369,25 @@ def resolve_group(name: str | None) -> Any:
     return dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
 
 
+def register_process_group(name: str, group: Any) -> None:
+    """Register a group of one rank under ``name`` (c10d's private registries).
+
+    A process group written in Python (:class:`kareus.testing.EmulatedGroup`) is not made by
+    ``init_process_group``, so nothing registers it otherwise: funcol finds a group by name,
+    ``torch.distributed``'s queries by the world's maps.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d._register_process_group(name, group)  # type: ignore[arg-type]
+    # c10d's world maps, where dist.get_rank(group), dist.get_backend(group) and Inductor's
+    # overlap scheduler look a group up (a group of one: this process is its rank 0)
+    world = c10d._world
+    world.pg_map[group] = (group.getBackendName(), None)  # type: ignore[assignment]
+    world.pg_names[group] = name  # type: ignore[assignment]
+    world.pg_group_ranks[group] = {dist.get_rank() if dist.is_initialized() else 0: 0}
+
+
 def dynamo_context(compiled: Any) -> Any:
     """Return the Dynamo context of what ``torch.compile`` returned, or None.
 

@@ -57,10 +57,18 @@ class Model(nn.Module):
         return x.pow(2).mean()
 
 
+UNPRICED = {"split_when": "communicates"}
+"""Split every layer that meets a collective, unpriced (see :func:`compile_blocks`)."""
+
+
 def compile_blocks(model: Model, **options) -> Model:
-    """Compile each layer on its own, as torchtitan applies torch.compile."""
+    """Compile each layer on its own, as torchtitan applies torch.compile.
+
+    The split unpriced (``split_when="communicates"``) unless ``options`` say otherwise: on
+    these CPUs with tiny layers it does not pay, and the split in each stack is checked.
+    """
     for i, layer in enumerate(model.layers):
-        model.layers[i] = kareus.compile(layer, **options)
+        model.layers[i] = kareus.compile(layer, **{**UNPRICED, **options})
     return model
 
 
@@ -201,7 +209,7 @@ def _tp_per_block(rank):
     holder = {}
 
     def whole(model):
-        holder["whole"] = kareus.compile(model)
+        holder["whole"] = kareus.compile(model, **UNPRICED)
         return holder["whole"]
 
     def blocks(model):
@@ -265,7 +273,7 @@ def _fsdp(rank, per_block, reshard=True, hsdp=False):
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         if compile_fn is not None and not per_block:
-            model = kareus.compile(model)
+            model = kareus.compile(model, **UNPRICED)
         return model
 
     data = batches(2, seed=10 * rank)
@@ -329,7 +337,7 @@ def _train_fsdp_tp(mesh, steps, **options):
 
 def _whole_model_plan(mesh):
     """The plan of the TP model compiled whole, planned for an A100 (clocks not applied)."""
-    whole = kareus.compile(_tp_model(mesh), gpu="a100-40gb")
+    whole = kareus.compile(_tp_model(mesh), gpu="a100-40gb", **UNPRICED)
     train(whole, batches(1))
     return kareus.explain(whole).regions[0].inputs.plan
 
@@ -395,7 +403,7 @@ def _simple_fsdp(rank, per_block, dtype):
         if per_block:
             holder["c"] = compile_blocks(model, strict=True)
             return holder["c"]
-        holder["c"] = kareus.compile(model, strict=True)
+        holder["c"] = kareus.compile(model, strict=True, **UNPRICED)
         return holder["c"]
 
     ref, got = compare_training(make, comp, batches(2, seed=10 * rank))
@@ -741,9 +749,9 @@ def _backend_kareus(rank):
             def comp(model, how=how, holder=holder):
                 for i, layer in enumerate(model.layers):
                     if how == "module.compile":
-                        layer.compile(backend="kareus")
+                        layer.compile(backend="kareus", options=UNPRICED)
                     else:
-                        model.layers[i] = torch.compile(layer, backend="kareus")
+                        model.layers[i] = torch.compile(layer, backend="kareus", options=UNPRICED)
                 holder["m"] = model
                 return model
 

@@ -38,6 +38,7 @@ from kareus.compiler.lowering import (
 )
 from kareus.compiler.module_hooks import BatchMarks, add_orig_prefix, strip_orig_prefix
 from kareus.compiler.region import GraphRecord, Region
+from kareus.compiler.split_pricing import SplitDeclined, after_declined, judge, pricing_device
 from kareus.errors import ConfigError, PassError, PlanMismatchError
 from kareus.ir.partitions import Decision, PartitionSet
 from kareus.ir.plan_file import Plan
@@ -103,6 +104,9 @@ class KareusBackend:
         # GPU this process runs on is asked at the first compile, not here: a backend may be
         # made before torch.cuda.set_device).
         self._planning = plan is None and decisions is None
+        # A plan or decisions say what is split (the plan priced split and whole itself):
+        # nothing is priced again here.
+        self._priced = plan is None and decisions is None
         self._plan_for_gpu: str | None = None
         self._runtime_options: dict[str, Any] = {
             "journal": journal,
@@ -205,6 +209,7 @@ class KareusBackend:
             clock_runtime=self.runtime,
             clock_stage=self.stage,
             communicator_pool=self._pool if self.decisions else None,
+            pricing=pricing_device(self.config, device) if self._priced else None,
         )
         captured = gm
         gm = self._run_graph_passes(region, "dynamo", gm, example_inputs)
@@ -257,9 +262,20 @@ class KareusBackend:
         captured: fx.GraphModule,
         example_inputs: Sequence[Any],
     ) -> Callable[..., Any]:
-        """Lower the rewritten Dynamo graph; if that loses collectives, the captured one."""
+        """Lower the rewritten Dynamo graph; if that loses collectives, the captured one.
+
+        Where a split block does not pay (:mod:`kareus.compiler.split_pricing`), the region's
+        Dynamo graph is rewritten again from the captured one by those verdicts, and lowered.
+        """
         try:
             return self._lower(region, gm, example_inputs)
+        except SplitDeclined as declined:
+            region.inputs = after_declined(region.inputs, declined)
+            gm = self._run_graph_passes(region, "dynamo", captured, example_inputs)
+            try:
+                return self._lower(region, gm, example_inputs)
+            finally:  # another batch size is priced afresh
+                region.inputs = dataclasses.replace(region.inputs, priced=None)
         except LostCollectivesError as err:
             if gm is captured or self.config.strict:
                 raise
@@ -276,6 +292,10 @@ class KareusBackend:
         run = functools.partial(self._run_graph_passes, region)
         plan = functools.partial(self._plan_region, region)
         region.codegen = Codegen(self.config.codegen)
+
+        def priced(graphs: Mapping[str, fx.GraphModule]) -> None:
+            judge(region.inputs, self.config, region.findings, graphs)
+
         if self.config.codegen == "inductor":
             return lower_with_inductor(
                 gm,
@@ -284,6 +304,7 @@ class KareusBackend:
                 on_graphs=plan,
                 options=self.inductor_options,
                 min_cut=self.config.min_cut,
+                on_partition=priced,
             )
         return lower_with_aot(
             gm,
@@ -292,6 +313,7 @@ class KareusBackend:
             region=region,
             run_passes=run,
             on_graphs=plan,
+            on_partition=priced,
         )
 
     def _plan_region(self, region: Region, compiled: Compiled) -> None:

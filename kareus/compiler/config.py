@@ -16,6 +16,8 @@ from typing import Any
 from kareus.errors import ConfigError
 
 _CODEGENS = ("python", "inductor")
+SPLIT_WHEN = ("pays", "communicates")
+"""The rules ``Config.split_when`` names."""
 PARTITIONERS = ("min_cut", "default")
 """How AOTAutograd's joint graph is split into forward and backward (:attr:`Config.partitioner`)."""
 GRAPHS: dict[str, dict[str, Any]] = {
@@ -69,12 +71,23 @@ class Config:
 
     nanobatches: int | None = _field(
         None,
-        "None (split where there is a collective to overlap), 1 (no split) or 2",
+        "None (split where it pays, see split_when), 1 (no split) or 2",
         lambda v: v is None or (_is_int(v) and v in (1, 2)),
         "How many nanobatches each repeated block is split into along the batch dimension. "
-        "None (default): two, for each block that holds a collective; a block without one "
-        "has nothing to overlap, and splitting it would only double its kernels. 2: every "
-        "block that can be split; 1 turns the split off.",
+        "None (default): two where split_when says so; 2: every block that can be split; "
+        "1 turns the split off.",
+    )
+    split_when: str = _field(
+        "pays",
+        f"one of {SPLIT_WHEN}",
+        lambda v: v in SPLIT_WHEN,
+        "Which blocks nanobatches=None splits. 'pays' (default): a block whose collectives "
+        "can fly beside compute, where kareus's cost model for the device the model runs "
+        "on (the hardware model of the GPU named by gpu= or found, else a CPU host's) "
+        "predicts its forward and backward get faster split; kareus.explain gives each "
+        "block's prediction. 'communicates': every block that holds a collective on "
+        "batch-carrying data (a block without one has nothing to overlap), unpriced; "
+        "`kareus plan` traces so, and prices split and whole itself.",
     )
     batch_dim: int | None = _field(
         None,

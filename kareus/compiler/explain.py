@@ -88,6 +88,8 @@ def _split_line(regions: tuple[Region, ...]) -> str:
     if not split:
         return f"split: no, 0 of {total} blocks: {reasons[0] if reasons else 'no reason kept'}"
     line = f"split: yes, {split} of {total} blocks into nanobatches"
+    priced = [text for _r, bs in found for text in bs.priced.values()]
+    line += f" ({priced[0].removeprefix('split: ')})" if priced else ""
     return line + (f"; left whole: {reasons[0]}" if reasons else "")
 
 

@@ -20,6 +20,7 @@ import torch.fx as fx
 from kareus._torch_internals import custom_partitioner_base
 from kareus.compiler.lowering import (
     Compiled,
+    OnPartition,
     RunPasses,
     check_lowered,
     drop_dead_collectives,
@@ -40,6 +41,7 @@ def lower_with_inductor(
     on_graphs: Callable[[Compiled], None],
     options: Mapping[str, Any] | None = None,
     min_cut: bool = True,
+    on_partition: OnPartition | None = None,
 ) -> Callable[..., Any]:
     """Hand the Dynamo graph to TorchInductor with kareus's passes; return what runs.
 
@@ -49,7 +51,8 @@ def lower_with_inductor(
     replace them, so Inductor compiles the planned graphs, once. An inference graph gets
     its passes in Inductor's inner compile. ``options`` are Inductor's config options
     (``torch.compile``'s ``options=`` and those of its ``mode=``); ``min_cut``: the
-    partitioner (``Config.min_cut``).
+    partitioner (``Config.min_cut``); ``on_partition`` sees the forward and backward as
+    partitioned, before any pass (it may raise to stop the lowering).
 
     Raises:
         LostCollectivesError: as :func:`~kareus.compiler.lowering.lower_with_aot`.
@@ -73,7 +76,9 @@ def lower_with_inductor(
         ):
             return compile_fx_inner(g, inputs, **kwargs)
 
-    partitioner = _partitioner_type()(expected, compiled, run_passes, on_graphs, min_cut)
+    partitioner = _partitioner_type()(
+        expected, compiled, run_passes, on_graphs, min_cut, on_partition
+    )
     if example_inputs and not symbols(example_inputs):
         gm = specialise_ints(gm, example_inputs)
     # kareus's passes run after AOTAutograd's trace: its cache, keyed by the graph before
@@ -110,8 +115,10 @@ class KareusPartitioner:
         run_passes: RunPasses,
         on_graphs: Callable[[Compiled], None],
         min_cut: bool = True,
+        on_partition: OnPartition | None = None,
     ) -> None:
         self._min_cut = min_cut
+        self._on_partition = on_partition
         self._expected = expected
         self._compiled = compiled
         self._run_passes = run_passes
@@ -124,6 +131,8 @@ class KareusPartitioner:
         check_lowered(gm, self._expected, "joint", joint=True)
         forward, backward = partition_function(self._min_cut)(gm, joint_inputs, **kwargs)
         drop_dead_collectives(backward)
+        if self._on_partition is not None:
+            self._on_partition({"forward": forward, "backward": backward})
         for kind, g in (("forward", forward), ("backward", backward)):
             inputs = [n.meta.get("val") for n in g.graph.find_nodes(op="placeholder")]
             self._compiled[kind] = (g, inputs, self._run_passes(kind, g, inputs))

@@ -14,7 +14,7 @@ import functools
 import logging
 import warnings
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +46,14 @@ RunPasses = Callable[[str, fx.GraphModule, Sequence[Any]], fx.GraphModule]
 Compiled = dict[str, tuple[fx.GraphModule, Sequence[Any], fx.GraphModule]]
 """Per graph kind: the graph AOTAutograd made, its inputs, and the graph that runs."""
 
+OnPartition = Callable[[Mapping[str, fx.GraphModule]], None]
+"""Sees a region's forward and backward as partitioned, before any pass; may raise
+:class:`StopLowering`."""
+
+
+class StopLowering(Exception):
+    """Raised by an ``on_partition`` hook to end a lowering: no fallback lowering is tried."""
+
 
 AUTO_OUTLINE_CALLS = 16
 """Calls of one block body from which tracing it once compiles faster than tracing each.
@@ -66,11 +74,13 @@ def lower_with_aot(
     region: Region,
     run_passes: RunPasses,
     on_graphs: Callable[[Compiled], None],
+    on_partition: OnPartition | None = None,
 ) -> Callable[..., Any]:
     """Hand the Dynamo graph to AOTAutograd with kareus's compilers; return what runs.
 
     ``on_graphs`` is called once the backward is compiled (both training graphs exist); it
     may replace their rewritten graphs, which the returned functions look up at each call.
+    ``on_partition`` sees both as partitioned, before any pass (it may raise).
 
     Raises:
         LostCollectivesError: AOTAutograd's graphs lack a collective the Dynamo graph
@@ -108,12 +118,24 @@ def lower_with_aot(
             fw_compiler=functools.partial(compiler, "forward"),
             bw_compiler=functools.partial(compiler, "backward"),
             inference_compiler=functools.partial(compiler, "inference"),
-            **_partitioning(expected, outlined, config.min_cut, inductor),
+            **_partitioning(expected, outlined, config.min_cut, inductor, on_partition),
         )(graph, example_inputs)
 
     outlined, calls, shared = _outlined(gm, config, region)
     if not calls:
         return lower(gm)
+    return _lower_outlined(lower, gm, outlined, region, compiled, (calls, shared))
+
+
+def _lower_outlined(
+    lower: Callable[..., Callable[..., Any]],
+    gm: fx.GraphModule,
+    outlined: fx.GraphModule,
+    region: Region,
+    compiled: Compiled,
+    counts: tuple[int, int],
+) -> Callable[..., Any]:
+    """Lower ``outlined`` (its blocks traced once); where that fails, ``gm`` op by op."""
     history = len(region.history)
     try:
         # The tracing context is where invoke_subgraph keeps the traced bodies.
@@ -123,6 +145,8 @@ def lower_with_aot(
             # A body's backward traced again for other gradient layouts: expected.
             warnings.filterwarnings("ignore", "invoke_subgraph traced multiple backward")
             fn = lower(outlined, outlined=True)
+    except StopLowering:
+        raise
     except Exception as err:
         del region.history[history:]
         compiled.clear()
@@ -132,6 +156,7 @@ def lower_with_aot(
         )
         _log.info("region %d: outlined lowering failed: %s", region.index, err)
         return lower(gm)
+    calls, shared = counts
     region.notes.append(
         f"{calls} block calls traced through AOTAutograd from {shared} shared "
         f"bod{'y' if shared == 1 else 'ies'} (Config.trace_blocks_once)"
@@ -140,10 +165,16 @@ def lower_with_aot(
 
 
 def _partitioning(
-    expected: Counter[Key], outlined: bool, min_cut: bool, inductor: InductorLowering | None
+    expected: Counter[Key],
+    outlined: bool,
+    min_cut: bool,
+    inductor: InductorLowering | None,
+    on_partition: OnPartition | None = None,
 ) -> dict[str, Any]:
     """AOTAutograd's partition function (and decompositions) for kareus's lowering."""
-    partition = functools.partial(checked_partition, expected, outlined=outlined, min_cut=min_cut)
+    partition = functools.partial(
+        checked_partition, expected, outlined=outlined, min_cut=min_cut, on_partition=on_partition
+    )
     if inductor is None:
         return {"partition_fn": partition}
     return {  # Inductor's graphs: its decompositions, its joint-graph passes, then ours
@@ -335,6 +366,7 @@ def checked_partition(
     *,
     outlined: bool = False,
     min_cut: bool = False,
+    on_partition: OnPartition | None = None,
     **kwargs: Any,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Partition the joint graph, after checking its collectives; drop dead collectives.
@@ -345,7 +377,8 @@ def checked_partition(
     draws random numbers ends the outlined lowering), then the region's, whose calls pass
     each forward body's saved values to its backward body; the census counts the bodies'
     collectives. The forward and backward graphs are inlined before they are returned:
-    kareus's passes see flat graphs.
+    kareus's passes see flat graphs, and so does ``on_partition`` (the region's, not a
+    body's).
     """
     partition = partition_function(min_cut)
     if outlined and not is_outlined(joint):  # one body's joint graph
@@ -356,6 +389,8 @@ def checked_partition(
     if inline_bodies(forward, backward, recompile=False):  # the passes see flat graphs
         forward, backward = lazy(forward), lazy(backward)  # code made when needed
     drop_dead_collectives(backward)
+    if on_partition is not None:
+        on_partition({"forward": forward, "backward": backward})
     return forward, backward
 
 

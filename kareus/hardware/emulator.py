@@ -222,6 +222,24 @@ class Emulator:
             return 0.0
         return (self.cal.comm_latency_us + steps * self.link(coll).latency_us) * 1e-6
 
+    def contention(self, ops: tuple[OpCost, ...], freq_mhz: float, sm_share: int) -> float:
+        """Return how much longer ``ops`` take beside a collective on ``sm_share`` SMs.
+
+        The compute a collective takes from the kernels beside it: they keep the SMs and the
+        memory bandwidth it leaves (as in a partition's timeline, without throttling). 1.0
+        for no ops.
+        """
+        knobs = Knobs(freq_mhz, sm_share)
+        hbm = (
+            self.collective_rate(knobs, freq_mhz, beside_compute=True)
+            * self.cal.comm_hbm_bytes_per_byte
+        )
+        left = self.spec.sm_count - min(sm_share, self.spec.sm_count - 1)
+        bw_left = max(_MIN_BW_LEFT, 1 - hbm / (self.spec.memory_bandwidth_gbs * 1e9))
+        alone = sum(self.run_op(op, freq_mhz, self.spec.sm_count).time_s for op in ops)
+        beside = sum(self.run_op(op, freq_mhz, left, bw_left).time_s for op in ops)
+        return beside / alone if alone > 0 else 1.0
+
     # ---- power ---------------------------------------------------------------------------
 
     def _sm_power(

@@ -35,7 +35,9 @@ class CollectiveCost:
     """One collective: kind, size of the (full) tensor in bytes, and the group's size.
 
     ``nodes``: the nodes the group's ranks span (1: within one node's NVLink; more: its ring
-    crosses the network between nodes, which carries it).
+    crosses the network between nodes, which carries it). ``group``: the name its process
+    group is registered under in the process that traced it ("" where none was), which
+    compile-time pricing asks how its collectives run (:mod:`kareus.compiler.split_pricing`).
     """
 
     kind: CollectiveKind
@@ -43,6 +45,7 @@ class CollectiveCost:
     world_size: int
     name: str = ""
     nodes: int = 1
+    group: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

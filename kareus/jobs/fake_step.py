@@ -49,6 +49,7 @@ def run_stage(
             # (a block whose only collectives gather its weights stays whole, and the
             # gathers overlap the compute before them)
             nanobatches=None if nanobatches == 2 and dp_group is not None else nanobatches,
+            split_when="communicates",  # unpriced: the planner prices split and whole itself
             extract_partitions=extract,
             gpus_per_node=work.gpus_per_node,
             # Fake tensors: the analysis passes run, Inductor generates nothing. The

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kareus._torch_internals import resolve_group
+
 _fc = torch.ops._c10d_functional
 
 
@@ -41,15 +43,15 @@ def group_name(group: Group) -> str:
         return group
     pg = group if group is not None else dist.group.WORLD
     name: str = pg.group_name  # type: ignore[union-attr]
-    _KNOWN[name] = (dist.get_world_size(pg), dist.get_rank(pg))
+    _KNOWN[name] = (pg.size(), pg.rank())  # type: ignore[union-attr]
     return name
 
 
 def _size_rank(group: Group) -> tuple[int, int]:
     name = group_name(group)
     if name not in _KNOWN:
-        pg = dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
-        _KNOWN[name] = (dist.get_world_size(pg), dist.get_rank(pg))
+        pg = resolve_group(name)
+        _KNOWN[name] = (pg.size(), pg.rank())  # a group's own rank, as c10d's get_rank gives
     return _KNOWN[name]
 
 

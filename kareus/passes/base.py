@@ -13,7 +13,7 @@ import abc
 import collections
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
 import torch.fx as fx
@@ -83,6 +83,10 @@ class RegionInputs:
         clock_runtime: the clock runtime switches go to (None: no clock plan).
         clock_stage: the stage whose clock steps this region's switches count.
         communicator_pool: the communicators that overlap collectives use (None: default).
+        pricing: what prices whether a block's split pays: a GPU type, ``"host"`` (this
+            CPU), or None where the split is not priced (forced, or a plan's).
+        priced: the verdicts of an earlier lowering of this region, per block (split or
+            not, and what was predicted); they stand, and are not priced again.
     """
 
     index: int = 0
@@ -95,6 +99,8 @@ class RegionInputs:
     clock_runtime: Any = None
     clock_stage: int = 0
     communicator_pool: Any = None
+    pricing: str | None = None
+    priced: Mapping[str, tuple[bool, str]] | None = None
 
 
 GRAPH_KINDS = ("dynamo", "forward", "backward", "inference")

@@ -57,12 +57,17 @@ def collective_kind(node: fx.Node) -> str | None:
     return None
 
 
-def _group(node: fx.Node) -> str:
+def group_name(node: fx.Node) -> str:
+    """Return the registered name of the group a functional collective runs on ("?": none)."""
     group = node.kwargs.get("group_name")
     if group is None:
         strings = [a for a in node.args if isinstance(a, str)]
         group = strings[-1] if strings else "?"
-    return _ranks(str(group))
+    return str(group)
+
+
+def _group(node: fx.Node) -> str:
+    return _ranks(group_name(node))
 
 
 @functools.lru_cache(maxsize=256)

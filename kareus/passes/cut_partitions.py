@@ -34,7 +34,7 @@ from kareus.ir.costs import CollectiveCost, OpCost
 from kareus.ir.partitions import Partition, PartitionSet, PartitionType, Slot
 from kareus.passes.annotate_costs import NODES_KEY, concrete, cost_of, moves_freely
 from kareus.passes.base import GraphPass, PassContext, PassResult
-from kareus.passes.census import cost_kind
+from kareus.passes.census import cost_kind, group_name
 from kareus.passes.find_blocks import BlockSet
 
 
@@ -79,7 +79,8 @@ def collective_cost(issue: fx.Node) -> CollectiveCost:
     """
     cost = cost_of(issue)
     nodes = int(issue.meta.get(NODES_KEY, 1))
-    return CollectiveCost(cost_kind(issue), cost.bytes, _group_size(issue), issue.name, nodes)
+    size = _group_size(issue)
+    return CollectiveCost(cost_kind(issue), cost.bytes, size, issue.name, nodes, group_name(issue))
 
 
 def _group_size(issue: fx.Node) -> int:

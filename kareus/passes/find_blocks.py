@@ -72,6 +72,7 @@ class BlockSet:
         mismatched: blocks whose op sequence differs from their family's, with the reason.
         split: names of the blocks split into nanobatches.
         skipped: names of blocks left whole, with the reason.
+        priced: names of split blocks whose split was priced, with the prediction.
         spans: per graph kind, per block name, per nanobatch (None when unsplit), the names
             of the block's nodes in that graph.
     """
@@ -88,6 +89,7 @@ class BlockSet:
     mismatched: dict[str, str] = dataclasses.field(default_factory=dict)
     split: list[str] = dataclasses.field(default_factory=list)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    priced: dict[str, str] = dataclasses.field(default_factory=dict)
     spans: dict[str, dict[str, dict[int | None, list[str]]]] = dataclasses.field(
         default_factory=dict
     )
@@ -126,7 +128,7 @@ class BlockSet:
                 shared = f" +{len(span[None])} shared" if span.get(None) else ""
                 cells.append(per_nb + shared)
             if b.name in self.split:
-                cells += ["split", ""]
+                cells += ["split", self.priced.get(b.name, "")]
             else:
                 cells += ["whole", self.skipped.get(b.name, self.mismatched.get(b.name, ""))]
             rows.append(cells)

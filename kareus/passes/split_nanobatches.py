@@ -43,6 +43,7 @@ import torch.fx as fx
 from kareus.passes.base import GraphPass, PassContext, PassResult
 from kareus.passes.census import census
 from kareus.passes.find_blocks import BlockSet
+from kareus.passes.links import groups_of, why_nothing_to_hide
 from kareus.passes.op_effects import draws_random, op_name, writes_in_place
 from kareus.passes.per_sample import why_not_per_sample
 from kareus.passes.tags import NodeTag, set_tag
@@ -120,6 +121,10 @@ class SplitNanobatches(GraphPass):
                     "its kernels (Config.nanobatches=2 splits it anyway)"
                 )
                 continue
+            why = _not_paying(ctx, block.name, [by_name[n] for n in block.nodes])
+            if why is not None:
+                blockset.skipped[block.name] = why
+                continue
             plan = find_split(gm.graph, block.nodes, batch, ctx.config.allow_random_split)
             if isinstance(plan, str):
                 blockset.skipped[block.name] = plan
@@ -143,11 +148,34 @@ class SplitNanobatches(GraphPass):
         joined: dict[str, fx.Node] = {}  # outputs of split blocks -> their joined node
         made: list[fx.Node] = []
         sizes = nanobatch_sizes(batch) if plans else None
+        priced = ctx.inputs.priced or {}
         for name, names, plan, shared in plans:
             made += rewrite_split(gm.graph, name, names, plan, joined, shared, sizes=sizes)
             blockset.split.append(name)
+            if name in priced:
+                blockset.priced[name] = priced[name][1]
         _erase_unused(gm.graph, made)
         return PassResult(gm, modified=bool(plans), collectives=expected)
+
+
+def _not_paying(ctx: PassContext, block: str, nodes: list[fx.Node]) -> str | None:
+    """Say why the split of ``block`` cannot pay, where it is priced; None to split it.
+
+    A verdict of an earlier lowering stands (:attr:`RegionInputs.priced`); else a block
+    none of whose collectives can fly beside compute stays whole without tracing its split
+    (:func:`kareus.passes.links.why_nothing_to_hide`); the rest is priced on the split
+    graphs (:mod:`kareus.compiler.split_pricing`).
+    """
+    on = ctx.inputs.pricing
+    if on is None or ctx.config.nanobatches is not None:
+        return None
+    if ctx.inputs.priced is not None and block in ctx.inputs.priced:
+        split, text = ctx.inputs.priced[block]
+        return None if split else text
+    why = why_nothing_to_hide(groups_of(nodes), on)
+    if why is None:
+        return None
+    return f"kept whole: the split cannot pay, {why} (Config.nanobatches=2 splits it anyway)"
 
 
 def _communicates(gm: fx.GraphModule, names: Sequence[str], by_name: dict[str, fx.Node]) -> bool:
