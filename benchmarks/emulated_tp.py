@@ -119,6 +119,7 @@ class Emulation:
     modelled: ModelledStep
     scale: float = 0.0  # 0 until calibrated: collectives complete at once
     measured_compute_s: float = 0.0
+    calibrated_with: str = ""
 
     @classmethod
     def make(

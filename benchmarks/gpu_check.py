@@ -1,6 +1,6 @@
 """One prepared GPU check: kareus on a real GPU, measured against its own model.
 
-Nine steps, each reported even when another fails:
+Ten steps, each reported even when another fails:
 
 0. ``devices``: which GPU is which — each GPU's NVML UUID, NVML index and CUDA index, clock
    and power limit (``kareus doctor``'s reading) — and the CPU time a switch's wait costs on
@@ -12,6 +12,10 @@ Nine steps, each reported even when another fails:
 1b. ``train_step``: ``benchmarks/train_step.py`` on the H200 check's Llama (hidden 2048,
    4 layers, bf16, batch 8 x seq 2048, TP over an NCCL group of one): eager, torch.compile,
    kareus.compile split on and off; step ms, first call, peak memory, J/step (NVML), losses.
+1c. ``emulated_tp``: the same Llama as one rank of TP 8 on this one GPU, its collectives
+   emulated at this GPU's NVLink durations as kareus's hardware model gives them (a side
+   stream's timed kernel, waited for by the compute stream): kareus against torch.compile
+   with and without Inductor's overlap scheduling; step ms, J/step, peak memory.
 2. ``switches``: the clock runtime, with a dry-run controller (nothing is changed), applies
    each instruction's clock in the plan's order, and only once the GPU reaches it: a 50 ms
    sleep kernel queued before the step delays the first switch by at least that long.
@@ -268,6 +272,42 @@ def step_train_step(ctx: Context) -> StepResult:
         f"{len(ran)}/{len(rows)} variants trained (measured); step time against "
         f"torch.compile: {ratios or 'no torch.compile in this run'}; losses within "
         f"{worst:.1e} of eager's",
+        rows,
+    )
+
+
+def step_emulated_tp(ctx: Context) -> StepResult:
+    """One rank of TP 8 on this GPU, collectives emulated (``train_step.py --emulate-tp``).
+
+    On a GPU: the H200 check's Llama at TP 8's per-rank shapes, bf16, its collectives at
+    this GPU's NVLink durations in the hardware model, 3 interleaved rounds of 3 steps. The
+    dry run: a tiny Llama as one rank of TP 2, kareus's python codegen beside eager.
+    """
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    import train_step
+
+    if ctx.dry_run:
+        argv = ["--emulate-tp", "2", "--preset", "tiny", "--steps", "1", "--rounds", "1",
+                "--variants", "eager,kareus python"]  # fmt: skip
+    else:
+        variants = "eager,torch.compile,torch.compile overlap,kareus,kareus nanobatches=1"
+        argv = ["--device", "cuda", "--emulate-tp", "8", "--link", ctx.spec.name,
+                "--preset", "h200", "--steps", "3", "--rounds", "3",
+                "--variants", variants]  # fmt: skip
+    rows = train_step.run_one_process(train_step.parse(argv))
+    ran = [r for r in rows if r["step_ms_median"] != "nan"]
+    ratios = ", ".join(
+        f"{r['variant']} {r['vs_torch_compile']}x" for r in ran if r["vs_torch_compile"]
+    )
+    diffs = [float(v) for r in ran for k, v in r.items() if k.startswith("loss_rel") and v]
+    worst = max(diffs, default=0.0)
+    ok = len(ran) == len(rows) and worst <= (1e-2 if not ctx.dry_run else 1e-5)
+    return StepResult(
+        "emulated_tp",
+        "passed" if ok else "failed",
+        f"{len(ran)}/{len(rows)} variants trained (measured, collectives emulated at "
+        f"modelled durations); step time against torch.compile: "
+        f"{ratios or 'no torch.compile in this run'}; losses within {worst:.1e}",
         rows,
     )
 
@@ -949,6 +989,7 @@ STEPS = (
     step_devices,
     step_compile,
     step_train_step,
+    step_emulated_tp,
     step_switches,
     step_energy,
     step_ops,

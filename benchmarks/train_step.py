@@ -66,6 +66,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=8,
         num_kv_heads=4, vocab_size=4096, batch=8, seq=256, dtype="float32",
     ),
+    # framework-bound: kareus's and Dynamo's per-call work, not the kernels, set the step
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, vocab_size=256, batch=4, seq=32, dtype="float32",
+    ),
     # --emulate-tp: the full (TP 1) size of the model one rank of which runs here
     "emulate": dict(
         hidden_size=1024, intermediate_size=4096, num_layers=4, num_heads=16,
@@ -192,11 +197,13 @@ def _rank(
     if args.emulate_tp:  # traced before this process has a process group (tracing makes one)
         from emulated_tp import Emulation, modelled_step
 
-        cfg, batch, seq, _dtype = _preset(args, emulate=True)
+        cfg, batch, seq, dtype = _preset(args, emulate=True)
         print(f"  tracing the model at TP {args.emulate_tp} to price it on {args.link} "
               "(modelled)...", file=sys.stderr)  # fmt: skip
         modelled = modelled_step(cfg, args.emulate_tp, batch, seq, args.link)
-        emulation = Emulation.make(args.link, args.emulate_tp, args.comm_scale, modelled)
+        # the emulated GPU moves bf16: an fp32 run's collectives move twice its bytes
+        scale = 2 / torch.empty((), dtype=dtype).element_size()
+        emulation = Emulation.make(args.link, args.emulate_tp, args.comm_scale, modelled, scale)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group(
@@ -283,6 +290,7 @@ def _measure(
         print(f"  {v}: first call {results[v].first_call_s:.1f} s", file=sys.stderr)
         if emulation is not None and emulation.scale == 0:
             _calibrate(emulation, fn, data, device)
+            emulation.calibrated_with = v
     for _round in range(args.rounds):
         for v, (fn, opt) in runs.items():
             if device.type == "cuda":
@@ -448,7 +456,7 @@ def _print_emulation(emulation: Any, args: argparse.Namespace, ref: Result | Non
     m = emulation.modelled
     print(
         f"  scale: compute here {emulation.measured_compute_s * 1e3:.1f} ms (measured, "
-        f"torch.compile's forward and backward, collectives completing at once) / "
+        f"{emulation.calibrated_with}'s forward and backward, collectives completing at once) / "
         f"{m.compute_s * 1e3:.3f} ms on {emulation.gpu} (modelled) = x{emulation.scale:.0f}; "
         f"every modelled duration runs x{emulation.scale:.0f} x {args.comm_scale:g}"
     )

@@ -217,11 +217,11 @@ class KareusBackend:
         if len(symbols(example_inputs)) > 1:
             return lower(example_inputs)  # sizes besides the batch vary: lower symbolically
         blockset = region.findings.get("find_blocks")
-        if gm is captured or blockset is None or not blockset.split:
-            return Specialised(lower, region)
         batch_at = next(
             (i for i, v in enumerate(example_inputs) if isinstance(v, torch.SymInt)), None
         )
+        if gm is captured or blockset is None or not blockset.split:
+            return Specialised(lower, region, batch_at=batch_at)
         whole = functools.partial(self._lower_whole, region, captured)
         return Specialised(lower, region, batch_at=batch_at, whole=whole)
 

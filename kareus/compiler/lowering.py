@@ -298,11 +298,16 @@ class Specialised:
 
     def __call__(self, *args: Any) -> Any:
         """Run the function lowered for these inputs' sizes (lowering it on first sight)."""
-        key = tuple(
-            (tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
-            for a in args
-            if isinstance(a, (torch.Tensor, int, float, bool))
-        )
+        if self._batch_at is not None:
+            # The region's one symbol is the batch, passed as this argument: it decides
+            # every size (Dynamo guards the rest), so it is the key (a cheaper one per call).
+            key: tuple[Any, ...] = (args[self._batch_at],)
+        else:
+            key = tuple(
+                (tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
+                for a in args
+                if isinstance(a, (torch.Tensor, int, float, bool))
+            )
         fn = self._compiled.get(key)
         if fn is None:
             fn = self._compiled[key] = self._compile(args)
