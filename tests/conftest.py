@@ -43,36 +43,10 @@ _guard_real_nvml()
 
 
 # ---- KAREUS_BREAK: kareus broken on purpose, to show that the tests see its effects ----------
-# ``KAREUS_BREAK=split`` keeps the split pass's record but leaves the graph whole;
-# ``clocks`` keeps the runtime's records but sets no clock; ``overlap`` keeps the schedule
-# decisions but leaves the graph's order. benchmarks/break_kareus.py runs the suite under
-# each; tests/test_effects.py runs a sample.
-def _break_kareus(how: str) -> None:
-    if how == "split":
-        from kareus.compiler.lowering import copy_module
-        from kareus.passes.base import PassResult
-        from kareus.passes.split_nanobatches import SplitNanobatches
+# (kareus.testing.breaks: here, and in every rank run_ranks starts)
+from kareus.testing.breaks import break_kareus  # noqa: E402 - after the environment above
 
-        decide = SplitNanobatches.run
-
-        def records_only(self, gm, ctx):
-            decide(self, copy_module(gm), ctx)  # its record of what it split is kept
-            return PassResult(gm, modified=False)
-
-        SplitNanobatches.run = records_only
-    elif how == "clocks":
-        from kareus.runtime.switcher import ClockRuntime
-
-        ClockRuntime._set = lambda self, freq: None
-    elif how == "overlap":
-        from kareus.passes import schedule_overlap
-
-        schedule_overlap.rewrite_schedule = lambda *args, **kwargs: False
-    elif how:
-        raise ValueError(f"KAREUS_BREAK={how!r}: one of split, clocks, overlap")
-
-
-_break_kareus(os.environ.get("KAREUS_BREAK", ""))
+break_kareus()
 # Traces cached by the tests stay in the test run (and reach the processes it starts),
 # shared by its workers (pytest-xdist's run id): a workload traced by a test on one worker
 # is not traced again on the other (entries are written atomically).

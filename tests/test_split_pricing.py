@@ -155,13 +155,13 @@ def test_modelled_durations_price_the_named_gpus_link():
     nbytes = 16 * 2**20
     assert 0 < h100("all_reduce", nbytes) <= a100("all_reduce", nbytes)
     assert a100("all_reduce", 2 * nbytes) > a100("all_reduce", nbytes)
-    # an fp32 run priced as bf16 moves half the bytes; a gather's tensor is tp shards
+    # an fp32 run priced as bf16 moves half the bytes
     half = modelled_durations("a100-nvlink", tp=8, bytes_scale=0.5)
     assert half("all_reduce", 2 * nbytes) == pytest.approx(a100("all_reduce", nbytes))
     emulator = Emulator(gpu("a100-40gb"))
     knobs = Knobs(emulator.spec.clock_max_mhz, 32, launch_slot=None)
     full = emulator.collective_time(CollectiveCost("all_gather", nbytes, 8), knobs)
-    assert a100("all_gather", nbytes // 8) == pytest.approx(full)
+    assert a100("all_gather", nbytes) == pytest.approx(full)
     assert modelled_durations("a100-nvlink", tp=1)("all_reduce", nbytes) == 0.0
 
 
@@ -204,6 +204,15 @@ def test_a_group_of_one_keeps_every_block_whole_without_tracing_a_split(world):
     assert blocks.split == [] and len(blocks.skipped) == 2
     assert all("has one rank" in why for why in blocks.skipped.values())
     assert "split: no" in kareus.explain(compiled).summary()
+
+
+def test_a_link_that_declares_no_time_keeps_every_block_whole_without_pricing(world):
+    idle = EmulatedGroup.register(lambda kind, nbytes: 0.0)
+    blocks = _blockset(_compiled_llama(idle.group_name))
+    assert blocks.split == [] and blocks.priced == {}
+    assert all(
+        "declares that its collectives here take no time" in why for why in blocks.skipped.values()
+    )
 
 
 def test_an_emulated_link_slow_enough_splits_and_one_too_quick_does_not(world):

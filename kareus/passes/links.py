@@ -15,10 +15,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 
+import torch
 import torch.fx as fx
 
 from kareus._torch_internals import resolve_group
-from kareus.passes.census import collective_kind, group_name
+from kareus.passes.census import COST_KINDS, collective_kind, group_name
 from kareus.passes.subgraphs import bodies
 
 HOST = "host"
@@ -89,21 +90,53 @@ def _backend_name(pg: object) -> str:
     return ""
 
 
-def groups_of(nodes: Iterable[fx.Node]) -> set[str]:
-    """Return the groups whose collectives ``nodes`` issue, inside bodies and DTensors too.
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """A collective as the graph before the split shows it (kind and bytes where known)."""
 
-    A DTensor's collectives are not in Dynamo's graph yet (AOTAutograd inserts them): the
-    group of a DTensor on a mesh of more than one rank, used or made here, counts.
+    group: str
+    kind: str | None = None
+    nbytes: int | None = None
+
+
+def collectives_of(nodes: Iterable[fx.Node]) -> list[Seen]:
+    """Return the collectives ``nodes`` issue, inside bodies and DTensors too.
+
+    A DTensor's collectives are not in Dynamo's graph yet (AOTAutograd inserts them): a
+    DTensor on a mesh of more than one rank, used or made here, counts as one of its group,
+    of unknown kind and size.
     """
-    found: set[str] = set()
+    found: list[Seen] = []
     for node in nodes:
         if collective_kind(node) is not None:
-            found.add(group_name(node))
+            found.append(Seen(group_name(node), COST_KINDS.get(collective_kind(node) or ""),
+                              _full_bytes(node)))  # fmt: skip
         for _arg, sub in bodies(node):
-            found |= groups_of(sub.graph.nodes)
+            found += collectives_of(sub.graph.nodes)
         for value in (node, *node.all_input_nodes):
-            found |= _mesh_groups(value.meta.get("example_value"))
+            found += [Seen(g) for g in _mesh_groups(value.meta.get("example_value"))]
     return found
+
+
+def _full_bytes(node: fx.Node) -> int | None:
+    """Return the bytes of a collective's full tensor (its input or output, the larger).
+
+    At the example inputs' sizes (a symbolic size's hint); None where one has none.
+    """
+    sizes = []
+    values = [node.meta.get("example_value")]
+    values += [a.meta.get("example_value") for a in node.all_input_nodes]
+    for value in values:
+        if not isinstance(value, torch.Tensor):
+            continue
+        numel = value.numel()
+        if isinstance(numel, torch.SymInt):
+            hint = numel.node.hint
+            if hint is None:
+                return None
+            numel = int(hint)
+        sizes.append(int(numel) * value.element_size())
+    return max(sizes) if sizes else None
 
 
 def _mesh_groups(value: object) -> set[str]:
@@ -121,19 +154,34 @@ def _mesh_groups(value: object) -> set[str]:
         return {UNKNOWN}
 
 
-def why_nothing_to_hide(groups: Iterable[str], on: str) -> str | None:
-    """Say why overlapping the collectives of ``groups`` hides nothing on ``on``, or None.
+def why_nothing_to_hide(seen: Iterable[Seen], on: str) -> str | None:
+    """Say why overlapping the collectives ``seen`` hides nothing on ``on``, or None.
 
-    None as soon as one group's collectives could hide behind compute: then only pricing
-    the split graphs tells.
+    None as soon as one collective could hide behind compute: then only pricing the split
+    graphs tells. A group that declares its durations hides nothing where it declares each
+    of its collectives here takes no time.
     """
+    by_group: dict[str, list[Seen]] = {}
+    for s in seen:
+        by_group.setdefault(s.group, []).append(s)
     reasons = []
-    for name in sorted(groups):
-        why = link_of(name).why_nothing_to_hide(on)
+    for name, colls in sorted(by_group.items()):
+        link = link_of(name)
+        why = link.why_nothing_to_hide(on)
+        if why is None and link.declared is not None:
+            why = _declares_nothing(link, colls)
         if why is None:
             return None
         reasons.append(why)
     return "; ".join(reasons) if reasons else None
+
+
+def _declares_nothing(link: Link, colls: list[Seen]) -> str | None:
+    assert link.declared is not None
+    for c in colls:
+        if c.kind is None or c.nbytes is None or link.declared(c.kind, c.nbytes) > 0:
+            return None
+    return f"group {link.group!r} declares that its collectives here take no time"
 
 
 def declared_time(group: str, kind: str, nbytes: float) -> float | None:

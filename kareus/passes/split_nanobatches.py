@@ -43,7 +43,7 @@ import torch.fx as fx
 from kareus.passes.base import GraphPass, PassContext, PassResult
 from kareus.passes.census import census
 from kareus.passes.find_blocks import BlockSet
-from kareus.passes.links import groups_of, why_nothing_to_hide
+from kareus.passes.links import collectives_of, why_nothing_to_hide
 from kareus.passes.op_effects import draws_random, op_name, writes_in_place
 from kareus.passes.per_sample import why_not_per_sample
 from kareus.passes.tags import NodeTag, set_tag
@@ -172,7 +172,7 @@ def _not_paying(ctx: PassContext, block: str, nodes: list[fx.Node]) -> str | Non
     if ctx.inputs.priced is not None and block in ctx.inputs.priced:
         split, text = ctx.inputs.priced[block]
         return None if split else text
-    why = why_nothing_to_hide(groups_of(nodes), on)
+    why = why_nothing_to_hide(collectives_of(nodes), on)
     if why is None:
         return None
     return f"kept whole: the split cannot pay, {why} (Config.nanobatches=2 splits it anyway)"

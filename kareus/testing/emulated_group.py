@@ -37,7 +37,8 @@ import torch.distributed as dist
 from kareus._torch_internals import register_process_group
 
 DurationFn = Callable[[str, int], float]
-"""Seconds a collective takes: (kind, bytes of its input as this rank holds it)."""
+"""Seconds a collective takes: (kind, bytes of its input as this process holds it, which is
+what kareus's graphs record of a collective, :class:`kareus.ir.costs.CollectiveCost`)."""
 
 _NAMES = itertools.count()
 
@@ -123,8 +124,8 @@ class EmulatedGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     Args:
         durations: seconds each collective takes, from its kind and the bytes of its input
-            as this rank holds it (what a graph records of it too; kareus's pricing asks
-            the same function, :meth:`collective_time_s`).
+            (:data:`DurationFn`; kareus's pricing asks the same function,
+            :meth:`collective_time_s`).
         name: the name registered with ``torch.distributed`` (made up when None).
     """
 
@@ -308,8 +309,10 @@ def modelled_durations(
     A collective alone at the GPU's top clock with NCCL's default SM share (that of
     :class:`~kareus.planner.settings.PlannerSettings`), on the GPU's NVLink; times ``scale``
     (the ratio of this device's compute to the modelled GPU's, and any extra factor). The
-    input's bytes times ``bytes_scale`` (0.5: an fp32 run priced as the GPU's bf16) are this
-    rank's; an all-gather's full tensor is ``tp`` of them.
+    input's bytes as this process holds it, times ``bytes_scale`` (0.5: an fp32 run priced
+    as the GPU's bf16), are priced as the hardware model prices a collective of that input:
+    the all-reduces of a model built with TP 8's per-rank shapes in a group of one are TP
+    8's (a sequence-parallel gather there gathers from one rank, not eight).
     """
     from kareus.hardware import Emulator
     from kareus.hardware import gpu as gpu_spec
@@ -325,8 +328,7 @@ def modelled_durations(
     def duration(kind: str, nbytes: int) -> float:
         if kind not in kinds or tp <= 1:
             return 0.0
-        full = nbytes * bytes_scale * (tp if kind == "all_gather" else 1)
-        coll = CollectiveCost(kind, float(full), tp)  # type: ignore[arg-type]
+        coll = CollectiveCost(kind, float(nbytes * bytes_scale), tp)  # type: ignore[arg-type]
         return emulator.collective_time(coll, knobs) * scale
 
     return duration

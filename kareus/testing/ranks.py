@@ -47,6 +47,9 @@ def _rank_main(
         LOCAL_WORLD_SIZE=str(world),
     )
     torch.set_num_threads(1)
+    from kareus.testing.breaks import break_kareus
+
+    break_kareus()  # KAREUS_BREAK reaches every rank, as the test's own process
     # A rank stuck past the timeout prints where every thread waits, then exits: a hang
     # becomes a failure that names each rank and its line. Every rank dumps before any
     # exits (an exit makes the parent kill the others).
