@@ -116,14 +116,19 @@ class Emulation:
     tp: int
     comm_scale: float
     group: EmulatedGroup
-    modelled: ModelledStep
+    modelled: ModelledStep | None
     scale: float = 0.0  # 0 until calibrated: collectives complete at once
     measured_compute_s: float = 0.0
     calibrated_with: str = ""
 
     @classmethod
     def make(
-        cls, gpu: str, tp: int, comm_scale: float, modelled: ModelledStep, bytes_scale: float = 0.5
+        cls,
+        gpu: str,
+        tp: int,
+        comm_scale: float,
+        modelled: ModelledStep | None,
+        bytes_scale: float = 0.5,
     ) -> Emulation:
         """Register the group; its durations read the scale at each call."""
         priced = modelled_durations(gpu, tp=tp, bytes_scale=bytes_scale)

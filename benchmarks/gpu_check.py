@@ -281,14 +281,15 @@ def step_emulated_tp(ctx: Context) -> StepResult:
 
     On a GPU: the H200 check's Llama at TP 8's per-rank shapes, bf16, its collectives at
     this GPU's NVLink durations in the hardware model, 3 interleaved rounds of 3 steps. The
-    dry run: a tiny Llama as one rank of TP 2, kareus's python codegen beside eager.
+    dry run: a tiny Llama as one rank of TP 2 at a given scale (no model trace), kareus's
+    python codegen beside eager.
     """
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
     import train_step
 
     if ctx.dry_run:
-        argv = ["--emulate-tp", "2", "--preset", "tiny", "--steps", "1", "--rounds", "1",
-                "--variants", "eager,kareus python"]  # fmt: skip
+        argv = ["--emulate-tp", "2", "--preset", "tiny", "--emulate-scale", "25", "--steps",
+                "1", "--rounds", "1", "--variants", "eager,kareus python"]  # fmt: skip
     else:
         variants = "eager,torch.compile,torch.compile overlap,kareus,kareus nanobatches=1"
         argv = ["--device", "cuda", "--emulate-tp", "8", "--link", ctx.spec.name,

@@ -198,12 +198,15 @@ def _rank(
         from emulated_tp import Emulation, modelled_step
 
         cfg, batch, seq, dtype = _preset(args, emulate=True)
-        print(f"  tracing the model at TP {args.emulate_tp} to price it on {args.link} "
-              "(modelled)...", file=sys.stderr)  # fmt: skip
-        modelled = modelled_step(cfg, args.emulate_tp, batch, seq, args.link)
+        modelled = None
+        if not args.emulate_scale:
+            print(f"  tracing the model at TP {args.emulate_tp} to price it on {args.link} "
+                  "(modelled)...", file=sys.stderr)  # fmt: skip
+            modelled = modelled_step(cfg, args.emulate_tp, batch, seq, args.link)
         # the emulated GPU moves bf16: an fp32 run's collectives move twice its bytes
         scale = 2 / torch.empty((), dtype=dtype).element_size()
         emulation = Emulation.make(args.link, args.emulate_tp, args.comm_scale, modelled, scale)
+        emulation.scale = args.emulate_scale
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group(
@@ -327,7 +330,27 @@ def _measure(
     for v, (fn, _opt) in runs.items():
         if v.startswith("kareus"):
             results[v].note = results[v].note or _split_note(fn)
+    if args.profile:
+        for v, (fn, opt) in runs.items():
+            _profile(v, fn, opt, data[0], device, args.profile)
     return list(results.values())
+
+
+def _profile(
+    variant: str, fn: Any, opt: Any, batch: Any, device: Any, rows: int
+) -> None:  # pragma: no cover - a measuring aid
+    """Print where one step of ``variant`` spends its time (torch.profiler, this rank)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        _step(fn, opt, batch)
+        _sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"profile of one step, {variant} (measured, torch.profiler):")
+    print(prof.key_averages().table(sort_by=key, row_limit=rows))
 
 
 def _calibrate(emulation: Any, fn: Callable[..., Any], data: list[Any], device: Any) -> None:
@@ -384,7 +407,8 @@ def _report(
     by = {r.variant: r for r in results}
     ref = by.get("torch.compile")
     eager = by.get("eager")
-    contention = emulation.modelled.contention if emulation is not None else None
+    modelled = emulation.modelled if emulation is not None else None
+    contention = modelled.contention if modelled is not None else None
     rows = []
     for r in results:
         ratio = r.median_ms / ref.median_ms if ref and ref.step_ms and r.step_ms else None
@@ -454,12 +478,17 @@ def _report(
 def _print_emulation(emulation: Any, args: argparse.Namespace, ref: Result | None) -> None:
     """The scale of the emulated durations and each collective's share of the step."""
     m = emulation.modelled
-    print(
-        f"  scale: compute here {emulation.measured_compute_s * 1e3:.1f} ms (measured, "
-        f"{emulation.calibrated_with}'s forward and backward, collectives completing at once) / "
-        f"{m.compute_s * 1e3:.3f} ms on {emulation.gpu} (modelled) = x{emulation.scale:.0f}; "
-        f"every modelled duration runs x{emulation.scale:.0f} x {args.comm_scale:g}"
-    )
+    if m is None:
+        print(f"  scale: x{emulation.scale:g} as given (--emulate-scale); every modelled "
+              f"duration runs x{emulation.scale:g} x {args.comm_scale:g}")  # fmt: skip
+    else:
+        print(
+            f"  scale: compute here {emulation.measured_compute_s * 1e3:.1f} ms (measured, "
+            f"{emulation.calibrated_with}'s forward and backward, collectives completing at "
+            f"once) / {m.compute_s * 1e3:.3f} ms on {emulation.gpu} (modelled) = "
+            f"x{emulation.scale:.0f}; every modelled duration runs x{emulation.scale:.0f} x "
+            f"{args.comm_scale:g}"
+        )
     step_ms = ref.median_ms if ref and ref.step_ms else float("nan")
     scale = emulation.scale * args.comm_scale
     for (kind, nbytes), (calls, seconds) in sorted((ref.calls if ref else {}).items()):
@@ -469,16 +498,20 @@ def _print_emulation(emulation: Any, args: argparse.Namespace, ref: Result | Non
             f"{modelled}{seconds * 1e3:.2f} ms emulated here, "
             f"{100 * calls * seconds * 1e3 / step_ms:.1f} % of torch.compile's step"
         )
-    print(
-        f"  contention (modelled, {emulation.gpu}): compute beside a collective on NCCL's "
-        f"default SMs runs x{m.contention:.3f}; 'with_contention' adds that to each emulated "
-        "collective's time in flight before a wait (the emulation itself takes no compute)"
-    )
+    if m is not None:
+        print(
+            f"  contention (modelled, {emulation.gpu}): compute beside a collective on NCCL's "
+            f"default SMs runs x{m.contention:.3f}; 'with_contention' adds that to each "
+            "emulated collective's time in flight before a wait (the emulation itself takes "
+            "no compute)"
+        )
 
 
 def _print_predictions(emulation: Any, by: dict[str, Result]) -> None:
     """The split/whole step ratio kareus's hardware model predicts, beside the measured."""
     m = emulation.modelled
+    if m is None:
+        return
     split, whole = by.get("kareus nanobatches=2"), by.get("kareus nanobatches=1")
     measured = (
         f"{split.median_ms / whole.median_ms:.3f}"
@@ -529,6 +562,15 @@ def _parser() -> argparse.ArgumentParser:
         help="the emulated link: a100-nvlink, h100-nvlink, "
         "h200-nvlink (the GPU whose hardware model prices compute and collectives)",
     )
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="N",
+        help="after timing, print the N costliest ops of one step of each variant",
+    )  # fmt: skip
+    parser.add_argument(
+        "--emulate-scale", type=float, default=0.0, metavar="S",
+        help="emulated durations run S times the modelled ones, as given (no trace, no "
+        "calibration, no model prediction; 0: measured as the docstring says)",
+    )  # fmt: skip
     parser.add_argument(
         "--comm-scale",
         type=float,

@@ -8,11 +8,13 @@ import torch
 import torch.distributed._functional_collectives as fc
 
 import kareus
+from kareus.compiler.split_pricing import price
 from kareus.hardware import Emulator, gpu
 from kareus.hardware.host import HostModel, HostSpec
 from kareus.ir.costs import CollectiveCost, Knobs, OpCost, PartitionWork
 from kareus.ir.partitions import Partition, PartitionSet, PartitionType
 from kareus.models import Llama, LlamaConfig
+from kareus.passes.links import HOST
 from kareus.planner.split_pays import (
     MIN_GAIN,
     DeclaredCollectives,
@@ -208,35 +210,17 @@ def test_a_group_of_one_keeps_every_block_whole_without_tracing_a_split(world):
 
 def test_a_link_that_declares_no_time_keeps_every_block_whole_without_pricing(world):
     idle = EmulatedGroup.register(lambda kind, nbytes: 0.0)
-    blocks = _blockset(_compiled_llama(idle.group_name))
-    assert blocks.split == [] and blocks.priced == {}
+    compiled = _compiled_llama(idle.group_name)
+    blocks = _blockset(compiled)
+    assert blocks.split == [] and kareus.explain(compiled).regions[0].split_prices == {}
     assert all(
         "declares that its collectives here take no time" in why for why in blocks.skipped.values()
     )
 
 
-def test_an_emulated_link_slow_enough_splits_and_one_too_quick_does_not(world):
-    slow = EmulatedGroup.register(_slow)
-    compiled = _compiled_llama(slow.group_name, BIG)
-    assert blocks_run(kareus.explain(compiled).regions[0]).split == ["layers.0", "layers.1"]
-    assert all(t.startswith("split: modelled on") for t in _blockset(compiled).priced.values())
-    quick = EmulatedGroup.register(_quick)
-    whole = _compiled_llama(quick.group_name, BIG)
-    blocks = _blockset(whole)
-    assert blocks.split == []
-    assert all(why.startswith("kept whole: modelled on") for why in blocks.skipped.values())
-    # the same inputs, the same verdicts
-    again = _blockset(_compiled_llama(quick.group_name, BIG))
-    assert again.skipped == blocks.skipped
-    # nanobatches=2 still forces the split
-    forced = _compiled_llama(quick.group_name, BIG, nanobatches=2)
-    assert _blockset(forced).split == ["layers.0", "layers.1"]
-
-
-def test_a_block_kept_whole_by_its_price_trains_like_eager(world):
-    quick = EmulatedGroup.register(_quick)
-    slow = EmulatedGroup.register(_slow)
-    for group, split in ((quick, False), (slow, True)):
+def test_a_slow_enough_link_splits_a_quick_one_does_not_and_both_train_like_eager(world):
+    for make_group, split in ((_quick, False), (_slow, True)):
+        group = EmulatedGroup.register(make_group)
         holder = {}
 
         def make(group=group):
@@ -249,4 +233,45 @@ def test_a_block_kept_whole_by_its_price_trains_like_eager(world):
 
         ref, got = compare_training(make, comp, token_batches(2, 8, 64, BIG.vocab_size))
         torch.testing.assert_close(got.losses, ref.losses, rtol=1e-5, atol=1e-6)
-        assert bool(_blockset(holder["c"]).split) == split
+        region = kareus.explain(holder["c"]).regions[0]
+        blocks = blocks_run(region)
+        if not split:
+            assert blocks.split == []
+            assert all(w.startswith("kept whole: modelled on") for w in blocks.skipped.values())
+            assert {b: p for b, (p, _t) in region.split_prices.items()} == dict.fromkeys(
+                blocks.skipped, False
+            )
+            continue
+        assert blocks.split == ["layers.0", "layers.1"]
+        priced = {b: text for b, (pays, text) in region.split_prices.items() if pays}
+        assert sorted(priced) == blocks.split
+        assert all(t.startswith("split: modelled on") for t in priced.values())
+        assert "split: yes, 2 of 2 blocks into nanobatches (modelled on" in (
+            kareus.explain(holder["c"]).summary()
+        )
+        # the same partitions priced again: the same verdicts (nothing measured decides)
+        again = price(region.findings["cut_partitions"], HOST)
+        assert {b: v.describe() for b, v in again.items()} == priced
+
+
+def test_on_inductor_a_split_that_does_not_pay_is_lowered_again_whole(world):
+    # The default codegen: the split graphs are priced inside Inductor's partition step,
+    # before any kernel is generated; the region is then lowered whole, and runs as eager.
+    quick = EmulatedGroup.register(_quick)
+    holder = {}
+
+    def make():
+        torch.manual_seed(0)
+        return Llama(CFG, tp_group=quick.group_name)
+
+    def comp(m):
+        holder["c"] = kareus.compile(m, codegen="inductor")
+        return holder["c"]
+
+    ref, got = compare_training(make, comp, token_batches(2, 8, 16, CFG.vocab_size))
+    torch.testing.assert_close(got.losses, ref.losses, rtol=1e-5, atol=1e-6)
+    region = kareus.explain(holder["c"]).regions[0]
+    assert region.codegen == "inductor"
+    blocks = blocks_run(region)
+    assert blocks.split == [] and len(blocks.skipped) == 2
+    assert all(w.startswith("kept whole: modelled on") for w in blocks.skipped.values())

@@ -294,7 +294,10 @@ class KareusBackend:
         region.codegen = Codegen(self.config.codegen)
 
         def priced(graphs: Mapping[str, fx.GraphModule]) -> None:
-            judge(region.inputs, self.config, region.findings, graphs)
+            verdicts = judge(region.inputs, self.config, region.findings, graphs)
+            region.split_prices.update(verdicts)
+            if not all(split for split, _text in verdicts.values()):
+                raise SplitDeclined(verdicts)
 
         if self.config.codegen == "inductor":
             return lower_with_inductor(

@@ -88,7 +88,12 @@ def _split_line(regions: tuple[Region, ...]) -> str:
     if not split:
         return f"split: no, 0 of {total} blocks: {reasons[0] if reasons else 'no reason kept'}"
     line = f"split: yes, {split} of {total} blocks into nanobatches"
-    priced = [text for _r, bs in found for text in bs.priced.values()]
+    priced = [
+        text
+        for r, bs in found
+        for block, (split, text) in r.split_prices.items()
+        if split and block in bs.split
+    ]
     line += f" ({priced[0].removeprefix('split: ')})" if priced else ""
     return line + (f"; left whole: {reasons[0]}" if reasons else "")
 
@@ -158,8 +163,12 @@ def _region_text(region: Region, with_code: bool) -> str:
         if value is not None:
             text = value.to_text() if hasattr(value, "to_text") else repr(value)
             lines.append(f"-- {name} --\n{text}")
+    notes = {block: text for block, (split, text) in region.split_prices.items() if split}
     for name, finding in region.findings.items():
-        text = finding.to_text() if hasattr(finding, "to_text") else repr(finding)
+        if name == "find_blocks":
+            text = finding.to_text(notes)
+        else:
+            text = finding.to_text() if hasattr(finding, "to_text") else repr(finding)
         lines.append(f"-- {name} --\n{text}")
     if region.history:
         rows = [

@@ -69,6 +69,9 @@ class Region:
     inputs: RegionInputs = dataclasses.field(default_factory=RegionInputs)
     codegen: str = ""
     """Which codegen ran the rewritten graphs (``inductor`` or ``python``; "": not lowered)."""
+    split_prices: dict[str, tuple[bool, str]] = dataclasses.field(default_factory=dict)
+    """Per block whose split was priced: whether it pays, and what was predicted
+    (:mod:`kareus.compiler.split_pricing`)."""
     early_forward_runs: int = 0
     """Forwards run before a compile-time plan existed (the runtime counts them as its
     first instruction's)."""

@@ -11,8 +11,10 @@ and backward get faster. Two steps:
 2. After AOTAutograd partitioned the split graphs, before any kernel is generated
    (:func:`judge`): the forward and backward are cut into partitions and each block priced
    split and whole (:func:`kareus.planner.split_pays.price_split`). If a block does not pay,
-   :class:`SplitDeclined` carries the verdicts back to the backend, which lowers the region
-   again with those blocks whole (the verdicts then stand: nothing is priced twice).
+   the backend raises :class:`SplitDeclined` with the verdicts and lowers the region again
+   with those blocks whole (the verdicts then stand: nothing is priced twice); it keeps
+   every verdict in the region's record (``Region.split_prices``), which ``explain``
+   shows.
 
 The cost model is the hardware model of the GPU named by ``Config.gpu``, else of the CUDA
 device the region runs on (its type, if kareus knows it), else a CPU host's
@@ -78,8 +80,8 @@ def judge(
     config: Config,
     findings: Mapping[str, Any],
     graphs: Mapping[str, fx.GraphModule],
-) -> None:
-    """Price the split blocks of a region's partitioned graphs; raise where one does not pay.
+) -> dict[str, tuple[bool, str]]:
+    """Price the split blocks of a region's partitioned graphs.
 
     Args:
         inputs: the region's compiler inputs (what prices it: :attr:`RegionInputs.pricing`).
@@ -88,17 +90,16 @@ def judge(
         graphs: the ``forward`` and ``backward`` graphs as AOTAutograd partitioned them;
             they are not changed (the analysis runs on copies).
 
-    Raises:
-        SplitDeclined: some split block is predicted slower (or not faster enough) split.
+    Returns:
+        Per priced block: whether its split pays, and what was predicted (empty where
+        nothing is priced: the split forced or a plan's, no block split, or verdicts of an
+        earlier lowering standing).
     """
     blockset: BlockSet | None = findings.get("find_blocks")
     if inputs.pricing is None or inputs.priced is not None or not blockset or not blockset.split:
-        return
+        return {}
     pset = _partitions(config, inputs, blockset, graphs)
-    verdicts = {block: (v.pays, v.describe()) for block, v in price(pset, inputs.pricing).items()}
-    if not all(split for split, _text in verdicts.values()):
-        raise SplitDeclined(verdicts)
-    blockset.priced.update({block: text for block, (_split, text) in verdicts.items()})
+    return {block: (v.pays, v.describe()) for block, v in price(pset, inputs.pricing).items()}
 
 
 def _partitions(

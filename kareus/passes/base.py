@@ -252,6 +252,7 @@ def run_passes(
             the graph. ``error.records`` holds the records made so far.
     """
     records: list[PassRecord] = []
+    counted: tuple[Any, Any] | None = None  # the graph's collectives and their sizes
     for p in passes:
         if ctx.graph not in p.graphs:
             continue
@@ -262,15 +263,20 @@ def run_passes(
         nodes_before = len(before)
         start = time.perf_counter()
         try:
-            collectives, weights = _census.census(gm), _census.volume(gm)
+            # counted once, and again only after a pass that changed the graph
+            counted = counted or (_census.census(gm), _census.volume(gm))
             p.requires(gm, ctx)
             result = p.run(gm, ctx)
             result.gm.graph.lint()
             p.ensures(result.gm, ctx)
-            _check_collectives(collectives, result)
-            _check_sizes(weights, result)
-            if not result.modified and not same_structure(structure(result.gm.graph), before):
+            unchanged = same_structure(structure(result.gm.graph), before)
+            if not result.modified and not unchanged:
                 raise ValueError("the pass reported no change but changed the graph")
+            if not unchanged or result.collectives is not None:
+                counted = (
+                    _check_collectives(counted[0], result),
+                    _check_sizes(counted[1], result),
+                )
         except Exception as exc:
             err = _as_pass_error(p.name, ctx, exc)
             records.append(
@@ -303,8 +309,10 @@ def run_passes(
     return gm, records
 
 
-def _check_collectives(before: collections.Counter[_census.Key], result: PassResult) -> None:
-    """Raise when the pass lost (or added) collectives it did not announce."""
+def _check_collectives(
+    before: collections.Counter[_census.Key], result: PassResult
+) -> collections.Counter[_census.Key]:
+    """Raise when the pass lost (or added) collectives it did not announce; return them."""
     expected = before if result.collectives is None else result.collectives
     after = _census.census(result.gm)
     missing, extra = _census.lost(expected, after), _census.lost(after, expected)
@@ -316,11 +324,15 @@ def _check_collectives(before: collections.Counter[_census.Key], result: PassRes
             + "; ".join(parts)
             + " (a lost collective means wrong results, so the rewrite is refused)"
         )
+    return after
 
 
-def _check_sizes(before: dict[_census.VolumeKey, Any], result: PassResult) -> None:
+def _check_sizes(
+    before: dict[_census.VolumeKey, Any], result: PassResult
+) -> dict[_census.VolumeKey, Any]:
     """Raise when the pass changed how much its collectives move (a split conserves it)."""
-    changed = _census.resized(before, _census.volume(result.gm))
+    after = _census.volume(result.gm)
+    changed = _census.resized(before, after)
     if changed:
         raise ValueError(
             "the pass changed the sizes of the graph's collectives: "
@@ -328,6 +340,7 @@ def _check_sizes(before: dict[_census.VolumeKey, Any], result: PassResult) -> No
             + " (a collective resized or swapped for another tensor's moves the wrong data, "
             "so the rewrite is refused)"
         )
+    return after
 
 
 def _as_pass_error(name: str, ctx: PassContext, exc: Exception) -> PassError:

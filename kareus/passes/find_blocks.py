@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch.fx as fx
 
@@ -72,7 +72,6 @@ class BlockSet:
         mismatched: blocks whose op sequence differs from their family's, with the reason.
         split: names of the blocks split into nanobatches.
         skipped: names of blocks left whole, with the reason.
-        priced: names of split blocks whose split was priced, with the prediction.
         spans: per graph kind, per block name, per nanobatch (None when unsplit), the names
             of the block's nodes in that graph.
     """
@@ -89,7 +88,6 @@ class BlockSet:
     mismatched: dict[str, str] = dataclasses.field(default_factory=dict)
     split: list[str] = dataclasses.field(default_factory=list)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
-    priced: dict[str, str] = dataclasses.field(default_factory=dict)
     spans: dict[str, dict[str, dict[int | None, list[str]]]] = dataclasses.field(
         default_factory=dict
     )
@@ -109,8 +107,11 @@ class BlockSet:
                 return b
         raise KeyError(f"no block {name!r}; blocks: {[b.name for b in self.blocks]}")
 
-    def to_text(self) -> str:
-        """Render the blocks as a table (used by ``kareus.explain``)."""
+    def to_text(self, notes: Mapping[str, str] | None = None) -> str:
+        """Render the blocks as a table (used by ``kareus.explain``).
+
+        ``notes``: what to say of a split block (why it was split), by name.
+        """
         if not self.blocks:
             return self.why_none or self.NO_BLOCKS
         kinds = [k for k in ("forward", "backward", "inference") if k in self.spans]
@@ -128,7 +129,7 @@ class BlockSet:
                 shared = f" +{len(span[None])} shared" if span.get(None) else ""
                 cells.append(per_nb + shared)
             if b.name in self.split:
-                cells += ["split", self.priced.get(b.name, "")]
+                cells += ["split", (notes or {}).get(b.name, "")]
             else:
                 cells += ["whole", self.skipped.get(b.name, self.mismatched.get(b.name, ""))]
             rows.append(cells)

@@ -148,12 +148,9 @@ class SplitNanobatches(GraphPass):
         joined: dict[str, fx.Node] = {}  # outputs of split blocks -> their joined node
         made: list[fx.Node] = []
         sizes = nanobatch_sizes(batch) if plans else None
-        priced = ctx.inputs.priced or {}
         for name, names, plan, shared in plans:
             made += rewrite_split(gm.graph, name, names, plan, joined, shared, sizes=sizes)
             blockset.split.append(name)
-            if name in priced:
-                blockset.priced[name] = priced[name][1]
         _erase_unused(gm.graph, made)
         return PassResult(gm, modified=bool(plans), collectives=expected)
 
