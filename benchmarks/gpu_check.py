@@ -259,19 +259,24 @@ def step_train_step(ctx: Context) -> StepResult:
     else:
         argv = ["--device", "cuda", "--preset", "h200", "--steps", "3", "--rounds", "3"]
     rows = train_step.run_one_process(train_step.parse(argv))
+    return _step_result("train_step", "measured", ctx, rows)
+
+
+def _step_result(name: str, what: str, ctx: Context, rows: list[dict[str, str]]) -> StepResult:
+    """A ``train_step.py`` run's verdict: every variant trained, losses as eager's."""
     ran = [r for r in rows if r["step_ms_median"] != "nan"]
-    losses = [float(r["loss_rel_diff_vs_eager"]) for r in ran if r["loss_rel_diff_vs_eager"]]
-    worst = max(losses, default=0.0)
+    diffs = [float(v) for r in ran for k, v in r.items() if k.startswith("loss_rel") and v]
+    worst = max(diffs, default=0.0)
     ratios = ", ".join(
         f"{r['variant']} {r['vs_torch_compile']}x" for r in ran if r["vs_torch_compile"]
     )
     ok = len(ran) == len(rows) and worst <= (1e-2 if not ctx.dry_run else 1e-5)
     return StepResult(
-        "train_step",
+        name,
         "passed" if ok else "failed",
-        f"{len(ran)}/{len(rows)} variants trained (measured); step time against "
+        f"{len(ran)}/{len(rows)} variants trained ({what}); step time against "
         f"torch.compile: {ratios or 'no torch.compile in this run'}; losses within "
-        f"{worst:.1e} of eager's",
+        f"{worst:.1e} of the reference's",
         rows,
     )
 
@@ -296,20 +301,8 @@ def step_emulated_tp(ctx: Context) -> StepResult:
                 "--preset", "h200", "--steps", "3", "--rounds", "3",
                 "--variants", variants]  # fmt: skip
     rows = train_step.run_one_process(train_step.parse(argv))
-    ran = [r for r in rows if r["step_ms_median"] != "nan"]
-    ratios = ", ".join(
-        f"{r['variant']} {r['vs_torch_compile']}x" for r in ran if r["vs_torch_compile"]
-    )
-    diffs = [float(v) for r in ran for k, v in r.items() if k.startswith("loss_rel") and v]
-    worst = max(diffs, default=0.0)
-    ok = len(ran) == len(rows) and worst <= (1e-2 if not ctx.dry_run else 1e-5)
-    return StepResult(
-        "emulated_tp",
-        "passed" if ok else "failed",
-        f"{len(ran)}/{len(rows)} variants trained (measured, collectives emulated at "
-        f"modelled durations); step time against torch.compile: "
-        f"{ratios or 'no torch.compile in this run'}; losses within {worst:.1e}",
-        rows,
+    return _step_result(
+        "emulated_tp", "measured, collectives emulated at modelled durations", ctx, rows
     )
 
 

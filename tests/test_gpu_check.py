@@ -23,8 +23,8 @@ def test_dry_run_runs_every_step_and_writes_summary_and_data(tmp_path):
     assert "No clock, power limit or other setting was changed" in summary
     assert "KAREUS_CLOCKS=off" in summary
     steps = (
-        "devices", "compile", "train_step", "switches", "energy", "ops", "sizes", "profile",
-        "nccl",
+        "devices", "compile", "train_step", "emulated_tp", "switches", "energy", "ops", "sizes",
+        "profile", "nccl",
     )  # fmt: skip
     for step in steps:
         assert f"| {step} | passed |" in summary, summary
@@ -43,6 +43,10 @@ def test_dry_run_runs_every_step_and_writes_summary_and_data(tmp_path):
     trained = list(csv.DictReader((data / "train_step.csv").open()))
     assert {r["variant"] for r in trained} == {"eager", "kareus python"}
     assert all(float(r["step_ms_median"]) > 0 for r in trained)
+    emulated = list(csv.DictReader((data / "emulated_tp.csv").open()))
+    assert {r["variant"] for r in emulated} == {"eager", "kareus python"}
+    # each collective in flight was seen for a part of its emulated duration
+    assert all(float(r["overlapped_ms"]) >= 0 for r in emulated)
     switches = [float(r["freq_mhz"]) for r in csv.DictReader((data / "switches.csv").open())]
     assert len(switches) == 4 and len(set(switches)) == 4  # the plan's four clocks, in order
     ops = list(csv.DictReader((data / "ops.csv").open()))
