@@ -13,4 +13,8 @@ fi
 # test's ranks included, would compile torch's modules from source (tried: CI went past 15 min).
 .venv/bin/python -m pip install -q "torch==${KAREUS_TORCH_VERSION:-2.13.0}"
 .venv/bin/python -m pip install -q -e ".[dev,hf]"
+# torchtitan itself, for the tests that run kareus on it (tests/test_torchtitan.py): its
+# declared dependencies (torchdata, datasets, tokenizers, ...) serve its trainer, not the
+# model and parallelism code the tests import, so it is installed without them
+.venv/bin/python -m pip install -q --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3"
 echo "kareus set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -515,6 +515,26 @@ def _gathers_and_scatters(rank):
     def scatter_of_mixed_blocks(x):  # blocks cut along the batch, not per rank
         return raw_scatter(x.contiguous())
 
+    def into_buffer(x):  # torchtitan's spmd_types: the c10d gather writes a buffer
+        x = x.contiguous()
+        out = torch.empty([x.shape[0] * world, *x.shape[1:]], dtype=x.dtype)
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+
+    def buffer_chunked(x):  # ... taken apart by a chunk per rank, cat along the sequence
+        return torch.cat(into_buffer(x).chunk(world, dim=0), dim=1)
+
+    def buffer_viewed(x):  # ... by a view with the ranks first (stack semantics), moved
+        return into_buffer(x).view(world, *x.shape).movedim(0, 2)
+
+    def viewed_into_sequence(x):  # a view per rank, then flattened into the sequence
+        b, s, h = x.shape
+        return raw_gather(x.contiguous()).view(world, b, s, h).transpose(0, 1).reshape(b, -1, h)
+
+    def viewed_batch_first(x):  # a view that cuts the stacked rows as if samples came first
+        b, s, h = x.shape
+        return raw_gather(x.contiguous()).view(b, world, s, h).flatten(1, 2)
+
     cases = {}  # case: (function, along the batch)
     for dim in (0, 1, 2):
         cases[f"gather along {dim}"] = (
@@ -535,6 +555,10 @@ def _gathers_and_scatters(rank):
     cases["gather, a chunk per half rank"] = (gather_split_wrong, True)
     cases["gather, used before the chunk"] = (gather_then_use, True)
     cases["scatter of the batch"] = (scatter_of_mixed_blocks, True)
+    cases["gather into a buffer, a chunk per rank"] = (buffer_chunked, False)
+    cases["gather into a buffer, a view per rank"] = (buffer_viewed, False)
+    cases["gather, a view per rank, flattened into the sequence"] = (viewed_into_sequence, False)
+    cases["gather, a view with the batch first"] = (viewed_batch_first, True)
     x = torch.randn(8, 4, 6, generator=torch.Generator().manual_seed(rank))
     out = []
     for case, (fn, along_batch) in cases.items():
@@ -546,13 +570,14 @@ def _gathers_and_scatters(rank):
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_gathers_and_scatters_along_each_dimension_are_split_exactly_when_samples_stay_whole():
-    """Sequence parallelism's collectives (funcol's gather and scatter along a dimension:
-    the collective along dimension 0, with chunks per rank and a cat around it): kareus
-    claims a split exactly where each sample stays whole, and every claim holds when run
-    on 2 gloo ranks; gathers and scatters along the batch, and blocks not taken apart by
-    rank, are named."""
+    """Sequence parallelism's collectives as libraries write them (funcol's gather and
+    scatter along a dimension: the collective along dimension 0, chunks per rank and a cat
+    around it; torchtitan's spmd_types: the c10d gather into a buffer, taken apart by a
+    chunk or by a view with the ranks first): kareus claims a split exactly where each
+    sample stays whole, and every claim holds when run on 2 gloo ranks; gathers and
+    scatters along the batch, and blocks not taken apart by rank, are named."""
     for per_rank in run_ranks(_gathers_and_scatters):
-        assert len(per_rank) == 11
+        assert len(per_rank) == 15
         for case, along_batch, claimed, holds, reason in per_rank:
             assert not (claimed and holds is False), f"{case}: unsound claim"
             if along_batch:

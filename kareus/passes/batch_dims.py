@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from kareus.passes.census import collective_kind
 from kareus.passes.op_effects import arg_value, op_name
 
 
@@ -55,28 +56,28 @@ def rank_blocks_reason(
     reduce-scatter's input holds one block per rank there. With the batch at dimension 0,
     such a dimension holds rank blocks, each a whole batch: a nanobatch's gather is not a
     slice of the batch's. It is per sample all the same where the blocks are taken apart
-    again before anything else reads them, as a gather along another dimension does
-    (``funcol.all_gather_tensor(x, gather_dim=1)``: gather, ``chunk`` per rank, ``cat``
-    along the sequence), and where the blocks were put together just before the
-    reduce-scatter (``funcol.reduce_scatter_tensor(x, scatter_dim=1)``: ``chunk`` along the
-    sequence, ``cat`` per rank, reduce-scatter). Returns "" for those, a reason for a
-    gather or a scatter whose blocks escape or mix, and None for other ops (the other rules
-    judge them).
+    by rank before anything else reads them (:func:`rank_blocks`: the value followed
+    through waits, copies into a buffer and dtype casts, to a ``chunk``/``split`` per rank
+    or a view that puts the ranks in a dimension of their own, whatever library wrote
+    it), and where the blocks were put together just before the reduce-scatter
+    (``funcol.reduce_scatter_tensor(x, scatter_dim=1)``: ``chunk`` along the sequence,
+    ``cat`` per rank, reduce-scatter). Returns "" for those, a reason for a gather or a
+    scatter whose blocks escape or mix (and for any op reading them before they are
+    taken apart), and None for other ops (the other rules judge them).
     """
     dims = [d for _i, d in carrying]
-    if name == "all_gather_into_tensor" and dims == [0]:
-        ranks = arg_value(node, 1, "group_size")
-        if _taken_apart(node, ranks, sym):
+    stacked = [g for i, d in carrying if d == 0 and (g := gather_of(i, sym)) is not None]
+    if _gathers(node) and dims == [0]:
+        stacked.append(node)
+    if stacked:
+        gather = stacked[0]
+        if rank_blocks(gather, sym) is not None:
             return ""
         return (
-            f"{label} gathers the ranks' batches along the batch dimension, and they are "
-            "not taken apart by rank (a chunk per rank) before use"
+            f"{label} reads the ranks' batches that {gather.name} gathers along the batch "
+            "dimension, and they are not taken apart by rank (a chunk per rank, or a view "
+            "with the ranks in a dimension of their own) before use"
         )
-    if name in ("chunk", "split", "tensor_split") and dims == [0] and _along_0(node):
-        source = _through_waits(carrying[0][0])
-        if _op_is(source, "all_gather_into_tensor") and _taken_apart(source, None, sym):
-            return ""
-        return None
     if name in ("cat", "concat", "concatenate") and 0 in dims and _along_0(node):
         if _stacked_for_scatter(node, sym):
             return ""
@@ -91,15 +92,114 @@ def rank_blocks_reason(
     return None
 
 
+_SAME_LAYOUT = frozenset(
+    {"wait_tensor", "contiguous", "clone", "detach", "alias", "to", "type", "type_as"}
+    | {"float", "half", "bfloat16", "double", "_to_copy"}
+)
+"""Ops whose output holds their first input's elements in the same layout."""
+
+_BUFFERS = frozenset(
+    {"empty", "new_empty", "empty_like", "empty_strided", "zeros", "new_zeros", "zeros_like"}
+)
+"""Ops that make a buffer a collective's result is copied into (``out=`` style APIs)."""
+
+
+def _gathers(node: Any) -> bool:
+    return isinstance(node, fx.Node) and collective_kind(node) in (
+        "all_gather_into_tensor",
+        "all_gather_into_tensor_out",
+    )
+
+
+def gather_of(node: fx.Node, sym: Any) -> fx.Node | None:
+    """Return the all-gather whose ranks' batches ``node``'s value holds stacked, or None.
+
+    Followed back through ops that keep the layout (waits, copies, casts) and through a
+    buffer the gathered value was copied into (``dist.all_gather_into_tensor(out, x)``
+    traced as the functional gather and ``out.copy_(result)``).
+    """
+    seen: set[fx.Node] = set()
+    while isinstance(node, fx.Node) and node not in seen:
+        seen.add(node)
+        if _gathers(node):
+            return node if batch_dim_of(_value(node.args[0]), sym) == 0 else None
+        name = op_name(node) if node.op == "call_function" or node.op == "call_method" else ""
+        if name == "copy_" and len(node.args) > 1:
+            node = node.args[1]  # type: ignore[assignment]
+        elif name in _SAME_LAYOUT and node.args:
+            node = node.args[0]  # type: ignore[assignment]
+        elif name in _BUFFERS:
+            copies = [u for u in node.users if op_name(u) == "copy_" and u.args[0] is node]
+            if len(copies) != 1:
+                return None
+            node = copies[0]
+        else:
+            return None
+    return None
+
+
+def rank_blocks(gather: fx.Node, sym: Any) -> list[fx.Node] | None:
+    """Return the ops that take ``gather``'s rank blocks apart, or None if a block escapes.
+
+    Every reader of the gathered value (through layout-keeping ops and a buffer it was
+    copied into) must take it apart by rank: a ``chunk``/``split``/``tensor_split`` along
+    dimension 0 into one whole-batch block per rank, or a view/reshape/unflatten whose
+    dimension 0 is the ranks and dimension 1 the batch (each rank's block, row-major).
+    """
+    ranks = arg_value(gather, 1, "group_size")
+    if not isinstance(ranks, int):
+        return None
+    order = {n: i for i, n in enumerate(gather.graph.nodes)}
+    takers: list[fx.Node] = []
+    pending, seen = [gather], set()
+    while pending:
+        value = pending.pop()
+        if value in seen:
+            continue
+        seen.add(value)
+        for user in value.users:
+            name = op_name(user)
+            if name == "copy_" and user.args[1] is value:
+                buffer = user.args[0]
+                if not isinstance(buffer, fx.Node) or op_name(buffer) not in _BUFFERS:
+                    return None
+                later = [u for u in buffer.users if u is not user]
+                if any(order.get(u, -1) < order[user] for u in later):
+                    return None  # read before the gathered value is in it
+                pending.extend([user, buffer])  # its other readers read the gather
+            elif name == "copy_" and user.args[0] is value:
+                continue  # the buffer written: its readers are followed from the copy
+            elif name in _SAME_LAYOUT and user.args and user.args[0] is value:
+                pending.append(user)
+            elif _takes_apart(user, name, ranks, sym):
+                takers.append(user)
+            else:
+                return None
+    return takers
+
+
+def _takes_apart(node: fx.Node, name: str, ranks: int, sym: Any) -> bool:
+    """Whether ``node`` cuts a rank-stacked dimension 0 into its ranks' whole batches."""
+    if name in ("chunk", "split", "tensor_split"):
+        return _along_0(node) and _rank_parts(node, sym) == ranks
+    if name in ("view", "reshape", "unflatten"):
+        value = _value(node)
+        return (
+            isinstance(value, torch.Tensor)
+            and value.dim() >= 2
+            and value.shape[0] == ranks
+            and not isinstance(value.shape[0], torch.SymInt)
+            and batch_dim_of(value, sym) == 1
+        )
+    return False
+
+
+def _value(node: Any) -> Any:
+    return node.meta.get("example_value") if isinstance(node, fx.Node) else None
+
+
 def _op_is(node: Any, name: str) -> bool:
     return isinstance(node, fx.Node) and node.op != "placeholder" and op_name(node) == name
-
-
-def _through_waits(node: fx.Node) -> fx.Node:
-    """Return the node whose value ``node`` is, through ``wait_tensor`` calls."""
-    while _op_is(node, "wait_tensor") and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
 
 
 def _along_0(node: fx.Node) -> bool:
@@ -128,23 +228,6 @@ def _rank_parts(node: fx.Node, sym: Any) -> int | None:
     if len(rows) != 1 or None in rows:
         return None
     return len(parts)
-
-
-def _taken_apart(gather: fx.Node, ranks: Any, sym: Any) -> bool:
-    """Whether every use of ``gather`` (through waits) splits it into one block per rank."""
-    ranks = arg_value(gather, 1, "group_size") if ranks is None else ranks
-    pending = list(gather.users)
-    while pending:
-        user = pending.pop()
-        if _op_is(user, "wait_tensor"):
-            pending.extend(user.users)
-            continue
-        name = op_name(user)
-        if name not in ("chunk", "split", "tensor_split") or not _along_0(user):
-            return False
-        if not isinstance(ranks, int) or _rank_parts(user, sym) != ranks:
-            return False
-    return True
 
 
 def _stacked_for_scatter(node: Any, sym: Any) -> bool:

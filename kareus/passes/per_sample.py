@@ -71,13 +71,20 @@ _FACTORIES = _names("zeros ones full empty zeros_like ones_like full_like empty_
 """Ops that make a tensor whose every element is the same constant (or uninitialised)."""
 
 _SIZES = _names(
-    "view reshape expand new_empty new_zeros new_ones new_full narrow getitem from_local"
+    "view reshape expand broadcast_to new_empty new_zeros new_ones new_full narrow getitem "
+    "from_local"
 )
 """Ops whose size arguments may mention the batch (they follow the nanobatch's size):
 ``from_local``'s global ``shape`` (Hugging Face's tensor-parallel layers pass it) describes
 the local tensor it wraps, whose batch is the nanobatch's."""
 
-_METADATA = _names("size dim numel stride is_contiguous __len__ getattr")
+_BROADCASTS = _names("expand expand_as broadcast_to")
+"""Ops that repeat a tensor along new or size-1 dimensions: from a value without the batch,
+every sample gets the same elements (a rotary table broadcast to the batch)."""
+
+_METADATA = _names(
+    "size dim numel stride is_contiguous __len__ getattr sym_size sym_numel sym_stride"
+)
 
 _PERMUTE = _names(
     """
@@ -273,7 +280,7 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
     if tensor_op and (reason := _batch_size_reason(node, sym, label)):
         return reason
     if not carrying:
-        if batch_dim_of(value, sym) is not None and name not in _FACTORIES | _CREATES:
+        if batch_dim_of(value, sym) is not None and name not in _FACTORIES | _CREATES | _BROADCASTS:
             return (
                 f"{label} makes a tensor along the batch whose values depend on the sample's "
                 "index, which differs in a nanobatch"
@@ -294,6 +301,8 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
         return ""  # each id looks up its own row
     if name in _DTENSOR:
         return _dtensor_reason(node, carrying, out_dim, label)
+    if (by_rank := rank_blocks_reason(node, name, carrying, sym, label)) is not None:
+        return by_rank
     if name in _ELEMENTWISE or _declared(name, foreign) or _pointwise(node):
         return _broadcast_reason(carrying, value, out_dim, label)
     if name in _PERMUTE:
@@ -303,8 +312,6 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
         if _keeps_samples(source, carrying[0][1], value, out_dim, sym):  # type: ignore[arg-type]
             return ""
         return f"{label} moves elements of different samples into one row"
-    if (by_rank := rank_blocks_reason(node, name, carrying, sym, label)) is not None:
-        return by_rank
     if name in _ALONG:
         return _aligned_reason(node, name, carrying, sym, label) or _along_reason(
             node, name, carrying, label

@@ -89,9 +89,33 @@ def per_sample_verdict(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Per
             return PerSampleVerdict(False, reason, None)
     if any(draws_random(n) for n in gm.graph.nodes):
         return PerSampleVerdict(True, "random: not compared", None)
-    if any("empty" in str(n.target) for n in gm.graph.nodes if n.op != "placeholder"):
+    if any(_read_uninitialised(n) for n in gm.graph.nodes):
         return PerSampleVerdict(True, "uninitialised memory: not compared", None)
     return _compare_halves(gm, sym, call, inputs, size)
+
+
+def _read_uninitialised(node: torch.fx.Node) -> bool:
+    """Whether ``node`` makes uninitialised memory that is read before a copy fills it.
+
+    (A buffer a collective's result is copied into, ``dist.all_gather_into_tensor(out, x)``,
+    is read only after its whole is written.)
+    """
+    if node.op == "placeholder" or "empty" not in str(node.target):
+        return False
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    value = node.meta.get("example_value")
+    fills = [
+        u
+        for u in node.users
+        if str(u.target).startswith("copy_")
+        and u.args[0] is node
+        and isinstance(src := u.args[1], torch.fx.Node)
+        and getattr(src.meta.get("example_value"), "shape", None) == getattr(value, "shape", ())
+    ]
+    if not fills:
+        return True
+    first = min(order[f] for f in fills)
+    return any(order[u] < first for u in node.users)
 
 
 def _compare_halves(

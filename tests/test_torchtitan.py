@@ -1,0 +1,173 @@
+"""kareus on torchtitan itself (0.3.0): its llama3 ``debugmodel`` under its own tensor
+parallelism (the ``spmd_types`` backend, its default), with and without sequence
+parallelism, over 2 gloo ranks, compiled whole and block by block.
+
+Not kareus's torchtitan-style model (``titan_style.py``): torchtitan's own modules, sharding
+and collectives, which gather inside autograd functions into a buffer
+(``dist.all_gather_into_tensor(out, x)``) and take the ranks' blocks apart with a chunk or a
+view. Skipped where torchtitan cannot be imported (``scripts/setup.sh`` installs it:
+``pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3``).
+
+Two settings a CPU needs: FlexAttention, torchtitan's attention for language models, has no
+backward on a CPU (torch 2.13), so each layer's inner attention is the SDPA one torchtitan's
+own graph-trainer tests swap in; and torchtitan imports Triton kernels for its CUDA
+expert-parallel dispatch at import time, so without Triton that one module is replaced by
+one whose kernels raise if called (a dense model never calls them). The model keeps 2 of
+debugmodel's 6 layers (dim 256, 16 heads, vocabulary 2048) to keep the test short.
+"""
+
+import importlib.util
+import sys
+import types
+
+import pytest
+
+from kareus.testing import assert_same_history, blocks_run, overlapped_collectives, run_ranks, train
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("torchtitan") is None
+    or importlib.util.find_spec("spmd_types") is None,
+    reason="torchtitan 0.3.0 and spmd_types 0.2.3 are not installed (scripts/setup.sh installs "
+    "them with pip install --no-deps)",
+)
+
+_KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
+
+
+def _without_triton() -> None:
+    """Let torchtitan import where Triton is not installed (its CUDA EP kernels raise)."""
+    if importlib.util.find_spec("triton") is not None or _KERNELS in sys.modules:
+        return
+
+    class _Kernels(types.ModuleType):
+        def __getattr__(self, name: str):
+            if name.startswith("__"):
+                raise AttributeError(name)
+
+            def needs_triton(*args, **kwargs):
+                raise RuntimeError(f"torchtitan's {name} needs Triton and a CUDA GPU")
+
+            return needs_triton
+
+    sys.modules[_KERNELS] = _Kernels(_KERNELS)
+
+
+def _llama3(sp: bool):
+    """torchtitan's llama3 debugmodel (2 layers, SDPA) parallelized over TP 2; its context."""
+    import torch
+
+    _without_triton()
+    import torchtitan.tools.utils as titan_utils
+
+    titan_utils.device_type = "cpu"  # read from CUDA at import
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.utils import get_spmd_context
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    config = model_registry("debugmodel").model
+    config.layers = config.layers[:2]
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    set_llama3_sharding_config(config, enable_sp=sp)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2)
+    torch.manual_seed(0)
+    model = config.build()
+    model.init_weights(buffer_device=torch.device("cpu"))
+    model.parallelize(dims)
+    return model, dims, get_spmd_context(parallel_dims=dims)
+
+
+def _batches(dims, count: int):
+    """Token batches of 4 x 32 as torchtitan's trainer hands them over (typed for TP)."""
+    import torch
+    from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(count):
+        tokens = torch.randint(0, 2048, (4, 32), generator=gen)
+        positions = torch.arange(32).expand(4, 32)
+        tokens, _labels, kw = annotate_input_spmd_types(
+            dims, tokens, tokens.clone(), {"positions": positions}
+        )
+        out.append((tokens, kw["positions"]))
+    return out
+
+
+def _loss(logits, batch):
+    return logits.float().pow(2).mean()  # this rank's vocabulary shard: any scalar will do
+
+
+def _work(modules) -> list:
+    import kareus
+
+    out = []
+    for module in modules:
+        for region in kareus.explain(module).regions:
+            kinds = [
+                sorted({c.rstrip("_0123456789") for c in overlapped_collectives(region, side)})
+                for side in ("forward", "backward")
+            ]
+            out.append((blocks_run(region).split, *kinds, str(region.codegen)))
+    return out
+
+
+def _trained(rank, sp: bool):
+    import kareus
+
+    unpriced = {"codegen": "inductor", "split_when": "communicates"}  # priced, gloo: whole
+    out = {}
+    for how in ("whole", "blocks") if sp else ("whole",):
+        model, dims, context = _llama3(sp)
+        batches = _batches(dims, 2)
+        with context():  # two micro-batches, one step: losses and gradients before any update
+            ref = train(model, batches, accumulate=2, loss_fn=_loss)
+        model, dims, context = _llama3(sp)
+        if how == "whole":
+            compiled = kareus.compile(model, **unpriced)
+            regions = [compiled]
+        else:  # torchtitan's per-block compile, each block replaced by its compiled self
+            for name, block in list(model.layers.named_children()):
+                model.layers.register_module(name, kareus.compile(block, **unpriced))
+            compiled, regions = model, list(model.layers.values())
+        with context():
+            got = train(compiled, batches, accumulate=2, loss_fn=_loss)
+        out[how] = (ref, got, _work(regions))
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_torchtitan_llama3_under_its_own_tp_and_sequence_parallelism_is_split_and_overlapped():
+    """TP 2 with sequence parallelism, torchtitan's spmd_types collectives (a gather into a
+    buffer taken apart by a chunk per rank; a reduce-scatter along the sequence): whole and
+    per block, every block split, its gathers and reduce-scatters flying over the other
+    nanobatch's compute in the graph Inductor compiles (a block compiled alone: its forward's
+    gathers, its backward's both); losses and gradients as eager's."""
+    for out in run_ranks(_trained, True, timeout_s=360):
+        ref, got, work = out["whole"]
+        assert_same_history(ref, got, bitwise_loss=False, rtol=1e-4, atol=1e-5)
+        assert [w[0] for w in work] == [["layers.0", "layers.1"]], work
+        ref, got, blocks = out["blocks"]
+        assert_same_history(ref, got, bitwise_loss=False, rtol=1e-4, atol=1e-5)
+        assert [b[0] for b in blocks] == [["Llama3TransformerBlock.0"]] * 2, blocks
+        both = ["all_gather_into_tensor", "reduce_scatter_tensor"]
+        assert work[0][1:3] == (both, both), work
+        for _split, forward, backward, _codegen in blocks:
+            # one block alone: its forward's reduce-scatters have no later layer to fly over
+            assert forward == ["all_gather_into_tensor"] and backward == both, blocks
+        assert all("inductor" in w[-1].lower() for w in work + blocks), work + blocks
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_torchtitan_llama3_under_its_own_tp_without_sequence_parallelism_is_split():
+    """TP 2 without sequence parallelism (all-reduces in autograd functions): every block
+    split with its all-reduces overlapped; losses and gradients as eager's."""
+    for out in run_ranks(_trained, False, timeout_s=240):
+        ref, got, work = out["whole"]
+        assert_same_history(ref, got, bitwise_loss=False, rtol=1e-4, atol=1e-5)
+        assert [w[0] for w in work] == [["layers.0", "layers.1"]], work
+        assert work[0][1:3] == (["all_reduce"], ["all_reduce"]), work
