@@ -249,6 +249,7 @@ def test_list_shows_presets_and_gpus(capsys):
     assert "llama3.3-70b" in shown and "a100-sxm4-40gb" in shown and "a100-40gb" in shown
 
 
+@pytest.mark.slow  # CI's sample leaves it out: an equivalence over full traces
 def test_counting_repeated_layers_equals_tracing_them_all():
     """Four traced layers, the rest counted, give the partition set of tracing all five."""
     cfg = LlamaConfig(
@@ -294,6 +295,7 @@ def _costs(items):
     return [tuple(v for k, v in vars(c).items() if k != "name") for c in items]
 
 
+@pytest.mark.slow  # CI's sample leaves it out: three traces of a workload
 def test_the_trace_cache_serves_a_traced_workload_and_retraces_when_asked(tmp_path, monkeypatch):
     from kareus.jobs.cache import cache_key, trace_cache_dir
     from kareus.jobs.workload import plan_workload as plan_fully
@@ -337,6 +339,7 @@ def test_the_trace_cache_serves_a_traced_workload_and_retraces_when_asked(tmp_pa
     assert plan_workload(work, "a100-40gb").cached == entry
 
 
+@pytest.mark.slow  # CI's sample leaves it out: a second full plan
 def test_uneven_stages_and_full_recompute_are_planned_and_recorded(tmp_path, capsys):
     args = [
         "plan",
@@ -377,6 +380,7 @@ def test_uneven_stages_and_full_recompute_are_planned_and_recorded(tmp_path, cap
     assert "adding up to the model's 4 layers" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # CI's sample leaves it out: a fusion check over two traces
 def test_a_layer_left_whole_fuses_its_residual_add_with_the_next_layers_norm():
     """Memory-bound kernels do not stop at a layer boundary: in the original graphs the
     residual add ending one layer and the norm starting the next are one fused kernel, as

@@ -46,6 +46,7 @@ def write_csv(path: pathlib.Path, plans: list[ClockPlan], work: Workload = WORK)
     return path
 
 
+@pytest.mark.slow  # CI's sample leaves it out: a full plan and its evaluation
 def test_max_clocks_price_as_the_planners_megatron_plan(tmp_path):
     """Two paths to one figure: the planner's Megatron-LM point (every instruction at the
     highest clock, no overlap, on the original graphs) and evaluate's price of the

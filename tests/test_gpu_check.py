@@ -71,6 +71,7 @@ def test_without_a_gpu_it_says_to_use_the_dry_run(tmp_path):
     assert not (tmp_path / "summary.md").exists()
 
 
+@pytest.mark.slow  # CI's sample leaves it out: the dry run of every step stays in CI
 def test_each_step_prices_the_clock_its_kernels_ran_at_not_the_idle_one(tmp_path, monkeypatch):
     """A fake GPU history: 345 MHz (idle) read before any work, 1455 MHz (the power cap)
     while kernels run. Every timed row reports and is priced at 1455 MHz."""

@@ -49,6 +49,7 @@ def test_tiny_llama_split_matches_eager_at_batches_4_5_6_8():
     assert sum("lowered again for new input shapes" in n for n in notes) == 2, notes
 
 
+@pytest.mark.slow  # CI's sample leaves it out: four shapes lowered
 def test_a_graph_symbolic_in_more_than_the_batch_is_lowered_once_for_all_shapes():
     holder = {}
 

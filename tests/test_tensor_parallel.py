@@ -153,7 +153,9 @@ def _tp_traced_once(rank):
             return Llama(CFG, tp_group=dist.group.WORLD)
 
         def comp(m, once=once, holder=holder):
-            holder["c"] = kareus.compile(m, strict=True, trace_blocks_once=once)
+            holder["c"] = kareus.compile(
+                m, strict=True, trace_blocks_once=once, split_when="communicates"
+            )
             return holder["c"]
 
         ref, got = compare_training(make, comp, token_batches(2, 6, 16, 128), resync=True)

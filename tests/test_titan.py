@@ -79,6 +79,9 @@ def _sequence_parallel(rank):
     return out
 
 
+# CI's sample leaves it out: DTensor SP; in CI: torchtitan itself (tests/test_torchtitan.py) and
+# funcol's forms (tests/test_per_sample.py)
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_torchtitan_tensor_parallel_with_sequence_parallel_splits_every_block():
@@ -121,6 +124,9 @@ def _after_fsdp(rank):
     return ref, got, _work(model.layers.values())
 
 
+# CI's sample leaves it out: 4 ranks; FSDP2 x TP blocks in CI: tests/test_stacks.py's 2-D mesh
+# test
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
 def test_blocks_compiled_after_fsdp2_wrapped_them_are_split():
