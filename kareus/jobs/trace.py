@@ -53,7 +53,8 @@ class Workload:
             own (:class:`~kareus.models.sources.HFModel`, a Hugging Face ``config.json``;
             :class:`~kareus.models.sources.FactoryModel`, your function).
         tp, cp, pp: tensor, context and pipeline-parallel sizes.
-        microbatch_size: sequences per micro-batch (split into two nanobatches).
+        microbatch_size: sequences per micro-batch (split into two nanobatches where it holds
+            4 or more; planned whole below).
         seq_len: tokens per sequence (split across the context-parallel ranks).
         microbatches: micro-batches per iteration (per pipeline).
         dtype: ``bf16``, ``fp16`` or ``fp32``.
@@ -112,11 +113,6 @@ class Workload:
         for name in ("microbatch_size", "seq_len", "microbatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.microbatch_size < 4:
-            raise ValueError(
-                f"microbatch_size={self.microbatch_size}: splitting into two nanobatches "
-                "needs at least 4 sequences per micro-batch"
-            )
         if self.graphs not in GRAPHS:
             raise ValueError(f"graphs={self.graphs!r} must be one of {', '.join(GRAPHS)}")
         if self.recompute not in RECOMPUTE:

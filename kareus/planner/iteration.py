@@ -297,7 +297,11 @@ def _plan_file(
     static power, workload).
     """
     stages, originals = graphs
-    unsplit = _nanobatches(chosen) == 1
+    # the split graphs are the original ones where nothing could be split (micro-batches
+    # too small): every plan then runs the original graphs
+    whole = originals is not None and all(a is b for a, b in zip(stages, originals, strict=True))
+    unsplit = whole or _nanobatches(chosen) == 1
+    point = functools.partial(_point, iteration=iteration, whole=whole)
     return Plan(
         # The fingerprint is that of the graphs the chosen plan runs.
         fingerprint={
@@ -307,14 +311,12 @@ def _plan_file(
         },
         pipeline_schedule=parallel.schedule,
         parallel=_parallel_record(parallel),
-        frontier=tuple(_point(s, iteration) for s in frontiers["kareus"]),
-        chosen=_point(chosen, iteration),
+        frontier=tuple(point(s) for s in frontiers["kareus"]),
+        chosen=point(chosen),
         schedule=_clock_schedule(iteration, chosen),
         decisions=_decisions(iteration, chosen, evaluated.profiles, unsplit),
         baselines={
-            m: tuple(_point(s, iteration) for s in sols)
-            for m, sols in frontiers.items()
-            if m != "kareus"
+            m: tuple(point(s) for s in sols) for m, sols in frontiers.items() if m != "kareus"
         },
         evaluations=counts,
         **meta,
@@ -443,9 +445,10 @@ def _nanobatches(s: Solution) -> int:
     return 1 if s.choices and s.choices[0].profile == ORIGINAL else 2
 
 
-def _point(s: Solution, iteration: Iteration) -> FrontierPoint:
+def _point(s: Solution, iteration: Iteration, whole: bool = False) -> FrontierPoint:
     changes = len(switches(iteration, s.choices))
-    return FrontierPoint(s.time_s, s.energy_j, s.bound_j, _nanobatches(s), changes)
+    nanobatches = 1 if whole else _nanobatches(s)
+    return FrontierPoint(s.time_s, s.energy_j, s.bound_j, nanobatches, changes)
 
 
 def plan_for_gpu(
