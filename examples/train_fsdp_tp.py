@@ -97,7 +97,9 @@ def main() -> None:
         model = Model(vocab=128, dim=32, heads=4, layers=args.layers)
         for i, block in enumerate(model.layers):
             parallelize_module(block, mesh["tp"], TP_PLAN)
-            model.layers[i] = kareus.compile(block, gpu=args.gpu)  # where torch.compile goes
+            # where torch.compile goes; on a GPU leave split_when at its default ("pays"):
+            # over gloo on a CPU the split never pays, and this example shows it made
+            model.layers[i] = kareus.compile(block, gpu=args.gpu, split_when="communicates")
             fully_shard(model.layers[i], mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

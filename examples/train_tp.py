@@ -30,7 +30,11 @@ try:
     config = dataclasses.replace(PRESETS["tiny-4l"], num_layers=args.layers)
     model = Llama(config, tp_group=dist.group.WORLD)
     energy = []
-    model = kareus.compile(model, gpu=args.gpu, on_iteration=energy.append)
+    # On a GPU leave split_when at its default ("pays": split where the cost model predicts a
+    # faster step); over gloo on a CPU the split never pays, and this example shows it made.
+    model = kareus.compile(
+        model, gpu=args.gpu, on_iteration=energy.append, split_when="communicates"
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.randint(0, 128, (2, 8, 33), generator=torch.Generator().manual_seed(0))
     for step in range(args.steps):
