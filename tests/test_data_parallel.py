@@ -452,6 +452,8 @@ def test_bad_data_parallel_input_is_a_clear_error(args, message, capsys, tmp_pat
     assert message in capsys.readouterr().err
 
 
+# CI's sample leaves it out: a DP plan end to end; the SimpleFSDP trace and DP pricing stay in CI
+@pytest.mark.slow
 def test_plan_with_dp_records_it_and_reports_it(tmp_path, capsys):
     args = ["plan", "--model", "tiny-4l", "--tp", "2", "--microbatch-size", "4"]
     args += ["--seq-len", "32", "--world-size", "8", "--dp-mode", "fsdp", "--clocks", "1410,1050"]

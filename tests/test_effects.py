@@ -92,9 +92,10 @@ def test_split_overlap_and_clocks_are_there_in_what_runs():
 @pytest.mark.parametrize(
     ("how", "caught"),
     [
-        ("split", "the graph that runs splits"),
+        # CI's sample breaks the overlap; the split and clock breaks run in the full set
+        pytest.param("split", "the graph that runs splits", marks=pytest.mark.slow),
         ("overlap", "collectives fly over the other nanobatch"),
-        ("clocks", "clocks set on the device"),
+        pytest.param("clocks", "clocks set on the device", marks=pytest.mark.slow),
     ],
 )
 def test_a_kareus_broken_on_purpose_fails_for_the_effect_it_lost(how, caught):

@@ -10,6 +10,25 @@ import torch
 SCRIPT = "benchmarks/gpu_check.py"
 
 
+def test_a_dry_run_of_the_quick_steps_writes_summary_and_data(tmp_path):
+    """CI's sample of the GPU check: the steps that need no compile, dry."""
+    steps = ("devices", "energy", "ops", "sizes", "nccl")
+    run = subprocess.run(
+        [sys.executable, SCRIPT, "--dry-run", "--out", str(tmp_path), "--steps", ",".join(steps)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    summary = (tmp_path / "summary.md").read_text()
+    assert "No clock, power limit or other setting was changed" in summary
+    for step in steps:
+        assert f"| {step} | passed |" in summary, summary
+        assert list(csv.DictReader((tmp_path / "data" / "dry-run" / f"{step}.csv").open()))
+    assert "| compile |" not in summary  # the steps not asked for do not run
+
+
+@pytest.mark.slow  # every step (about a minute): before a GPU session, and in the full set
 def test_dry_run_runs_every_step_and_writes_summary_and_data(tmp_path):
     run = subprocess.run(
         [sys.executable, SCRIPT, "--dry-run", "--out", str(tmp_path)],

@@ -198,6 +198,8 @@ def _context_parallel_4(rank):
     return ref_loss, out
 
 
+# CI's sample leaves it out: CP at 4 ranks; CP at 2 stays in CI
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_four_context_parallel_ranks_match_the_unsharded_model():

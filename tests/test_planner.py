@@ -1266,6 +1266,8 @@ def test_the_relaxation_prices_clock_changes_per_clock_and_stays_a_bound():
     assert {o.freq_mhz for o in found.choices} == {1200}
 
 
+# CI's sample leaves it out: a bound over many plans
+@pytest.mark.slow
 def test_the_bound_with_clock_changes_priced_is_below_every_plan_and_mostly_tighter():
     """On random two-profile, three-clock instances (a chain and a two-stage 1F1B) with
     changes from cheap to dear, the relaxation's bound is never above the least energy

@@ -418,6 +418,9 @@ def test_config_names_the_batch_dimension():
     batch=st.sampled_from([4, 5, 7]),
     accumulate=st.sampled_from([1, 2]),
 )
+# CI's sample leaves it out: random transformers; HF Llama and the tiny Llama at odd batches stay
+# in CI
+@pytest.mark.slow
 def test_random_transformers_split_correctly(
     grab, layers, heads, head_dim, mlp, norm, batch, accumulate
 ):
@@ -530,6 +533,8 @@ def test_checkpointed_blocks_are_split_or_skipped_with_the_reason(mode):
         assert bs.split == [f"layers.{i}" for i in range(4)], bs.skipped
 
 
+# CI's sample leaves it out: HF checkpointing; checkpointed blocks in process stay in CI
+@pytest.mark.slow
 def test_hf_gradient_checkpointing_is_split_and_exact():
     holder = {}
 
