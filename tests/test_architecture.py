@@ -230,3 +230,41 @@ def test_kareus_explain_is_the_function():
 
     assert callable(kareus.explain) and not isinstance(kareus.explain, types.ModuleType)
     assert kareus.explain.__module__ == "kareus.compiler.explain"
+
+
+def _strings_outside_docstrings(tree: ast.AST) -> list[str]:
+    docs = {
+        id(body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and (body := node.body)
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+    }
+    return [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+    ]
+
+
+def test_collectives_are_classified_in_one_place():
+    """Only kareus.passes.census names the functional collectives' ops (its classifier is
+    what every pass, the lowering and the test helpers ask): no other module compares an
+    op's name with a collective's or a wait's (the cost model's kinds, ``all_reduce`` and
+    the like, are its vocabulary, not op names)."""
+    names = re.compile(
+        r"\b(_c10d_functional\w*|wait_tensor|all_reduce_|all_reduce_coalesced\w*|"
+        r"all_gather_into_tensor\w*|reduce_scatter_tensor\w*|all_to_all_single)\b"
+    )
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.name == "census.py":
+            continue
+        tree = ast.parse(path.read_text())
+        found += [
+            f"{path.relative_to(ROOT)}: {s!r}"
+            for s in _strings_outside_docstrings(tree)
+            if names.search(s)
+        ]
+    assert not found, found

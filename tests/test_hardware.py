@@ -497,20 +497,26 @@ def test_the_h200_calibration_refits_from_its_check_and_meets_its_targets():
     assert json.loads(shipped_file.read_text())["fit"]["in_sample"] is True
 
 
-def test_a_new_gpu_is_one_spec_entry(monkeypatch):
-    """A GPU added to GPUS alone (no other table) gets the A100's calibration scaled to it:
-    static power by its TDP, GEMM and attention efficiencies by its kernel ceilings."""
+def test_a_new_gpu_is_one_data_entry(monkeypatch):
+    """A GPU added to KNOWN_GPUS alone (no other table) is known by its name, its aliases
+    and its CUDA device name, and gets the A100's calibration scaled to it: static power by
+    its TDP, GEMM and attention efficiencies by its kernel ceilings."""
     import dataclasses
 
+    from kareus.compiler.config import Config
     from kareus.hardware import specs
 
     a100 = specs.gpu("a100-40gb")
     toy = dataclasses.replace(
         specs.GPUS["a100-sxm4-40gb"], name="TOY-1", tdp_w=200.0, gemm_ceiling=0.5
     )
-    monkeypatch.setitem(specs.GPUS, "toy-1", toy)
+    entry = specs.KnownGPU(toy, aliases=("toy",), device_words=(("toy", "1"),))
+    monkeypatch.setitem(specs.KNOWN_GPUS, "toy-1", entry)
     got = specs.gpu("toy-1")
-    assert got.name == "TOY-1"
+    assert got.name == "TOY-1" and specs.gpu("toy").name == "TOY-1"
+    assert specs.spec_name_for_device("NVIDIA TOY-1 48GB") == "toy-1"
+    assert specs.clock_range("toy") == specs.clock_range("a100")
+    assert Config(gpu="toy").gpu == "toy"  # accepted where a GPU is named
     assert got.calibration.static_power_w == pytest.approx(a100.calibration.static_power_w / 2)
     ratio = 0.5 / specs.GPUS["a100-sxm4-40gb"].gemm_ceiling
     assert got.calibration.eff_gemm == pytest.approx(a100.calibration.eff_gemm * ratio)

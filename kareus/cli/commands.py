@@ -50,7 +50,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def _list() -> int:
     from kareus._table import render_table
-    from kareus.hardware.specs import ALIASES, GPUS
+    from kareus.hardware.specs import KNOWN_GPUS
     from kareus.models import PRESETS
 
     print(
@@ -70,14 +70,13 @@ def _list() -> int:
             ],
         )
     )
-    aliases = {v: [k for k, t in ALIASES.items() if t == v] for v in GPUS}
     print(
         render_table(
             "GPU types",
             ("name", "also", "SMs", "max clock MHz", "TDP W"),
             [
-                (n, ", ".join(aliases[n]), s.sm_count, s.clock_max_mhz, s.tdp_w)
-                for n, s in GPUS.items()
+                (n, ", ".join(k.aliases), k.spec.sm_count, k.spec.clock_max_mhz, k.spec.tdp_w)
+                for n, k in KNOWN_GPUS.items()
             ],
         )
     )

@@ -49,10 +49,9 @@ def _is_int(value: Any) -> bool:
 
 
 def _known_gpu(name: Any) -> bool:
-    from kareus.hardware.specs import ALIASES, GPUS
+    from kareus.hardware.specs import known_gpu
 
-    key = str(name).lower().replace("_", "-")
-    return isinstance(name, str) and (key in GPUS or key in ALIASES)
+    return isinstance(name, str) and known_gpu(name) is not None
 
 
 def _known_pass_names() -> tuple[str, ...]:

@@ -411,62 +411,111 @@ def _hopper(name: str, memory_gb: float, bandwidth_gbs: float, sources: dict[str
     )
 
 
-GPUS: dict[str, GPUSpec] = {
-    "a100-sxm4-40gb": _a100("A100-SXM4-40GB", 40, 1555.0, f"{_DATASHEET_A100}: HBM2, 1555 GB/s"),
-    "a100-sxm4-80gb": _a100("A100-SXM4-80GB", 80, 2039.0, f"{_DATASHEET_A100}: HBM2e, 2039 GB/s"),
-    "h100-sxm": _hopper(
-        "H100-SXM5-80GB",
-        80,
-        3350.0,
-        {"memory_bandwidth_gbs": f"{_DATASHEET_H100}: HBM3, 3.35 TB/s"},
+@dataclasses.dataclass(frozen=True)
+class KnownGPU:
+    """One GPU kareus knows: the one place a GPU is added.
+
+    Attributes:
+        spec: its datasheet figures and priors, before calibration.
+        aliases: short names :func:`gpu` also accepts (``a100-40gb``).
+        device_words: the words of a CUDA device name (as torch reports it) that make it
+            this type, one tuple per spelling; the entry of the most words found wins, so
+            the order of the table does not matter, and a word matches whole ("a40" is not
+            the RTX A4000).
+        calibration: the file in ``calibration/`` measured on this GPU, or None (it borrows
+            the A100's, scaled).
+    """
+
+    spec: GPUSpec
+    aliases: tuple[str, ...] = ()
+    device_words: tuple[tuple[str, ...], ...] = ()
+    calibration: str | None = None
+
+
+KNOWN_GPUS: dict[str, KnownGPU] = {
+    "a100-sxm4-40gb": KnownGPU(
+        _a100("A100-SXM4-40GB", 40, 1555.0, f"{_DATASHEET_A100}: HBM2, 1555 GB/s"),
+        aliases=("a100", "a100-40gb"),
+        device_words=(("a100",),),
+        calibration="a100_sxm4",
     ),
-    "h200": _hopper(
-        "H200-SXM-141GB",
-        141,
-        4800.0,
-        {
-            "sm_count, peak_tflops, tdp_w": f"{_DATASHEET_H200} (same GH100 compute as H100 SXM)",
-            "gemm_ceiling": f"{_MAMF}. H200: the H100's (the same GH100 die and 700 W); the "
-            "table's GH200, with a larger power budget, reaches 0.830",
-            "memory_bandwidth_gbs": f"{_DATASHEET_H200}: HBM3e, 4.8 TB/s",
-        },
+    "a100-sxm4-80gb": KnownGPU(
+        _a100("A100-SXM4-80GB", 80, 2039.0, f"{_DATASHEET_A100}: HBM2e, 2039 GB/s"),
+        aliases=("a100-80gb",),
+        device_words=(("a100", "80gb"),),
+        calibration="a100_sxm4",
     ),
-    "a40": GPUSpec(
-        name="A40",
-        sm_count=84,
-        clock_min_mhz=210,
-        clock_max_mhz=1740,
-        clock_step_mhz=15,
-        peak_tflops={"fp16": 149.7, "bf16": 149.7, "tf32": 74.8, "fp32": 37.4},
-        peak_clock_mhz=1740,
-        memory_bandwidth_gbs=696.0,
-        memory_gb=48,
-        tdp_w=300.0,
-        interconnect=PCIE4,
-        vf_knee=0.55,
-        v_floor=0.70,
-        leakage_fraction=0.25,
-        gemm_ceiling=0.859,
-        attention_ceiling=0.73,
-        sources={
-            "sm_count, peak_tflops, tdp_w, memory_bandwidth_gbs": _DATASHEET_A40,
-            "clocks": _SMI,
-            "static_power_w": "estimate: A100's measured 85 W scaled by TDP (300/400)",
-            "vf_knee, v_floor": _VF,
-            "leakage_fraction": _LEAK,
-            "gemm_ceiling, attention_ceiling": "no published figure: the A100's (Ampere too)",
-        },
+    "h100-sxm": KnownGPU(
+        _hopper(
+            "H100-SXM5-80GB",
+            80,
+            3350.0,
+            {"memory_bandwidth_gbs": f"{_DATASHEET_H100}: HBM3, 3.35 TB/s"},
+        ),
+        aliases=("h100", "h100-80gb"),
+        device_words=(("h100",),),
+    ),
+    "h200": KnownGPU(
+        _hopper(
+            "H200-SXM-141GB",
+            141,
+            4800.0,
+            {
+                "sm_count, peak_tflops, tdp_w": (
+                    f"{_DATASHEET_H200} (same GH100 compute as H100 SXM)"
+                ),
+                "gemm_ceiling": f"{_MAMF}. H200: the H100's (the same GH100 die and 700 W); the "
+                "table's GH200, with a larger power budget, reaches 0.830",
+                "memory_bandwidth_gbs": f"{_DATASHEET_H200}: HBM3e, 4.8 TB/s",
+            },
+        ),
+        aliases=("h200-141gb",),
+        device_words=(("h200",),),
+        calibration="h200",
+    ),
+    "a40": KnownGPU(
+        GPUSpec(
+            name="A40",
+            sm_count=84,
+            clock_min_mhz=210,
+            clock_max_mhz=1740,
+            clock_step_mhz=15,
+            peak_tflops={"fp16": 149.7, "bf16": 149.7, "tf32": 74.8, "fp32": 37.4},
+            peak_clock_mhz=1740,
+            memory_bandwidth_gbs=696.0,
+            memory_gb=48,
+            tdp_w=300.0,
+            interconnect=PCIE4,
+            vf_knee=0.55,
+            v_floor=0.70,
+            leakage_fraction=0.25,
+            gemm_ceiling=0.859,
+            attention_ceiling=0.73,
+            sources={
+                "sm_count, peak_tflops, tdp_w, memory_bandwidth_gbs": _DATASHEET_A40,
+                "clocks": _SMI,
+                "static_power_w": "estimate: A100's measured 85 W scaled by TDP (300/400)",
+                "vf_knee, v_floor": _VF,
+                "leakage_fraction": _LEAK,
+                "gemm_ceiling, attention_ceiling": "no published figure: the A100's (Ampere too)",
+            },
+        ),
+        device_words=(("a40",),),
     ),
 }
+"""Every GPU kareus knows, by kareus name (``--gpu``): add a GPU here and nowhere else.
+
+Calibrated on measurements of their own: ``a100_sxm4`` (:mod:`kareus.hardware.calibrate`,
+partitions measured on two A100s) and ``h200`` (:mod:`kareus.hardware.calibrate_check`, a
+gpu_check run on one H200); the others borrow the A100's, scaled."""
+
+GPUS: dict[str, GPUSpec] = {name: known.spec for name, known in KNOWN_GPUS.items()}
+"""Each known GPU's spec before calibration (a view of :data:`KNOWN_GPUS`)."""
 """Known GPUs by kareus name (``--gpu``), before calibration is applied."""
 
-CALIBRATIONS = {"a100-sxm4-40gb": "a100_sxm4", "a100-sxm4-80gb": "a100_sxm4", "h200": "h200"}
-"""GPUs calibrated on measurements of their own: the file in ``calibration/`` of each.
-
-``a100_sxm4``: :mod:`kareus.hardware.calibrate` (partitions measured on two A100s).
-``h200``: :mod:`kareus.hardware.calibrate_check` (a gpu_check run on one H200). The
-others borrow the A100's, scaled.
-"""
+CALIBRATIONS = {n: k.calibration for n, k in KNOWN_GPUS.items() if k.calibration}
+"""GPUs calibrated on measurements of their own: the file in ``calibration/`` of each (a
+view of :data:`KNOWN_GPUS`)."""
 
 _BASE = "a100_sxm4"
 """The calibration other GPUs borrow (it has none to borrow itself)."""
@@ -480,27 +529,11 @@ def load_calibration(name: str = "a100_sxm4") -> tuple[Calibration, str]:
     return cal, data["provenance"]
 
 
-ALIASES = {
-    "a100": "a100-sxm4-40gb",
-    "a100-40gb": "a100-sxm4-40gb",
-    "a100-80gb": "a100-sxm4-80gb",
-    "h100": "h100-sxm",
-    "h100-80gb": "h100-sxm",
-    "h200-141gb": "h200",
-}
-"""Short names accepted by :func:`gpu`."""
+ALIASES = {alias: name for name, known in KNOWN_GPUS.items() for alias in known.aliases}
+"""Short names accepted by :func:`gpu` (a view of :data:`KNOWN_GPUS`)."""
 
-
-DEVICE_NAMES: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("a100", "80gb"), "a100-sxm4-80gb"),
-    (("a100",), "a100-sxm4-40gb"),
-    (("h100",), "h100-sxm"),
-    (("h200",), "h200"),
-    (("a40",), "a40"),
-)
-"""CUDA device names (as torch reports them) to kareus GPU types: the words each name
-holds. The entry of the most words found wins, so the order of the table does not matter;
-a word matches whole ("a40" is not the RTX A4000)."""
+DEVICE_NAMES = tuple((words, n) for n, known in KNOWN_GPUS.items() for words in known.device_words)
+"""CUDA device names' words to kareus GPU types (:attr:`KnownGPU.device_words`)."""
 
 
 def spec_name_for_device(device_name: str) -> str | None:
@@ -508,14 +541,25 @@ def spec_name_for_device(device_name: str) -> str | None:
     import re
 
     words = set(re.findall(r"[a-z0-9]+", device_name.lower()))
-    found = [(len(need), typ) for need, typ in DEVICE_NAMES if words.issuperset(need)]
+    found = [
+        (len(need), name)
+        for name, known in KNOWN_GPUS.items()
+        for need in known.device_words
+        if words.issuperset(need)
+    ]
     return max(found)[1] if found else None
 
 
 def _key(name: str) -> str:
-    """Return the key of :data:`GPUS` a kareus name (any case, ``_`` or ``-``, an alias) names."""
+    """Return the key of :data:`KNOWN_GPUS` a name (any case, an alias) names, else itself."""
     key = name.lower().replace("_", "-")
-    return ALIASES.get(key, key)
+    return next((n for n, known in KNOWN_GPUS.items() if key in known.aliases), key)
+
+
+def known_gpu(name: str) -> str | None:
+    """Return the kareus GPU type ``name`` (or its alias) names, or None for an unknown one."""
+    key = _key(name)
+    return key if key in KNOWN_GPUS else None
 
 
 def clock_range(name: str) -> tuple[float, float] | None:
@@ -523,7 +567,9 @@ def clock_range(name: str) -> tuple[float, float] | None:
 
     What :meth:`kareus.ir.plan_file.Plan.load` checks a plan's clocks against.
     """
-    spec = GPUS.get(_key(name)) or next((g for g in GPUS.values() if g.name == name), None)
+    specs = [k.spec for k in KNOWN_GPUS.values()]
+    known = KNOWN_GPUS.get(_key(name))
+    spec = known.spec if known else next((g for g in specs if g.name == name), None)
     if spec is None:
         return None
     clocks = spec.clocks_mhz()
@@ -540,19 +586,20 @@ def gpu(name: str, *, own_calibration: bool = True) -> GPUSpec:
         UnknownGPUError: the name is not one of :data:`GPUS`.
     """
     key = _key(name)
-    if key not in GPUS:
+    if key not in KNOWN_GPUS:
+        aliases = sorted(a for known in KNOWN_GPUS.values() for a in known.aliases)
         raise UnknownGPUError(
-            f"unknown GPU {name!r}; known GPUs: {', '.join(sorted(GPUS))} "
-            f"(also {', '.join(sorted(ALIASES))})"
+            f"unknown GPU {name!r}; known GPUs: {', '.join(sorted(KNOWN_GPUS))} "
+            f"(also {', '.join(aliases)})"
         )
-    spec = GPUS[key]
-    own = CALIBRATIONS.get(key)
+    spec = KNOWN_GPUS[key].spec
+    own = KNOWN_GPUS[key].calibration
     if own is not None and (own_calibration or own == _BASE):  # measured on this GPU
         return spec.with_calibration(*load_calibration(own))
     cal, provenance = load_calibration()
     # Other GPUs: the A100's fitted factors, with the GEMM and attention efficiencies scaled
     # by what each GPU's kernels reach of its peak against the A100's, static power by TDP.
-    a100 = GPUS["a100-sxm4-40gb"]
+    a100 = KNOWN_GPUS["a100-sxm4-40gb"].spec
     scaled = dataclasses.replace(
         cal,
         eff_gemm=cal.eff_gemm * spec.gemm_ceiling / a100.gemm_ceiling,

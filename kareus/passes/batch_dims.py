@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from kareus.passes.census import collective_kind
+from kareus.passes.census import is_wait, priced_kind
 from kareus.passes.op_effects import arg_value, op_name
 
 
@@ -82,7 +82,7 @@ def rank_blocks_reason(
         if _stacked_for_scatter(node, sym):
             return ""
         return None
-    if name == "reduce_scatter_tensor" and dims == [0]:
+    if priced_kind(node) == "reduce_scatter" and dims == [0]:
         if _stacked_for_scatter(carrying[0][0], sym):  # (as many blocks as its ranks)
             return ""
         return (
@@ -93,10 +93,11 @@ def rank_blocks_reason(
 
 
 _SAME_LAYOUT = frozenset(
-    {"wait_tensor", "contiguous", "clone", "detach", "alias", "to", "type", "type_as"}
+    {"contiguous", "clone", "detach", "alias", "to", "type", "type_as"}
     | {"float", "half", "bfloat16", "double", "_to_copy"}
 )
-"""Ops whose output holds their first input's elements in the same layout."""
+"""Ops whose output holds their first input's elements in the same layout (and a
+collective's wait, :func:`_same_layout`)."""
 
 _BUFFERS = frozenset(
     {"empty", "new_empty", "empty_like", "empty_strided", "zeros", "new_zeros", "zeros_like"}
@@ -104,11 +105,12 @@ _BUFFERS = frozenset(
 """Ops that make a buffer a collective's result is copied into (``out=`` style APIs)."""
 
 
+def _same_layout(node: fx.Node, name: str) -> bool:
+    return name in _SAME_LAYOUT or is_wait(node)
+
+
 def _gathers(node: Any) -> bool:
-    return isinstance(node, fx.Node) and collective_kind(node) in (
-        "all_gather_into_tensor",
-        "all_gather_into_tensor_out",
-    )
+    return isinstance(node, fx.Node) and priced_kind(node) == "all_gather"
 
 
 def gather_of(node: fx.Node, sym: Any) -> fx.Node | None:
@@ -126,7 +128,7 @@ def gather_of(node: fx.Node, sym: Any) -> fx.Node | None:
         name = op_name(node) if node.op == "call_function" or node.op == "call_method" else ""
         if name == "copy_" and len(node.args) > 1:
             node = node.args[1]  # type: ignore[assignment]
-        elif name in _SAME_LAYOUT and node.args:
+        elif _same_layout(node, name) and node.args:
             node = node.args[0]  # type: ignore[assignment]
         elif name in _BUFFERS:
             copies = [u for u in node.users if op_name(u) == "copy_" and u.args[0] is node]
@@ -169,7 +171,7 @@ def rank_blocks(gather: fx.Node, sym: Any) -> list[fx.Node] | None:
                 pending.extend([user, buffer])  # its other readers read the gather
             elif name == "copy_" and user.args[0] is value:
                 continue  # the buffer written: its readers are followed from the copy
-            elif name in _SAME_LAYOUT and user.args and user.args[0] is value:
+            elif _same_layout(user, name) and user.args and user.args[0] is value:
                 pending.append(user)
             elif _takes_apart(user, name, ranks, sym):
                 takers.append(user)
@@ -196,10 +198,6 @@ def _takes_apart(node: fx.Node, name: str, ranks: int, sym: Any) -> bool:
 
 def _value(node: Any) -> Any:
     return node.meta.get("example_value") if isinstance(node, fx.Node) else None
-
-
-def _op_is(node: Any, name: str) -> bool:
-    return isinstance(node, fx.Node) and node.op != "placeholder" and op_name(node) == name
 
 
 def _along_0(node: fx.Node) -> bool:
@@ -252,6 +250,6 @@ def _stacked_for_scatter(node: Any, sym: Any) -> bool:
     if len(rows) != 1 or None in rows or not node.users:
         return False
     return all(
-        _op_is(u, "reduce_scatter_tensor") and arg_value(u, 2, "group_size") == len(tensors)
+        priced_kind(u) == "reduce_scatter" and arg_value(u, 2, "group_size") == len(tensors)
         for u in node.users
     )

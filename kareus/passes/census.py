@@ -32,7 +32,11 @@ Key = tuple[str, str, str]
 """(side, kind, group): side is "forward" or "backward"; kind the op's name; group its
 ranks ("ranks 0,1"), or its name where it cannot be resolved."""
 
-_NAMESPACES = ("_c10d_functional::", "_c10d_functional_autograd::")
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
+"""The op namespaces of PyTorch's functional collectives (what Dynamo turns ``dist`` calls,
+DTensor's redistributions and ``funcol`` into): the one place kareus names them."""
+
+_NAMESPACES = tuple(f"{ns}::" for ns in COLLECTIVE_NAMESPACES)
 
 
 def qualified_name(target: object) -> str:
@@ -49,12 +53,29 @@ def collective_kind(node: fx.Node) -> str | None:
     """Return the functional collective ``node`` issues (e.g. ``all_reduce``), or None."""
     if node.op != "call_function":
         return None
-    name = _qualified(node)
+    return collective_kind_of(_qualified(node))
+
+
+def collective_kind_of(qualified: str) -> str | None:
+    """Return the functional collective an op's ``ns::name`` issues, or None (a wait too).
+
+    The one classifier: the passes ask it of graph nodes (:func:`collective_kind`), the
+    test helpers of the op names in Inductor's generated code.
+    """
     for ns in _NAMESPACES:
-        if name.startswith(ns):
-            kind = name[len(ns) :]
+        if qualified.startswith(ns):
+            kind = qualified[len(ns) :]
             return None if kind == "wait_tensor" else kind
     return None
+
+
+def priced_kind(node: fx.Node) -> CollectiveKind | None:
+    """Return the cost model's kind of the collective ``node`` issues; None if none.
+
+    (A collective kareus has no cost for is None here; :func:`cost_kind` raises on it.)
+    """
+    kind = collective_kind(node)
+    return COST_KINDS.get(kind) if kind is not None else None
 
 
 def group_name(node: fx.Node) -> str:
@@ -122,7 +143,12 @@ def cost_kind(node: fx.Node) -> CollectiveKind:
 
 def is_wait(node: fx.Node) -> bool:
     """Return whether ``node`` waits on a functional collective (``wait_tensor``)."""
-    return _qualified(node).endswith("::wait_tensor")
+    return is_wait_of(_qualified(node))
+
+
+def is_wait_of(qualified: str) -> bool:
+    """Return whether an op's ``ns::name`` is a functional collective's wait."""
+    return qualified.endswith("::wait_tensor")
 
 
 def _live(node: fx.Node) -> bool:

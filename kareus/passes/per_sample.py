@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 
 from kareus.passes.batch_dims import batch_dim_of, rank_blocks_reason, rows_per_sample
-from kareus.passes.census import qualified_name
+from kareus.passes.census import COLLECTIVE_NAMESPACES, is_wait, priced_kind, qualified_name
 from kareus.passes.op_effects import arg_value, op_name
 from kareus.passes.subgraphs import bodies
 
@@ -57,12 +57,12 @@ _ELEMENTWISE = _names(
     float half bfloat16 double int long bool to type type_as
     add_ sub_ mul_ div_ masked_fill_ clamp_ relu_ copy_ zero_
     iadd isub imul itruediv truediv floordiv mod neg pos invert and_ or_ xor
-    wait_tensor all_reduce dropout alpha_dropout feature_alpha_dropout
+    dropout alpha_dropout feature_alpha_dropout
     real imag conj conj_physical resolve_conj resolve_neg polar complex
     """
 )
 """Ops that compute each output element from the elements at the same (broadcast) index;
-all-reduce is elementwise across ranks, dropout across elements."""
+dropout across elements."""
 
 _CREATES = _names("new_empty new_zeros new_ones new_full empty_like zeros_like ones_like full_like")
 """Ops that make a new tensor from a shape alone: they read no sample's data."""
@@ -182,13 +182,21 @@ _ALONG: dict[str, Callable[[fx.Node, int], Any]] = {
     "mm": _trailing(lambda n: 1),
     "addmm": _trailing(lambda n: 1),
     "glu": _dimsarg(1, "dim", -1),
-    # collectives that concatenate or split ranks along dimension 0
-    "all_gather_into_tensor": lambda n, ndim: [0],
-    "reduce_scatter_tensor": lambda n, ndim: [0],
-    "all_to_all_single": lambda n, ndim: [0],
 }
 """Ops that act along some dimensions of their (first) tensor input: safe when the batch
 dimension is none of them."""
+
+_COLLECTIVES: dict[str, Callable[[fx.Node, int], Any] | None] = {
+    "wait": None,
+    "all_reduce": None,
+    "all_gather": lambda n, ndim: [0],
+    "reduce_scatter": lambda n, ndim: [0],
+    "all_to_all": lambda n, ndim: [0],
+}
+"""The functional collectives by the kind :mod:`kareus.passes.census` classifies them as:
+elementwise (None: a wait; an all-reduce, elementwise across ranks) or acting along the
+dimensions given (gathers, scatters and all-to-alls concatenate or split the ranks' blocks
+along dimension 0)."""
 
 _DTENSOR = _names("from_local to_local redistribute full_tensor wait")
 """DTensor plumbing: moves between local shards and the global tensor, and redistributes
@@ -216,7 +224,7 @@ _MODULES = {
 _DECLARED: set[str] = set()
 """Ops declared elementwise: qualified names (``mylib::myop``), or bare names as declared."""
 
-KNOWN_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional"})
+KNOWN_NAMESPACES = frozenset({"aten", "prims", *COLLECTIVE_NAMESPACES})
 """Op namespaces whose ops the allow-lists describe, by name. An op of any other namespace
 is unknown whatever its name (``torch.ops.mylib.relu`` is not ``aten.relu``) unless it is
 tagged ``torch.Tag.pointwise`` or declared with :func:`declare_elementwise`."""
@@ -303,6 +311,11 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
         return _dtensor_reason(node, carrying, out_dim, label)
     if (by_rank := rank_blocks_reason(node, name, carrying, sym, label)) is not None:
         return by_rank
+    collective = "wait" if is_wait(node) else priced_kind(node)
+    if collective is not None and collective in _COLLECTIVES:
+        if (along := _COLLECTIVES[collective]) is not None:
+            return _along_reason(node, along, carrying, label)
+        return _broadcast_reason(carrying, value, out_dim, label)
     if name in _ELEMENTWISE or _declared(name, foreign) or _pointwise(node):
         return _broadcast_reason(carrying, value, out_dim, label)
     if name in _PERMUTE:
@@ -314,7 +327,7 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
         return f"{label} moves elements of different samples into one row"
     if name in _ALONG:
         return _aligned_reason(node, name, carrying, sym, label) or _along_reason(
-            node, name, carrying, label
+            node, _ALONG[name], carrying, label
         )
     return (
         f"{label} is not known to act per sample, so splitting the batch could change its "
@@ -394,11 +407,16 @@ def _aligned_reason(
     return ""
 
 
-def _along_reason(node: fx.Node, name: str, carrying: list[tuple[fx.Node, Any]], label: str) -> str:
-    """Say why an op acting along dimensions acts along the batch's ("" if it does not)."""
+def _along_reason(
+    node: fx.Node,
+    along: Callable[[fx.Node, int], Any],
+    carrying: list[tuple[fx.Node, Any]],
+    label: str,
+) -> str:
+    """Say why an op acting ``along`` dimensions acts along the batch's ("" if it does not)."""
     for inp, dim in carrying:
         ndim = inp.meta["example_value"].dim()
-        dims = _ALONG[name](node, ndim)
+        dims = along(node, ndim)
         if dims == "all":
             return f"{label} acts across every dimension, the batch's too"
         dims = dims if isinstance(dims, (list, tuple)) else [dims]

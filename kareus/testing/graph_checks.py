@@ -14,7 +14,14 @@ from typing import Any
 
 import torch
 
-from kareus.passes.census import collective_kind, is_functional_collective, is_wait
+from kareus.passes.census import (
+    COLLECTIVE_NAMESPACES,
+    collective_kind,
+    collective_kind_of,
+    is_functional_collective,
+    is_wait,
+    is_wait_of,
+)
 
 
 def overlap_problems(region: Any) -> list[str]:
@@ -188,7 +195,13 @@ class Window:
     waited: bool
 
 
-_ISSUE = re.compile(r"(?:(\w+) = )?torch\.ops\._c10d_functional\.(\w+)\.default\(([^,)]*)")
+_ISSUE = re.compile(
+    r"(?:(\w+) = )?torch\.ops\.("
+    + "|".join(map(re.escape, COLLECTIVE_NAMESPACES))
+    + r")\.(\w+)\.default\(([^,)]*)"
+)
+"""A functional collective's issue or wait in Inductor's code: (result, namespace, op, first
+argument); which it is, the census's classifier says (:func:`_classified`)."""
 _CALL = re.compile(r"^\s*(?:extern_kernels\.\w+|cpp_fused_\w+|triton_\w+\.run|torch\.ops\.\w+)")
 _BUFFER = re.compile(r"\bbuf\d+\b")
 
@@ -220,6 +233,16 @@ def inductor_buffers() -> Iterator[list[dict[str, list[torch.fx.Node]]]]:
         yield graphs
 
 
+def _classified(op: re.Match[str] | None) -> str | None:
+    """Return "wait", the collective's kind, or None (no collective) of a matched call."""
+    if op is None:
+        return None
+    qualified = f"{op.group(2)}::{op.group(3)}"
+    if is_wait_of(qualified):
+        return "wait"
+    return collective_kind_of(qualified)
+
+
 def inductor_windows(code: str, made: Mapping[str, Sequence[torch.fx.Node]]) -> list[Window]:
     """Return the collectives of Inductor's ``code``, each with what overlaps it.
 
@@ -248,12 +271,13 @@ def inductor_windows(code: str, made: Mapping[str, Sequence[torch.fx.Node]]) -> 
         if not _CALL.match(line):
             continue
         op = _ISSUE.search(line)
-        if op is None:
+        kind = _classified(op)
+        if op is None or kind is None:
             events.append(("compute", nanobatch(line), "", line.strip()))
-        elif op.group(2) == "wait_tensor":
-            events.append(("wait", None, _buffer(op.group(3)), line.strip()))
+        elif kind == "wait":
+            events.append(("wait", None, _buffer(op.group(4)), line.strip()))
         else:
-            buffer = _buffer(op.group(3))
+            buffer = _buffer(op.group(4))
             events.append(("issue", nanobatch(buffer), op.group(1) or buffer, line.strip()))
     windows = []
     for i, (kind, nb, buffer, line) in enumerate(events):
