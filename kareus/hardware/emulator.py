@@ -32,7 +32,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from kareus.hardware.specs import GPUSpec, InterconnectSpec
+from kareus.hardware.interconnects import InterconnectSpec
+from kareus.hardware.specs import GPUSpec
 from kareus.ir.costs import CollectiveCost, Estimate, Knobs, OpCost, PartitionWork
 
 _MEM_SAT_SM_FRACTION = 0.35  # SMs needed to saturate memory bandwidth, as a fraction of all
