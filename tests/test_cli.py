@@ -460,11 +460,12 @@ def test_extracted_programs_cost_what_the_partition_set_records(recwarn, nanobat
 
 
 def test_solver_work_sets_cp_sat_work_per_solve():
+    from kareus.cli import COMMANDS
     from kareus.cli.commands import _settings
     from kareus.cli.options import _parser
     from kareus.planner import PlannerSettings
 
-    args = _parser().parse_args(["plan", *SMALL])
+    args = _parser(COMMANDS).parse_args(["plan", *SMALL])
     assert _settings(args).solver_time_limit_s == 0.05
     default = _parser().parse_args(["plan", "--model", "tiny-4l"])
     assert _settings(default).solver_time_limit_s == PlannerSettings().solver_time_limit_s

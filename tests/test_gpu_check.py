@@ -10,17 +10,22 @@ import torch
 SCRIPT = "benchmarks/gpu_check.py"
 
 
+def _dry_run(out, *options: str) -> str:
+    """Run the GPU check dry into ``out``; return its summary."""
+    run = subprocess.run(
+        [sys.executable, SCRIPT, "--dry-run", "--out", str(out), *options],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    return (out / "summary.md").read_text()
+
+
 def test_a_dry_run_of_the_quick_steps_writes_summary_and_data(tmp_path):
     """CI's sample of the GPU check: the steps that need no compile, dry."""
     steps = ("devices", "energy", "ops", "sizes", "nccl")
-    run = subprocess.run(
-        [sys.executable, SCRIPT, "--dry-run", "--out", str(tmp_path), "--steps", ",".join(steps)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    summary = (tmp_path / "summary.md").read_text()
+    summary = _dry_run(tmp_path, "--steps", ",".join(steps))
     assert "No clock, power limit or other setting was changed" in summary
     for step in steps:
         assert f"| {step} | passed |" in summary, summary
@@ -30,14 +35,7 @@ def test_a_dry_run_of_the_quick_steps_writes_summary_and_data(tmp_path):
 
 @pytest.mark.slow  # every step (about a minute): before a GPU session, and in the full set
 def test_dry_run_runs_every_step_and_writes_summary_and_data(tmp_path):
-    run = subprocess.run(
-        [sys.executable, SCRIPT, "--dry-run", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    summary = (tmp_path / "summary.md").read_text()
+    summary = _dry_run(tmp_path)
     assert "dry run: no figure here measures a GPU" in summary
     assert "No clock, power limit or other setting was changed" in summary
     assert "KAREUS_CLOCKS=off" in summary

@@ -13,29 +13,45 @@ the model, unreadable files); 3 no plan meets the selection policy; 1 any other 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from kareus.cli.commands import (
-    EXIT_BAD_INPUT,
-    EXIT_FAILED,
-    EXIT_INFEASIBLE,
-    EXIT_OK,
-    _doctor,
-    _evaluate,
-    _explain,
-    _list,
-    _plan,
-    _profile,
-    _restore_clocks,
+from kareus.cli import commands as _c
+from kareus.cli import options as _o
+from kareus.cli.commands import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INFEASIBLE, EXIT_OK
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One command of the command line: where a command is declared.
+
+    Attributes:
+        options: adds the command's subparser (its name, help and options) and returns it.
+        run: runs it on the parsed arguments; returns the exit status.
+    """
+
+    options: Callable[[Any], argparse.ArgumentParser]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command(_o._plan_parser, _c._plan),
+    Command(_o._profile_parser, _c._profile),
+    Command(_o._evaluate_parser, _c._evaluate),
+    Command(_o._explain_parser, lambda args: _c._explain(args.plan)),
+    Command(_o._list_parser, lambda args: _c._list()),
+    Command(_o._restore_clocks_parser, lambda args: _c._restore_clocks(args.journal)),
+    Command(_o._doctor_parser, _c._doctor),
 )
-from kareus.cli.options import _parser
+"""The commands, in the order ``kareus --help`` lists them: add a command here."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
-    args = _parser().parse_args(argv)
+    args = _o._parser(COMMANDS).parse_args(argv)
     if not args.verbose:
         return _run(args)
     # The command's own handler on kareus's logger, for this command only.
@@ -57,19 +73,7 @@ def _run(args: argparse.Namespace) -> int:
     from kareus.planner.select import InfeasiblePlanError
 
     try:
-        if args.command == "plan":
-            return _plan(args)
-        if args.command == "profile":
-            return _profile(args)
-        if args.command == "evaluate":
-            return _evaluate(args)
-        if args.command == "explain":
-            return _explain(args.plan)
-        if args.command == "restore-clocks":
-            return _restore_clocks(args.journal)
-        if args.command == "doctor":
-            return _doctor(args)
-        return _list()
+        return int(args.run(args))
     except InfeasiblePlanError as err:
         print(f"kareus: no plan meets --select {args.select}: {err}", file=sys.stderr)
         return EXIT_INFEASIBLE

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -214,7 +215,12 @@ def _output_options(p: argparse.ArgumentParser, default: str, files: str) -> Non
     p.add_argument("--quiet", action="store_true", help="no progress display")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(commands: Sequence[Any]) -> argparse.ArgumentParser:
+    """Return the command line's parser: the common options, then each command's subparser.
+
+    Each ``commands`` entry's ``options`` builds its subparser; its ``run`` is the ``run``
+    default the parsed arguments carry.
+    """
     parser = argparse.ArgumentParser(
         prog="kareus",
         description="Plan GPU clocks and communication overlap together for training.",
@@ -230,15 +236,12 @@ def _parser() -> argparse.ArgumentParser:
         help="log diagnostics to stderr (-v: what kareus does, -vv: debug detail)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-
-    _plan_parser(sub)
-    _profile_parser(sub)
-    _evaluate_parser(sub)
-    _other_parsers(sub)
+    for command in commands:
+        command.options(sub).set_defaults(run=command.run)
     return parser
 
 
-def _plan_parser(sub: Any) -> None:
+def _plan_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "plan",
         formatter_class=_Formatter,
@@ -276,9 +279,10 @@ def _plan_parser(sub: Any) -> None:
         help="trace again instead of reading the trace cache ($KAREUS_CACHE_DIR, else "
         "~/.cache/kareus), and do not write it",
     )
+    return p
 
 
-def _profile_parser(sub: Any) -> None:
+def _profile_parser(sub: Any) -> argparse.ArgumentParser:
     f = sub.add_parser(
         "profile",
         formatter_class=_Formatter,
@@ -314,9 +318,10 @@ def _profile_parser(sub: Any) -> None:
         help="where the partitions run (default: CUDA when available, else the CPU)",
     )
     _output_options(f, "kareus-profile", "profiles.jsonl, partitions.json and profile.md")
+    return f
 
 
-def _evaluate_parser(sub: Any) -> None:
+def _evaluate_parser(sub: Any) -> argparse.ArgumentParser:
     v = sub.add_parser(
         "evaluate",
         formatter_class=_Formatter,
@@ -358,14 +363,20 @@ def _evaluate_parser(sub: Any) -> None:
     v.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     v.add_argument("--no-cache", action="store_true", help="trace again; do not write the cache")
     v.add_argument("--quiet", action="store_true", help="no progress display")
+    return v
 
 
-def _other_parsers(sub: Any) -> None:
+def _explain_parser(sub: Any) -> argparse.ArgumentParser:
     e = sub.add_parser("explain", help="print a saved plan", formatter_class=_Formatter)
     e.add_argument("plan", type=pathlib.Path, help="a plan.json written by `kareus plan`")
+    return e
 
-    sub.add_parser("list", help="list the model presets and GPU types")
 
+def _list_parser(sub: Any) -> argparse.ArgumentParser:
+    return sub.add_parser("list", help="list the model presets and GPU types")
+
+
+def _restore_clocks_parser(sub: Any) -> argparse.ArgumentParser:
     r = sub.add_parser(
         "restore-clocks",
         formatter_class=_Formatter,
@@ -379,7 +390,10 @@ def _other_parsers(sub: Any) -> None:
         default=pathlib.Path("kareus-clocks.jsonl"),
         help="the clock journal",
     )
+    return r
 
+
+def _doctor_parser(sub: Any) -> argparse.ArgumentParser:
     d = sub.add_parser(
         "doctor",
         formatter_class=_Formatter,
@@ -396,3 +410,4 @@ def _other_parsers(sub: Any) -> None:
         "(also on Ctrl-C); the latencies are measured",
     )
     d.add_argument("--json", type=pathlib.Path, metavar="FILE", help="also write the report")
+    return d
