@@ -411,6 +411,105 @@ def dynamo_context(compiled: Any) -> Any:
     return None
 
 
+# Private names the compiler, the passes and the runtime use, read here (lazily where the
+# module is heavy to import) so that a PyTorch that moves one breaks this file only.
+
+OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
+HigherOrderOperator = torch._ops.HigherOrderOperator
+
+
+def current_compile_id() -> Any:
+    """Return Dynamo's id of the frame compiling now (None outside a compile)."""
+    return torch._guards.CompileContext.current_compile_id()
+
+
+def inductor_config() -> Any:
+    """Return Inductor's config module (``torch._inductor.config``)."""
+    import torch._inductor.config as config
+
+    return config
+
+
+def functorch_config() -> Any:
+    """Return AOTAutograd's config module (``torch._functorch.config``)."""
+    import torch._functorch.config as config
+
+    return config
+
+
+def inductor_mode_options(mode: str | None) -> dict[str, Any]:
+    """Return the Inductor options ``torch.compile``'s ``mode`` stands for."""
+    import torch._inductor
+
+    return dict(torch._inductor.list_mode_options(mode))
+
+
+def inductor_compilers() -> tuple[Any, Any]:
+    """Return Inductor's ``compile_fx`` and ``compile_fx_inner``."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    return compile_fx, compile_fx_inner
+
+
+def inductor_choices_handler(handler: Any) -> Any:
+    """Return a context in which ``handler`` makes Inductor's scheduling choices."""
+    from torch._inductor.virtualized import V
+
+    return V.set_choices_handler(handler)
+
+
+def inductor_choices_type() -> Any:
+    """Return Inductor's ``InductorChoices`` (None where this PyTorch has none)."""
+    try:
+        from torch._inductor.choices import InductorChoices
+    except ImportError:
+        return None
+    return InductorChoices
+
+
+def aot_autograd_backend(**kwargs: Any) -> Any:
+    """Return Dynamo's AOTAutograd backend built with ``kwargs``."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    return aot_autograd(**kwargs)
+
+
+def aot_partitions() -> tuple[Any, Any]:
+    """Return AOTAutograd's default and min-cut (Inductor's) partition functions."""
+    from torch._functorch.partitioners import (
+        default_partition,
+        min_cut_rematerialization_partition,
+    )
+
+    return default_partition, min_cut_rematerialization_partition
+
+
+def fake_tensor_mode_type() -> type:
+    """Return ``FakeTensorMode``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode
+
+
+def dynamo_tracing() -> tuple[Any, Any, Any, Any]:
+    """Return Dynamo's ``LocalSource``, ``AttrSource``, ``TracingContext`` and ``tracing``."""
+    from torch._dynamo.source import AttrSource, LocalSource
+    from torch._guards import TracingContext, tracing
+
+    return LocalSource, AttrSource, TracingContext, tracing
+
+
+@contextlib.contextmanager
+def real_dispatch() -> Iterator[None]:
+    """Run real kernels here, outside fake tensors and Python dispatch (a compile's trace)."""
+    from torch._dispatch.python import no_python_dispatcher
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), no_python_dispatcher():
+        yield
+
+
 def self_test() -> dict[str, bool]:
     """Compile tiny modules and say which internals this PyTorch still provides."""
     import torch._dynamo

@@ -268,3 +268,57 @@ def test_collectives_are_classified_in_one_place():
             if names.search(s)
         ]
     assert not found, found
+
+
+PUBLIC_DYNAMO = {"mark_dynamic", "maybe_mark_dynamic", "mark_static", "reset", "config"}
+"""``torch._dynamo`` names documented for users (torch.compiler's troubleshooting pages)."""
+
+OWN_INTERNAL = {
+    "runtime/switcher.py": "torch._C._current_graph_task_id",  # the runtime imports no torch.fx
+}
+"""Private names read outside ``_torch_internals.py``, each with why it stays there."""
+
+
+def _private_torch(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) of each ``torch._*`` import and outermost ``torch._*`` attribute chain."""
+    found, inner = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            inner.add(id(node.value))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch._"):
+            found.append((node.lineno, str(node.module)))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.startswith("torch._")]
+        elif isinstance(node, ast.Attribute) and id(node) not in inner:
+            parts, value = [node.attr], node.value
+            while isinstance(value, ast.Attribute):
+                parts.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id == "torch":
+                name = ".".join(["torch", *reversed(parts)])
+                if parts[-1].startswith("_") and not parts[-1].startswith("__"):
+                    found.append((node.lineno, name))
+    return found
+
+
+def test_private_torch_internals_are_read_in_one_module():
+    """kareus reads PyTorch's private names (``torch._inductor``, ``torch._ops``, ...) in
+    ``kareus/_torch_internals.py`` only, where each has its fallback and a PyTorch upgrade
+    breaks one file; Dynamo's documented ``mark_dynamic``/``reset``/``config`` and
+    ``torch._check`` are public in all but name."""
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        where = str(path.relative_to(ROOT))
+        if where == "_torch_internals.py":
+            continue
+        for line, name in _private_torch(ast.parse(path.read_text())):
+            parts = name.split(".")
+            if name == "torch._check" or (
+                parts[1] == "_dynamo" and parts[2:3] and parts[2] in PUBLIC_DYNAMO
+            ):
+                continue
+            if name == "torch._dynamo" or OWN_INTERNAL.get(where) == name:
+                continue  # (``import torch._dynamo`` to reach the public names)
+            bad.append(f"{where}:{line}: {name}")
+    assert not bad, bad

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from kareus._torch_internals import dynamo_context, traced_frame
+from kareus._torch_internals import current_compile_id, dynamo_context, traced_frame
 from kareus.compiler import apply_plan
 from kareus.compiler.apply_plan import Decisions
 from kareus.compiler.config import Config
@@ -184,7 +184,7 @@ class KareusBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         """Compile one Dynamo graph (called by Dynamo, once per graph and recompile)."""
-        compile_id = torch._guards.CompileContext.current_compile_id()
+        compile_id = current_compile_id()
         device = next((v.device.type for v in example_inputs if isinstance(v, torch.Tensor)), "")
         region = Region(
             index=len(self.regions),

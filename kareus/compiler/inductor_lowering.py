@@ -17,7 +17,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from kareus._torch_internals import custom_partitioner_base
+from kareus._torch_internals import (
+    custom_partitioner_base,
+    functorch_config,
+    inductor_choices_handler,
+    inductor_choices_type,
+    inductor_compilers,
+    inductor_config,
+)
 from kareus.compiler.lowering import (
     Compiled,
     OnPartition,
@@ -57,8 +64,7 @@ def lower_with_inductor(
     Raises:
         LostCollectivesError: as :func:`~kareus.compiler.lowering.lower_with_aot`.
     """
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
+    compile_fx, compile_fx_inner = inductor_compilers()
     expected = census(gm)
     compiled: Compiled = {}
 
@@ -71,7 +77,7 @@ def lower_with_inductor(
         # set here too, so that the cache key holds the partitioner (its uuid names the
         # fusion rule) for every graph.
         with (
-            torch._inductor.config.patch(custom_partitioner_fn=partitioner),
+            inductor_config().patch(custom_partitioner_fn=partitioner),
             keep_nanobatches_apart(),
         ):
             return compile_fx_inner(g, inputs, **kwargs)
@@ -90,8 +96,8 @@ def lower_with_inductor(
     # bypassed the cache: "No shape env").
     with (
         tracing_context(static_inputs=example_inputs),
-        torch._functorch.config.patch(enable_autograd_cache=False),
-        torch._inductor.config.patch(custom_partitioner_fn=partitioner),
+        functorch_config().patch(enable_autograd_cache=False),
+        inductor_config().patch(custom_partitioner_fn=partitioner),
     ):
         return compile_fx(  # type: ignore[return-value]
             gm, example_inputs, inner_compile=inner, config_patches=dict(options or {})
@@ -169,19 +175,14 @@ def keep_nanobatches_apart() -> Any:
     handler = _nanobatch_choices()
     if handler is None:
         return contextlib.nullcontext()
-    from torch._inductor.virtualized import V
-
-    return V.set_choices_handler(handler)
+    return inductor_choices_handler(handler)
 
 
 @functools.cache
 def _nanobatch_choices() -> Any:
     """Return Inductor's fusion heuristics that keep nanobatches apart (None: no hook)."""
-    try:
-        from torch._inductor.choices import InductorChoices
-    except ImportError:
-        return None
-    if not hasattr(InductorChoices, "can_fuse"):
+    InductorChoices = inductor_choices_type()
+    if InductorChoices is None or not hasattr(InductorChoices, "can_fuse"):
         return None
 
     def nanobatches(node: Any) -> set[int]:
@@ -194,7 +195,7 @@ def _nanobatch_choices() -> Any:
                     found.add(tag.nanobatch)
         return found
 
-    class NanobatchChoices(InductorChoices):  # type: ignore[misc]
+    class NanobatchChoices(InductorChoices):  # type: ignore[misc,valid-type]
         @staticmethod
         def can_fuse(scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:
             if len(nanobatches(node1) | nanobatches(node2)) > 1:
@@ -222,7 +223,6 @@ def inductor_inference(gm: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..
     For ``kareus profile``'s partitions: the fused kernels training runs, not one kernel
     per aten op. Returns a callable taking the graph's inputs and returning its outputs as a list.
     """
-    from torch._inductor.compile_fx import compile_fx
-
+    compile_fx, _inner = inductor_compilers()
     with torch.no_grad():
         return compile_fx(gm, list(inputs))  # type: ignore[return-value]

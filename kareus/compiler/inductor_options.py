@@ -34,9 +34,9 @@ def split_options(
     ours = {k: v for k, v in options.items() if k in fields}
     inductor = {k: v for k, v in options.items() if k not in fields}
     if inductor:
-        import torch._inductor.config as inductor_config
+        from kareus._torch_internals import inductor_config
 
-        known = inductor_config.get_config_copy()
+        known = inductor_config().get_config_copy()
         unknown = sorted(k for k in inductor if k not in known)
         if unknown:
             raise ConfigError(
@@ -83,6 +83,6 @@ def inductor_options(mode: str | None, options: dict[str, Any], codegen: str) ->
         )
     if options:
         return dict(options)
-    import torch._inductor
+    from kareus._torch_internals import inductor_mode_options
 
-    return dict(torch._inductor.list_mode_options(mode))
+    return inductor_mode_options(mode)

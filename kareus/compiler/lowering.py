@@ -87,7 +87,8 @@ def lower_with_aot(
             holds (checked on the joint graph, or on the inference graph).
     """
     from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
+
+    from kareus._torch_internals import aot_autograd_backend as aot_autograd
 
     expected = census(gm)
     compiled: Compiled = {}
@@ -407,12 +408,10 @@ def partition_function(min_cut: bool) -> Callable[..., tuple[fx.GraphModule, fx.
     """
     import inspect
 
-    from torch._functorch.partitioners import (
-        default_partition,
-        min_cut_rematerialization_partition,
-    )
+    from kareus._torch_internals import aot_partitions
 
-    chosen = min_cut_rematerialization_partition if min_cut else default_partition
+    default_partition, min_cut_partition = aot_partitions()
+    chosen = min_cut_partition if min_cut else default_partition
     known = inspect.signature(chosen).parameters
 
     def partition(joint: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
@@ -462,10 +461,12 @@ def tracing_context(static_inputs: Sequence[Any] | None = None) -> Any:
     """
     import contextlib
 
-    from torch._dynamo.source import LocalSource
-    from torch._guards import TracingContext, tracing
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from kareus._torch_internals import dynamo_tracing, fake_tensor_mode_type
+
+    LocalSource, _attr, TracingContext, tracing = dynamo_tracing()
+    FakeTensorMode = fake_tensor_mode_type()
 
     if TracingContext.try_get() is not None:
         return contextlib.nullcontext()
@@ -487,13 +488,16 @@ def static_context(value: torch.Tensor, source: Any) -> Any:
     Dynamo builds them: a plain context for a DTensor failed AOTAutograd's fake-tensor
     conversion.
     """
-    from torch._dynamo.source import AttrSource
     from torch.fx.experimental.symbolic_shapes import (
         DimDynamic,
         StatefulSymbolicContext,
         SubclassSymbolicContext,
     )
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    from kareus._torch_internals import dynamo_tracing
+
+    _local, AttrSource, _context, _tracing = dynamo_tracing()
 
     static = [DimDynamic.STATIC] * value.dim()
     if not is_traceable_wrapper_subclass(value):

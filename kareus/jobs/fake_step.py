@@ -35,12 +35,11 @@ def run_stage(
     extract: bool,
 ) -> Any:
     """Build the stage under fake tensors and run one compiled step; return the compiled."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     import kareus
+    from kareus._torch_internals import fake_tensor_mode_type
 
     dp_group = groups[2] if len(groups) > 2 else None
-    with FakeTensorMode(), torch.device(device):
+    with fake_tensor_mode_type()(), torch.device(device):
         model, inputs = _build_stage(work, stage, layers, groups, mesh)
         compiled = kareus.compile(
             model,

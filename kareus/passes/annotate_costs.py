@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from kareus._torch_internals import resolve_group
+from kareus._torch_internals import OpOverload, resolve_group
 from kareus.ir.costs import OpClass, OpCost
 from kareus.passes.base import GraphPass, PassContext, PassResult
 from kareus.passes.census import is_functional_collective, is_wait
@@ -93,14 +93,14 @@ def op_class(node: fx.Node) -> OpClass:
     op_name = getattr(packet, "__name__", name)
     if op_name.startswith(_ATTENTION_PREFIXES):
         return "attention"
-    if packet in _VIEWS or not isinstance(target, torch._ops.OpOverload):
+    if packet in _VIEWS or not isinstance(target, OpOverload):
         return "view"  # views, getitem and Python arithmetic on sizes move no data
     if _returns_alias(target):
         return "view"
     return "memory"
 
 
-def _returns_alias(target: torch._ops.OpOverload) -> bool:
+def _returns_alias(target: OpOverload) -> bool:
     returns = target._schema.returns
     return bool(returns) and all(
         r.alias_info is not None and not r.alias_info.is_write for r in returns

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from kareus._torch_internals import dynamo_function_name
+from kareus._torch_internals import OpOverload, OpOverloadPacket, dynamo_function_name
 from kareus.passes.census import qualified_name
 
 
@@ -58,15 +58,15 @@ def torch_overloads(node: fx.Node) -> list[Any]:
     op of that name, which it runs. Nothing for Python operators and unknown callables.
     """
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         return [target]
-    if isinstance(target, torch._ops.OpOverloadPacket):
+    if isinstance(target, OpOverloadPacket):
         return [getattr(target, o) for o in target.overloads()]
     if node.op not in ("call_function", "call_method") or qualified_name(target):
         return []
     name = op_name(node)
     packet = getattr(torch.ops.aten, _ATEN_ALIASES.get(name, name), None)
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
+    if not isinstance(packet, OpOverloadPacket):
         return []
     return [getattr(packet, o) for o in packet.overloads()]
 

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from kareus._torch_internals import real_dispatch, resolve_group
+
 _log = logging.getLogger(__name__)
 
 _REDUCE_OPS = ("sum", "avg", "max", "min", "product", "band", "bor", "bxor")
@@ -164,15 +166,12 @@ def _plain_dispatch() -> Iterator[None]:
     took it) while it waits for gloo's work queue, and gloo's worker holds the queue while
     it frees the previous collective's tensors, which needs the GIL.
     """
-    from torch._dispatch.python import no_python_dispatcher
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily(), no_python_dispatcher():
+    with real_dispatch():
         yield
 
 
 def _resolve(name: str) -> Any:
-    return dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
+    return resolve_group(name)
 
 
 def _group_arg(issue: Any) -> int | None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kareus._torch_internals import HigherOrderOperator
 from kareus.passes.census import (
     COLLECTIVE_NAMESPACES,
     collective_kind,
@@ -88,7 +89,7 @@ def _nanobatch_copies(gm: torch.fx.GraphModule) -> dict[str, tuple[Any, Any]]:
         tag = get_tag(node)
         if node.op != "call_function" or tag is None or tag.nanobatch not in (0, 1):
             continue
-        body = isinstance(node.target, torch._ops.HigherOrderOperator)  # a checkpointed body
+        body = isinstance(node.target, HigherOrderOperator)  # a checkpointed body
         if (moves_freely(node) and not body) or is_functional_collective(node):
             continue
         copies.setdefault(tag.block, (Counter(), Counter()))[tag.nanobatch][str(node.target)] += 1
@@ -215,7 +216,9 @@ def inductor_buffers() -> Iterator[list[dict[str, list[torch.fx.Node]]]]:
     one with :func:`inductor_windows`. Inductor's FX graph cache is off meanwhile (a cache
     hit schedules nothing).
     """
-    import torch._inductor.config as inductor_config
+    from kareus._torch_internals import inductor_config as _config
+
+    inductor_config = _config()
 
     graphs: list[dict[str, list[torch.fx.Node]]] = []
 
