@@ -313,6 +313,7 @@ def test_a_plan_that_fits_is_applied(tiny_plan):
     assert skipped and all("the plan runs the layers whole" in r for r in skipped.values())
 
 
+@pytest.mark.slow  # CI's sample: the mismatch named field by field, above
 def test_an_uncaught_plan_mismatch_ends_the_program_with_one_line(tiny_plan, tmp_path):
     """Left uncaught (as in a training script under torchrun), a plan that does not fit ends
     the program with exit status 1 and its one line on stderr, not a traceback through

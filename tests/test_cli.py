@@ -467,7 +467,7 @@ def test_solver_work_sets_cp_sat_work_per_solve():
 
     args = _parser(COMMANDS).parse_args(["plan", *SMALL])
     assert _settings(args).solver_time_limit_s == 0.05
-    default = _parser().parse_args(["plan", "--model", "tiny-4l"])
+    default = _parser(COMMANDS).parse_args(["plan", "--model", "tiny-4l"])
     assert _settings(default).solver_time_limit_s == PlannerSettings().solver_time_limit_s
 
 

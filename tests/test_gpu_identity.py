@@ -298,6 +298,7 @@ def test_doctor_try_switch_restores_on_ctrl_c(monkeypatch, nvml):
     assert signal.getsignal(signal.SIGINT) is before
 
 
+@pytest.mark.slow  # CI's sample leaves out this full plan; the doctor's report stays in CI
 def test_a_doctor_report_prices_clock_changes_in_kareus_plan(monkeypatch, nvml, tmp_path):
     """`kareus doctor --try-switch --json F` (fake NVML), then `kareus plan --gpu-profile F`:
     the plan prices each clock change with the slowest GPU's measured change, says so, and

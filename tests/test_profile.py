@@ -222,7 +222,10 @@ def test_no_permission_to_lock_clocks_measures_at_the_clock_as_found():
     assert _can_lock(EmulatedClocks(), True, []) and not _can_lock(EmulatedClocks(), False, [])
 
 
-@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize(
+    "stage",
+    [0, pytest.param(1, marks=pytest.mark.slow)],  # CI's sample: the first stage
+)
 def test_a_traced_backward_does_each_forward_gemm_twice_and_no_more(stage):
     # Every forward GEMM has two in the backward (input and weight gradient). Work copied
     # from the forward that nothing reads -- the head's logits GEMM feeding a copy of the

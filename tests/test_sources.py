@@ -198,11 +198,12 @@ def test_your_own_model_is_traced_on_inductors_graphs_by_default(monkeypatch, ca
     (Inductor's); the presets keep AOTAutograd's; --graphs wins; a torch that cannot trace
     Inductor's graphs falls back to AOTAutograd's and says so."""
     import kareus._torch_internals as internals
+    from kareus.cli import COMMANDS
     from kareus.cli.commands import _graphs
     from kareus.cli.options import _parser
 
     def graphs(*argv):
-        return _graphs(_parser().parse_args(["plan", *argv]))
+        return _graphs(_parser(COMMANDS).parse_args(["plan", *argv]))
 
     assert graphs("--hf-config", "c.json") == "inductor"
     assert graphs("--factory", "m:f") == "inductor"

@@ -161,6 +161,7 @@ def test_torchtitan_llama3_under_its_own_tp_and_sequence_parallelism_is_split_an
         assert all("inductor" in w[-1].lower() for w in work + blocks), work + blocks
 
 
+@pytest.mark.slow  # CI's sample: torchtitan with sequence parallelism, above
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_torchtitan_llama3_under_its_own_tp_without_sequence_parallelism_is_split():
