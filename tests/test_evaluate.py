@@ -82,6 +82,7 @@ def test_max_clocks_price_as_the_planners_megatron_plan(tmp_path):
     assert split.time_s > cost.time_s  # the same work in twice the kernel launches
 
 
+@pytest.mark.slow  # CI's sample: the frequency-file, data-parallel and reference-plan tests
 def test_clock_plans_price_as_the_physics_says():
     slow, fast = uniform("slow", 405), uniform("fast", 1410)  # tiny: memory-bound ops
     # Stage 0's first forward at a low clock: every other instruction waits for it.

@@ -593,3 +593,49 @@ def test_a_later_batch_too_small_to_split_runs_whole_and_says_so():
     skipped = blocks_run(odd).skipped
     assert not blocks_run(odd).split
     assert skipped and all("batch 3 is too small" in r for r in skipped.values()), skipped
+
+
+class _PositionedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, positions):
+        return x + self.proj(x) * positions.unsqueeze(-1).expand(x.shape[0], -1, -1)
+
+
+class _Positioned(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_PositionedLayer() for _ in range(2)])
+
+    def forward(self, x, positions):
+        for layer in self.layers:
+            x = layer(x, positions)
+        return x.pow(2).mean()
+
+
+def test_a_batch_fixed_by_an_input_left_static_names_every_input_to_list():
+    """block.compile(backend="kareus") with only ``x`` in dynamic_sources: ``positions``
+    (also of the batch's size) meets ``x`` and Dynamo fixes the batch; the block stays whole,
+    trains as eager, and says to list both; listed both, it is split."""
+    verdicts = {}
+    for sources in ("L['x']:0", "L['x']:0,L['positions']:0"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _Positioned()
+        ref = copy.deepcopy(model)
+        for layer in model.layers:
+            layer.compile(
+                backend="kareus", options={"split_when": "communicates", "nanobatches": 2}
+            )
+        x, positions = torch.randn(4, 6, 8), torch.rand(4, 6)
+        with torch.compiler.config.patch(dynamic_sources=sources):
+            got = model(x, positions)
+        torch.testing.assert_close(got, ref(x, positions))
+        verdicts[sources] = blocks_run(kareus.explain(model.layers[0]).regions[-1])
+    fixed = verdicts["L['x']:0"]
+    assert fixed.split == [], fixed
+    reason = fixed.skipped["_PositionedLayer.0"]
+    assert "was fixed at 4" in reason and "L['x']:0,L['positions']:0" in reason, reason
+    assert verdicts["L['x']:0,L['positions']:0"].split == ["_PositionedLayer.0"]

@@ -114,12 +114,14 @@ def _work(modules) -> list:
     return out
 
 
-def _trained(rank, sp: bool):
+def _trained(rank, sp: bool, ways: tuple[str, ...] = ("whole", "blocks")):
+    import torch
+
     import kareus
 
     unpriced = {"codegen": "inductor", "split_when": "communicates"}  # priced, gloo: whole
     out = {}
-    for how in ("whole", "blocks") if sp else ("whole",):
+    for how in ways:
         model, dims, context = _llama3(sp)
         batches = _batches(dims, 2)
         with context():  # two micro-batches, one step: losses and gradients before any update
@@ -128,11 +130,17 @@ def _trained(rank, sp: bool):
         if how == "whole":
             compiled = kareus.compile(model, **unpriced)
             regions = [compiled]
-        else:  # torchtitan's per-block compile, each block replaced by its compiled self
+        elif how == "blocks":  # per block, each block replaced by its compiled self
             for name, block in list(model.layers.named_children()):
                 model.layers.register_module(name, kareus.compile(block, **unpriced))
             compiled, regions = model, list(model.layers.values())
-        with context():
+        else:  # torchtitan's apply_compile: block.compile(backend=..., fullgraph=True)
+            for block in model.layers.values():
+                block.compile(backend="kareus", fullgraph=True, options=unpriced)
+            compiled, regions = model, list(model.layers.values())
+        # (the backend string gives kareus no hook to mark the inputs: both are listed)
+        sources = "L['x']:0,L['positions']:0" if how == "backend" else ""
+        with context(), torch.compiler.config.patch(dynamic_sources=sources):
             got = train(compiled, batches, accumulate=2, loss_fn=_loss)
         out[how] = (ref, got, _work(regions))
     return out
@@ -167,8 +175,24 @@ def test_torchtitan_llama3_under_its_own_tp_and_sequence_parallelism_is_split_an
 def test_torchtitan_llama3_under_its_own_tp_without_sequence_parallelism_is_split():
     """TP 2 without sequence parallelism (all-reduces in autograd functions): every block
     split with its all-reduces overlapped; losses and gradients as eager's."""
-    for out in run_ranks(_trained, False, timeout_s=240):
+    for out in run_ranks(_trained, False, ("whole",), timeout_s=240):
         ref, got, work = out["whole"]
         assert_same_history(ref, got, bitwise_loss=False, rtol=1e-4, atol=1e-5)
         assert [w[0] for w in work] == [["layers.0", "layers.1"]], work
         assert work[0][1:3] == (["all_reduce"], ["all_reduce"]), work
+
+
+@pytest.mark.slow  # CI's sample: kareus.compile per block, above
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_torchtitans_own_per_block_compile_with_the_kareus_backend_is_split():
+    """torchtitan's apply_compile way, ``block.compile(backend="kareus", fullgraph=True)``,
+    with the block's inputs that carry the batch (``x`` and ``positions``) listed in
+    ``dynamic_sources``: every block split, its gathers overlapped; losses and gradients as
+    eager's. (Listing ``x`` alone fixes the batch where ``positions`` meets it: kareus then
+    keeps the block whole and names both inputs to list.)"""
+    for out in run_ranks(_trained, True, ("backend",), timeout_s=240):
+        ref, got, blocks = out["backend"]
+        assert_same_history(ref, got, bitwise_loss=False, rtol=1e-4, atol=1e-5)
+        assert [b[0] for b in blocks] == [["Llama3TransformerBlock.0"]] * 2, blocks
+        assert all(b[1] == ["all_gather_into_tensor"] for b in blocks), blocks

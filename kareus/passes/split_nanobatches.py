@@ -216,6 +216,38 @@ def batch_info(graph: fx.Graph, batch_dim: int) -> BatchInfo:
     return BatchInfo(None, "no tensor input")
 
 
+def _specialised(graph: fx.Graph, batch: BatchInfo) -> str | None:
+    """Say why the batch size became a constant while Dynamo traced (None: it did not).
+
+    An input that carries the batch but was not marked dynamic (``positions`` beside the
+    ``x`` listed in ``dynamic_sources``) meets the batch in an op, and Dynamo makes them equal
+    by fixing the batch: each such input (a tensor input of the batch's size in that
+    dimension) is named, to be listed too.
+    """
+    size = batch.size
+    if not isinstance(size, torch.SymInt) or size.node.shape_env is None:
+        return None
+    if size.node.shape_env.replace(size.node.expr).free_symbols:
+        return None
+    sources = [batch.dynamo_source]
+    for node in graph.nodes:
+        value = node.meta.get("example_value")
+        if node.op != "placeholder" or not isinstance(value, torch.Tensor) or _is_state(node):
+            continue
+        size = value.shape[batch.dim] if value.dim() > batch.dim else None
+        if size == batch.hint and not isinstance(size, torch.SymInt):
+            name = _source_name(node)
+            if name is not None and name not in sources:
+                sources.append(name)
+    listed = ",".join(f"{s}:{batch.dim}" for s in sources)
+    return (
+        f"the batch size was fixed at {batch.hint} while Dynamo traced the block: an input "
+        "that carries the batch was not marked dynamic and met it in an op. Compile the block "
+        "with kareus.compile, which marks every input, or list each input that carries the "
+        f'batch in torch.compiler.config.dynamic_sources ("{listed}")'
+    )
+
+
 def _source_name(node: fx.Node) -> str | None:
     """Return the name Dynamo gives a placeholder's input (``L['x']``), if it kept one."""
     source = getattr(node.meta.get("grapharg"), "source", None)
@@ -259,6 +291,8 @@ def find_split(
             f"batch {batch.hint} is too small: a nanobatch of size {batch.hint // 2} would "
             "specialise and recompile each step; use a batch of at least 4"
         )
+    if (specialised := _specialised(graph, batch)) is not None:
+        return specialised
     order = {n: i for i, n in enumerate(graph.nodes)}
     by_name = {n.name: n for n in graph.nodes}
     nodes = [by_name[n] for n in names]
