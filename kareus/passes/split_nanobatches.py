@@ -41,6 +41,7 @@ import torch
 import torch.fx as fx
 
 from kareus.passes.base import GraphPass, PassContext, PassResult
+from kareus.passes.batch_dims import BatchInfo, batch_info, fixed_batch_reason
 from kareus.passes.census import census
 from kareus.passes.find_blocks import BlockSet
 from kareus.passes.links import collectives_of, why_nothing_to_hide
@@ -49,30 +50,6 @@ from kareus.passes.per_sample import why_not_per_sample
 from kareus.passes.tags import NodeTag, set_tag
 
 _BATCH_NORMS = frozenset({"batch_norm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d"})
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchInfo:
-    """The symbolic batch size of a region and where it comes from."""
-
-    size: torch.SymInt | int | None
-    source: str
-    dynamo_source: str = "L['x']"  # the input as Dynamo names it (dynamic_sources' syntax)
-    dim: int = 0
-
-    @property
-    def symbol(self) -> Any:
-        """The sympy expression of the batch size, or None when static."""
-        if isinstance(self.size, torch.SymInt):
-            return self.size.node.expr
-        return None
-
-    @property
-    def hint(self) -> int | None:
-        """The concrete batch size of the example inputs."""
-        if isinstance(self.size, torch.SymInt):
-            return int(self.size.node.hint)
-        return self.size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,76 +175,6 @@ def _communicates(gm: fx.GraphModule, names: Sequence[str], by_name: dict[str, f
     return False
 
 
-def batch_info(graph: fx.Graph, batch_dim: int) -> BatchInfo:
-    """Return the batch size of the region: dimension ``batch_dim`` of its first data input."""
-    for node in graph.nodes:
-        if node.op != "placeholder":
-            continue
-        value = node.meta.get("example_value")
-        if not isinstance(value, torch.Tensor) or _is_state(node):
-            continue
-        if value.dim() > batch_dim:
-            return BatchInfo(
-                value.shape[batch_dim],
-                f"{node.name}.shape[{batch_dim}]",
-                _source_name(node) or "L['x']",
-                batch_dim,
-            )
-    return BatchInfo(None, "no tensor input")
-
-
-def _specialised(graph: fx.Graph, batch: BatchInfo) -> str | None:
-    """Say why the batch size became a constant while Dynamo traced (None: it did not).
-
-    An input that carries the batch but was not marked dynamic (``positions`` beside the
-    ``x`` listed in ``dynamic_sources``) meets the batch in an op, and Dynamo makes them equal
-    by fixing the batch: each such input (a tensor input of the batch's size in that
-    dimension) is named, to be listed too.
-    """
-    size = batch.size
-    if not isinstance(size, torch.SymInt) or size.node.shape_env is None:
-        return None
-    if size.node.shape_env.replace(size.node.expr).free_symbols:
-        return None
-    sources = [batch.dynamo_source]
-    for node in graph.nodes:
-        value = node.meta.get("example_value")
-        if node.op != "placeholder" or not isinstance(value, torch.Tensor) or _is_state(node):
-            continue
-        size = value.shape[batch.dim] if value.dim() > batch.dim else None
-        if size == batch.hint and not isinstance(size, torch.SymInt):
-            name = _source_name(node)
-            if name is not None and name not in sources:
-                sources.append(name)
-    listed = ",".join(f"{s}:{batch.dim}" for s in sources)
-    return (
-        f"the batch size was fixed at {batch.hint} while Dynamo traced the block: an input "
-        "that carries the batch was not marked dynamic and met it in an op. Compile the block "
-        "with kareus.compile, which marks every input, or list each input that carries the "
-        f'batch in torch.compiler.config.dynamic_sources ("{listed}")'
-    )
-
-
-def _source_name(node: fx.Node) -> str | None:
-    """Return the name Dynamo gives a placeholder's input (``L['x']``), if it kept one."""
-    source = getattr(node.meta.get("grapharg"), "source", None)
-    name = getattr(source, "name", None)
-    name = name() if callable(name) else name
-    return name if isinstance(name, str) else None
-
-
-def _is_state(node: fx.Node) -> bool:
-    # Parameters and buffers are lifted as placeholders; their sources name them.
-    arg = node.meta.get("grapharg")
-    source = getattr(arg, "source", None)
-    name = getattr(source, "name", node.name)
-    name = name() if callable(name) else str(name)
-    example = getattr(arg, "example", None)
-    return isinstance(example, torch.nn.Parameter) or any(
-        key in name for key in ("_parameters", "_buffers", "parameters_", "buffers_")
-    )
-
-
 def find_split(
     graph: fx.Graph, names: Sequence[str], batch: BatchInfo, allow_random: bool
 ) -> SplitPlan | str:
@@ -291,7 +198,7 @@ def find_split(
             f"batch {batch.hint} is too small: a nanobatch of size {batch.hint // 2} would "
             "specialise and recompile each step; use a batch of at least 4"
         )
-    if (specialised := _specialised(graph, batch)) is not None:
+    if (specialised := fixed_batch_reason(graph, batch)) is not None:
         return specialised
     order = {n: i for i, n in enumerate(graph.nodes)}
     by_name = {n.name: n for n in graph.nodes}
