@@ -124,7 +124,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def nbytes(t: torch.Tensor) -> int:
+    """Return the bytes of ``t`` at the example inputs' sizes (a symbolic size's hint)."""
     numel = 1
     for s in concrete(tuple(t.shape)):
         numel *= s
@@ -216,8 +217,8 @@ def annotate_node(node: fx.Node) -> OpCost:
     name = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
     if cls == "view":
         return OpCost(cls, 0.0, 0.0, name, node.name)
-    read = sum(_nbytes(t) for a in node.all_input_nodes for t in _tensors(a.meta.get("val")))
-    written = sum(_nbytes(t) for t in _tensors(out))
+    read = sum(nbytes(t) for a in node.all_input_nodes for t in _tensors(a.meta.get("val")))
+    written = sum(nbytes(t) for t in _tensors(out))
     if cls in ("collective_issue", "collective_wait"):
         return OpCost(cls, 0.0, float(read), name, node.name)
     dims = _matmul_dims(node) if cls == "gemm" else ()

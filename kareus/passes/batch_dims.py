@@ -152,7 +152,7 @@ def rank_blocks(gather: fx.Node, sym: Any) -> list[fx.Node] | None:
     ranks = arg_value(gather, 1, "group_size")
     if not isinstance(ranks, int):
         return None
-    order = {n: i for i, n in enumerate(gather.graph.nodes)}
+    order: dict[fx.Node, int] = {}  # graph positions, read where a buffer is copied into
     takers: list[fx.Node] = []
     pending, seen = [gather], set()
     while pending:
@@ -166,6 +166,7 @@ def rank_blocks(gather: fx.Node, sym: Any) -> list[fx.Node] | None:
                 buffer = user.args[0]
                 if not isinstance(buffer, fx.Node) or op_name(buffer) not in _BUFFERS:
                     return None
+                order = order or {n: i for i, n in enumerate(gather.graph.nodes)}
                 later = [u for u in buffer.users if u is not user]
                 if any(order.get(u, -1) < order[user] for u in later):
                     return None  # read before the gathered value is in it

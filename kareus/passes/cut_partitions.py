@@ -32,7 +32,7 @@ import torch.fx as fx
 from kareus._torch_internals import resolve_group
 from kareus.ir.costs import CollectiveCost, OpCost
 from kareus.ir.partitions import Partition, PartitionSet, PartitionType, Slot
-from kareus.passes.annotate_costs import NODES_KEY, concrete, cost_of, moves_freely
+from kareus.passes.annotate_costs import NODES_KEY, cost_of, moves_freely, nbytes
 from kareus.passes.base import GraphPass, PassContext, PassResult
 from kareus.passes.census import cost_kind, group_name
 from kareus.passes.find_blocks import BlockSet
@@ -189,14 +189,7 @@ def _costs(run: list[fx.Node], fuse: bool) -> tuple[OpCost, ...]:
 def _out_bytes(node: fx.Node) -> float:
     val = node.meta.get("val")
     vals = val if isinstance(val, (tuple, list)) else (val,)
-    total = 0.0
-    for v in vals:
-        if isinstance(v, torch.Tensor):
-            numel = 1
-            for s in concrete(tuple(v.shape)):
-                numel *= s
-            total += numel * v.element_size()
-    return total
+    return float(sum(nbytes(v) for v in vals if isinstance(v, torch.Tensor)))
 
 
 def _source(node: fx.Node) -> fx.Node:

@@ -19,7 +19,8 @@ import torch
 import torch.fx as fx
 
 from kareus._torch_internals import resolve_group
-from kareus.passes.census import COST_KINDS, collective_kind, group_name
+from kareus.passes.annotate_costs import nbytes
+from kareus.passes.census import collective_kind, group_name, priced_kind
 from kareus.passes.subgraphs import bodies
 
 HOST = "host"
@@ -108,9 +109,8 @@ def collectives_of(nodes: Iterable[fx.Node]) -> list[Seen]:
     """
     found: list[Seen] = []
     for node in nodes:
-        if collective_kind(node) is not None:
-            found.append(Seen(group_name(node), COST_KINDS.get(collective_kind(node) or ""),
-                              _full_bytes(node)))  # fmt: skip
+        if collective_kind(node) is not None:  # (priced or not: its group counts)
+            found.append(Seen(group_name(node), priced_kind(node), _full_bytes(node)))
         for _arg, sub in bodies(node):
             found += collectives_of(sub.graph.nodes)
         for value in (node, *node.all_input_nodes):
@@ -123,20 +123,12 @@ def _full_bytes(node: fx.Node) -> int | None:
 
     At the example inputs' sizes (a symbolic size's hint); None where one has none.
     """
-    sizes = []
     values = [node.meta.get("example_value")]
     values += [a.meta.get("example_value") for a in node.all_input_nodes]
-    for value in values:
-        if not isinstance(value, torch.Tensor):
-            continue
-        numel = value.numel()
-        if isinstance(numel, torch.SymInt):
-            hint = numel.node.hint
-            if hint is None:
-                return None
-            numel = int(hint)
-        sizes.append(int(numel) * value.element_size())
-    return max(sizes) if sizes else None
+    try:
+        return max((nbytes(v) for v in values if isinstance(v, torch.Tensor)), default=None)
+    except TypeError:  # a size without a hint (data-dependent)
+        return None
 
 
 def _mesh_groups(value: object) -> set[str]:

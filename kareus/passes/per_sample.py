@@ -312,7 +312,7 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
     if (by_rank := rank_blocks_reason(node, name, carrying, sym, label)) is not None:
         return by_rank
     collective = "wait" if is_wait(node) else priced_kind(node)
-    if collective is not None and collective in _COLLECTIVES:
+    if collective is not None:
         if (along := _COLLECTIVES[collective]) is not None:
             return _along_reason(node, along, carrying, label)
         return _broadcast_reason(carrying, value, out_dim, label)
