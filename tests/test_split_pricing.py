@@ -254,6 +254,7 @@ def test_a_slow_enough_link_splits_a_quick_one_does_not_and_both_train_like_eage
         assert {b: v.describe() for b, v in again.items()} == priced
 
 
+@pytest.mark.slow  # CI's sample: the same verdicts on the python codegen, above
 def test_on_inductor_a_split_that_does_not_pay_is_lowered_again_whole(world):
     # The default codegen: the split graphs are priced inside Inductor's partition step,
     # before any kernel is generated; the region is then lowered whole, and runs as eager.
