@@ -11,6 +11,7 @@ GPUs a node): a group across nodes is carried by the network.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -36,6 +37,7 @@ _GEMM = {
     _aten.convolution,
     _aten.convolution_backward,
     _aten._scaled_mm,
+    _aten._grouped_mm,
 }
 _ATTENTION_PREFIXES = (
     "_scaled_dot_product",
@@ -136,6 +138,9 @@ def _flops(node: fx.Node) -> float:
     from torch.utils.flop_counter import flop_registry
 
     packet = getattr(node.target, "overloadpacket", None)
+    if packet is _aten._grouped_mm:
+        dims = _grouped_dims(node)
+        return 2.0 * math.prod(dims) if dims else 0.0
     formula = flop_registry.get(packet)
     attention = op_class(node) == "attention"
     if formula is None:
@@ -220,7 +225,9 @@ def annotate_node(node: fx.Node) -> OpCost:
     read = sum(nbytes(t) for a in node.all_input_nodes for t in _tensors(a.meta.get("val")))
     written = sum(nbytes(t) for t in _tensors(out))
     if cls in ("collective_issue", "collective_wait"):
-        return OpCost(cls, 0.0, float(read), name, node.name)
+        # the full tensor: an all-gather's output, a reduce-scatter's input, the larger side
+        # of an all-to-all whose splits differ (a rank that receives more than it sends)
+        return OpCost(cls, 0.0, float(max(read, written)), name, node.name)
     dims = _matmul_dims(node) if cls == "gemm" else ()
     return OpCost(cls, _flops(node), float(read + written), name, node.name, dims)
 
@@ -234,8 +241,34 @@ _MATMUL_OPERANDS: dict[Any, tuple[int, int]] = {  # the (a, b) operands of a @ b
 }
 
 
+def _grouped_dims(node: fx.Node) -> tuple[int, ...]:
+    """Return (groups, M, N, K) of a grouped matmul, per group on average; () if unread.
+
+    ``torch._grouped_mm`` multiplies G groups: a 2-D operand is cut into the groups by
+    offsets along its M (or, 2-D by 2-D, the weight gradient's, along K), a 3-D one holds
+    a matrix per group. Its FLOPs are 2·G·M·N·K.
+    """
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in node.args[:2]]
+    shapes = [v.shape for v in (*vals, node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    if len(shapes) != 3:
+        return ()
+    a, b, o = (concrete(tuple(s)) for s in shapes)
+    if len(a) == 2 and len(b) == 3:  # [M_total, K] x [G, K, N]
+        return (b[0], a[0] / b[0], b[2], a[1])
+    if len(a) == 3 and len(b) == 3:  # a batch of G
+        return (a[0], a[1], b[2], a[2])
+    if len(a) == 2 and len(b) == 2 and len(o) == 3:  # [M, K_total] x [K_total, N] -> [G, M, N]
+        return (o[0], o[1], o[2], a[1] / o[0])
+    if len(a) == 3 and len(b) == 2:  # [G, M, K] x [K, N_total] -> [M, N_total]
+        return (a[0], a[1], o[-1] / a[0], a[2])
+    return ()
+
+
 def _matmul_dims(node: fx.Node) -> tuple[int, ...]:
     """Return (batch, M, N, K) of a matmul node, or () for other GEMM-class ops."""
+    if getattr(node.target, "overloadpacket", None) is _aten._grouped_mm:
+        dims = _grouped_dims(node)  # the tiles of every group fill the SMs together
+        return tuple(math.ceil(d) for d in dims)
     where = _MATMUL_OPERANDS.get(getattr(node.target, "overloadpacket", None))
     if where is None or len(node.args) <= max(where):
         return ()
