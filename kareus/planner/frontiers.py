@@ -36,20 +36,36 @@ def compose_frontiers(
     anchors = [comps[m].fastest_choice().time_s for m in METHODS if m != "kareus"]
     anchors += [deadline_s] if deadline_s is not None else []
 
+    # Where no block splits and no collective overlaps, kareus's options are Perseus's under
+    # other names: its frontier is Perseus's, composed once (at kareus's anchors).
+    alike = with_originals and priced_alike(comps["kareus"], comps["perseus"])
+
     def compose(method: str) -> list[Solution]:
         comp = comps[method]
         if method == "megatron":
             return [comp.solve(minimise="time")]
-        return comp.frontier(settings.sweep_points, anchors if method == "kareus" else ())
+        mine = method == "kareus" or (alike and method == "perseus")
+        return comp.frontier(settings.sweep_points, anchors if mine else ())
+
+    def baselines() -> dict[str, list[Solution]]:
+        # a baseline priced as one composed before it has its frontier (as nanobatch+perseus
+        # where nothing splits: Perseus's)
+        out: dict[str, list[Solution]] = {}
+        for m in METHODS[:-1]:
+            twin = next((d for d in out if _frontier_twins(comps, m, d)), None)
+            out[m] = list(out[twin]) if twin is not None else compose(m)
+        return out
+
+    if alike:
+        note("composing the baselines (kareus's options are Perseus's: nothing splits)")
+        frontiers = baselines()
+        return {**frontiers, "kareus": list(frontiers["perseus"])}
 
     # The baselines are composed in a second thread while kareus is composed in this one:
     # the linear solver releases the GIL, and no composer reads another's results, so the
     # plan is the same as one thread's (at PP 16 x 64 this saves the baselines' ~25 s).
     note("composing kareus (the baselines alongside)")
-    frontiers = _alongside(
-        lambda: {m: compose(m) for m in METHODS if m != "kareus"},
-        lambda: compose("kareus"),
-    )
+    frontiers = _alongside(baselines, lambda: compose("kareus"))
     note("proving kareus's frontier against the baselines")
 
     # Every baseline plan on the split graphs is also a kareus plan (its options are a
@@ -67,6 +83,27 @@ def compose_frontiers(
             frontiers["kareus"], frontiers["perseus"], comps["kareus"], comps["perseus"]
         )
     return frontiers
+
+
+def _frontier_twins(comps: dict[str, Composer], a: str, b: str) -> bool:
+    """Whether methods ``a`` and ``b`` compose one frontier (Megatron's is one point)."""
+    return "megatron" not in (a, b) and priced_alike(comps[a], comps[b])
+
+
+def priced_alike(a: Composer, b: Composer) -> bool:
+    """Whether two composers solve one problem.
+
+    The same iteration, and options alike in all but their profiles' names: the same clocks,
+    times and energies (two profiles priced the same, as a split graph's blocks left whole
+    and the original's, count once).
+    """
+    if a.it is not b.it or a.options.keys() != b.options.keys():
+        return False
+    return all(
+        {(o.freq_mhz, o.time_s, o.dynamic_energy_j) for o in a.options[g]}
+        == {(o.freq_mhz, o.time_s, o.dynamic_energy_j) for o in b.options[g]}
+        for g in a.options
+    )
 
 
 def _alongside(
