@@ -485,6 +485,11 @@ def aot_partitions() -> tuple[Any, Any]:
     return default_partition, min_cut_rematerialization_partition
 
 
+def grouped_mm() -> Any:
+    """Return ``torch._grouped_mm`` (GEMMs of row groups cut by offsets); None without it."""
+    return getattr(torch, "_grouped_mm", None)
+
+
 def fake_tensor_mode_type() -> type:
     """Return ``FakeTensorMode``."""
     from torch._subclasses.fake_tensor import FakeTensorMode

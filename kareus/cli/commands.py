@@ -178,7 +178,12 @@ def _plan_evaluator(args: argparse.Namespace, spec: Any) -> tuple[Any, Any]:
 def _print_planned(planned: Any, args: argparse.Namespace) -> None:
     """Print what ``kareus plan`` found and write its files."""
     from kareus._table import render_table
-    from kareus.jobs.report import COMPARISON_HEADER, comparison_rows, write_outputs
+    from kareus.jobs.report import (
+        COMPARISON_HEADER,
+        comparison_rows,
+        traffic_sentence,
+        write_outputs,
+    )
 
     source = (
         f"partitions from the trace cache ({planned.cached}; --no-cache traces again) in"
@@ -193,7 +198,8 @@ def _print_planned(planned: Any, args: argparse.Namespace) -> None:
     )
     for i, pset in planned.distinct_stages():
         print(f"stage {i} partition types (repeated layers counted):")
-        print(pset.to_text() + "\n")
+        print(pset.to_text())
+        print(f"one micro-batch, {traffic_sentence(planned, pset)}\n")
     print(planned.plan.to_text() + "\n")
     print(
         render_table(
@@ -278,6 +284,8 @@ def _workload(args: argparse.Namespace) -> Any:
         tp=args.tp,
         cp=args.cp,
         pp=args.pp,
+        ep=args.ep,
+        expert_skew=args.expert_skew,
         microbatch_size=args.microbatch_size,
         seq_len=args.seq_len,
         microbatches=args.microbatches,

@@ -90,6 +90,7 @@ def _workload_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    _expert_options(p)
     p.add_argument("--microbatch-size", type=int, default=8, help="sequences per micro-batch")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration")
@@ -138,6 +139,25 @@ def _workload_options(p: argparse.ArgumentParser) -> None:
         type=_layers_traced,
         default=4,
         help="layers traced per pipeline stage (at least 4); the others are counted",
+    )
+
+
+def _expert_options(p: argparse.ArgumentParser) -> None:
+    """Options of a mixture-of-experts model's expert parallelism."""
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size of a mixture-of-experts model (its experts split over "
+        "N data-parallel ranks, reached by an all-to-all)",
+    )
+    p.add_argument(
+        "--expert-skew",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="the busiest expert's load as a multiple of the mean (1: uniform routing); "
+        "the plan is priced on the rank that holds it",
     )
 
 

@@ -14,6 +14,7 @@ import torch
 
 from kareus.compiler.config import GRAPHS
 from kareus.models.llama import Llama
+from kareus.models.moe import set_planned_load
 from kareus.models.parallel import gather_in_graph
 from kareus.models.sources import FactoryModel, HFModel, StepInputs, step_loss
 
@@ -69,6 +70,7 @@ def _build_stage(
     dtype = DTYPES[work.dtype]
     tp_group, cp_group, *rest = groups
     dp_group = rest[0] if rest else None
+    ep_group = rest[1] if len(rest) > 1 else None
     local_seq = work.seq_len // work.cp
     if isinstance(work.model, (HFModel, FactoryModel)):
         return work.model.build(
@@ -82,9 +84,11 @@ def _build_stage(
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = Llama(cfg, tp_group, cp_group, stage=(stage, work.stages))
+        model = Llama(cfg, tp_group, cp_group, stage=(stage, work.stages), ep_group=ep_group)
     finally:
         torch.set_default_dtype(default)
+    # fake tensors carry no routing: the experts' counts are the expected load's
+    set_planned_load(model, work.microbatch_size * local_seq, work.expert_skew)
     if dp_group is not None:
         gather_in_graph(model, dp_group)
     shape = (work.microbatch_size, local_seq)

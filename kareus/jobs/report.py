@@ -12,6 +12,7 @@ from typing import Any
 
 from kareus._files import check_output_dir, write_text
 from kareus._table import fig
+from kareus.ir.partitions import PartitionSet
 from kareus.ir.plan_file import FrontierPoint, Plan
 from kareus.jobs.stages_file import save_stages
 from kareus.jobs.workload import WorkloadPlan
@@ -531,8 +532,21 @@ def _partitions_section(planned: WorkloadPlan) -> list[str]:
             "",
             _md_table(("type", "per micro-batch", "compute ‖ collective", "launch slots"), rows),
             "",
+            f"One micro-batch's forward and backward, {traffic_sentence(planned, pset)}",
+            "",
         ]
     return lines
+
+
+def traffic_sentence(planned: WorkloadPlan, pset: PartitionSet) -> str:
+    """Each collective kind's time and share beside the compute of one micro-batch."""
+    from kareus.jobs.traffic import stage_traffic
+
+    traffic = stage_traffic(pset, planned.spec, planned.result.settings.default_sm_share)
+    return (
+        "at the highest clock, each collective alone (modelled, before any overlap): "
+        + traffic.describe()
+    )
 
 
 def _cost_section(planned: WorkloadPlan) -> list[str]:

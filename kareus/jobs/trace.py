@@ -73,6 +73,12 @@ class Workload:
             stage also holds the embedding, the last the head and loss); None splits evenly.
         dp, dp_mode, gpus_per_node, reshard_after_forward: the data-parallel layout
             (:class:`~kareus.planner.data_parallel.DataParallel`); ``dp`` None: none.
+        ep: expert-parallel size of a mixture-of-experts model: its experts split over
+            ``ep`` ranks that hold different tokens (borrowed from data parallelism, as
+            torchtitan and Megatron-LM do: ``dp``, when given, is a multiple of it); the
+            tokens reach their experts by an all-to-all.
+        expert_skew: the load of the busiest expert as a multiple of the mean (1: uniform
+            routing); the traced rank holds it, so the plan is priced on the busiest rank.
     """
 
     model: str | LlamaConfig | ModelSource
@@ -92,6 +98,8 @@ class Workload:
     dp_mode: str = "ddp"
     gpus_per_node: int = 8
     reshard_after_forward: bool = True
+    ep: int = 1
+    expert_skew: float = 1.0
 
     def __post_init__(self) -> None:
         from kareus.planner.dag import SCHEDULES
@@ -130,9 +138,40 @@ class Workload:
             # the layer count is checked against the stages above, not divided by them
             cfg = dataclasses.replace(cfg, num_layers=self.stages)
         if cfg is not None:
-            cfg.check_parallel(tp=self.tp, cp=self.cp, pp=self.stages, seq_len=self.seq_len)
+            cfg.check_parallel(
+                tp=self.tp, cp=self.cp, pp=self.stages, ep=self.ep, seq_len=self.seq_len
+            )
+        self._check_experts(cfg)
         if self.dp is not None:
             self.data_parallel()  # raises on a layout kareus cannot plan
+
+    def _check_experts(self, cfg: LlamaConfig | None) -> None:
+        """Raise ValueError on an expert-parallel layout kareus cannot trace."""
+        if self.ep < 1:
+            raise ValueError(f"ep must be at least 1, got {self.ep}")
+        if self.ep > 1 and not isinstance(self.model, (str, LlamaConfig)):
+            raise ValueError(
+                f"--ep {self.ep}: expert parallelism is traced on kareus's presets "
+                f"(mixtral-8x7b, qwen3-30b-a3b) or a LlamaConfig with num_experts; "
+                f"{self.name} is traced with its experts whole on each rank (leave --ep out)"
+            )
+        if self.dp is not None and self.dp % self.ep:
+            raise ValueError(
+                f"dp={self.dp} is not a multiple of ep={self.ep}: the expert-parallel ranks "
+                "are data-parallel ranks (each holds its own tokens)"
+            )
+        if self.graph_dp > 1 and self.ep > 1:
+            raise ValueError(
+                "expert parallelism under SimpleFSDP (dp_mode='simplefsdp') is not traced: "
+                "use dp_mode 'fsdp' or 'ddp'"
+            )
+        if self.expert_skew != 1.0 and (cfg is None or not cfg.num_experts):
+            raise ValueError(f"expert_skew={self.expert_skew} needs a mixture-of-experts model")
+        if cfg is not None and cfg.num_experts:
+            from kareus.models.moe import planned_load
+
+            tokens = self.microbatch_size * (self.seq_len // self.cp)
+            planned_load(tokens, cfg.num_experts, cfg.experts_per_token, self.expert_skew)
 
     @property
     def graph_dp(self) -> int:
@@ -195,8 +234,12 @@ class Workload:
         c, tp = self.config, self.tp
         head_dim = c.head_dim or c.hidden_size // c.num_heads
         attention = c.hidden_size * head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
-        mlp = (3 if c.mlp == "swiglu" else 2) * c.hidden_size * c.intermediate_size
+        mlp: float = (3 if c.mlp == "swiglu" else 2) * c.hidden_size * c.intermediate_size
         norms = 2 * c.hidden_size + (2 * head_dim if c.qk_norm else 0)
+        if c.num_experts:  # this rank's experts (and the router, replicated)
+            experts = 3 * c.hidden_size * c.expert_size * c.num_experts / self.ep
+            mlp = experts + 3 * c.hidden_size * c.shared_expert_size
+            norms += c.hidden_size * c.num_experts
         per_layer = (attention + mlp) / tp + norms
         table = c.vocab_size * c.hidden_size / tp
         layers = self.stage_layers()
@@ -249,17 +292,20 @@ class Workload:
                 else ""
             )
             + (f", {self.recompute} recompute" if self.recompute != "none" else "")
+            + (f", EP {self.ep}" if self.ep > 1 else "")
+            + (f", expert skew {self.expert_skew:g}" if self.expert_skew != 1.0 else "")
         )
 
 
 @contextlib.contextmanager
-def fake_world(tp: int, cp: int, dp: int = 1) -> Iterator[tuple[Any, Any, Any]]:
-    """Start a fake process group of ``tp * cp * dp`` ranks; yield (tp, cp, dp groups).
+def fake_world(tp: int, cp: int, dp: int = 1, ep: int = 1) -> Iterator[tuple[Any, ...]]:
+    """Start a fake process group; yield the (tp, cp, dp, ep) groups.
 
     This process plays rank 0. Ranks are ordered as Megatron-LM and torch's device meshes
     order them: tensor parallel innermost, then context, then data parallel (``dp`` > 1 only
-    where data parallelism is in the graphs, :attr:`Workload.graph_dp`). A group of one
-    rank is None.
+    where data parallelism is in the graphs, :attr:`Workload.graph_dp`). The expert-parallel
+    group takes the first ``ep`` data-parallel ranks (stride ``tp * cp``): with TP x CP of
+    8 and EP 2 its all-to-all crosses nodes of 8 GPUs. A group of one rank is None.
 
     Raises:
         TraceError: a process group is already initialised in this process.
@@ -271,13 +317,14 @@ def fake_world(tp: int, cp: int, dp: int = 1) -> Iterator[tuple[Any, Any, Any]]:
             "tracing at scale starts its own fake process group, but this process already "
             "has one; trace in a separate process (`kareus plan` does)"
         )
-    world = tp * cp * dp
+    world = tp * cp * max(dp, ep)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         tp_group = dist.new_group(list(range(tp))) if tp > 1 else None
         cp_group = dist.new_group(list(range(0, tp * cp, tp))) if cp > 1 else None
-        dp_group = dist.new_group(list(range(0, world, tp * cp))) if dp > 1 else None
-        yield tp_group, cp_group, dp_group
+        dp_group = dist.new_group(list(range(0, tp * cp * dp, tp * cp))) if dp > 1 else None
+        ep_group = dist.new_group(list(range(0, tp * cp * ep, tp * cp))) if ep > 1 else None
+        yield tp_group, cp_group, dp_group, ep_group
     finally:
         dist.destroy_process_group()
 
@@ -321,7 +368,7 @@ def trace_stage(
         work: the configuration.
         stage: the pipeline stage.
         layers: decoder layers traced.
-        groups: the (TP, CP, DP) process groups of :func:`fake_world`; with a DP group,
+        groups: the (TP, CP, DP, EP) process groups of :func:`fake_world`; with a DP group,
             the stage's parameters are sharded over it and gathered in the graph
             (:func:`~kareus.models.parallel.gather_in_graph`, SimpleFSDP).
         extract: also keep each partition type as a runnable program; its collective's
@@ -367,6 +414,20 @@ def _stage_trace(compiled: Any, work: Workload, stage: int, groups: tuple[Any, .
     found: dict[int, dict[str, PartitionProgram]] = {}
     for region in backend.regions:
         notes.extend(region.notes)
+        blocks = region.findings.get("find_blocks")
+        if blocks is not None and blocks.skipped:
+            why = next(iter(blocks.skipped.values()))
+            if work.shape is not None and work.shape.num_experts:
+                why = (
+                    "mixture-of-experts blocks are planned whole (the experts' token counts "
+                    "are the planned load's constants; splitting a block whose routing sorts "
+                    "the micro-batch's tokens together is not built): clocks and each "
+                    "all-to-all are planned, as Perseus would"
+                )
+            notes.append(
+                f"stage {stage}: {len(blocks.skipped)} of {len(blocks.blocks)} blocks left "
+                f"whole: {why}"
+            )
         pset = region.findings.get("cut_partitions")
         if pset is not None and "backward" in pset.other:
             psets.append(pset)
@@ -390,7 +451,7 @@ def _stage_trace(compiled: Any, work: Workload, stage: int, groups: tuple[Any, .
     notes.extend(f"stage {stage} {kind}: {note}" for kind, note in psets[0].notes.items())
     roles = {
         g.group_name: role
-        for g, role in zip(groups, ("tp", "cp", "dp"), strict=False)
+        for g, role in zip(groups, ("tp", "cp", "dp", "ep"), strict=False)
         if g is not None
     }
     for program in programs.values():
@@ -460,7 +521,7 @@ def trace_programs(
     note = progress or (lambda _s: None)
     by_kind: dict[int, StageTrace] = {}
     notes: list[str] = []
-    with fake_world(work.tp, work.cp, work.graph_dp) as groups:
+    with fake_world(work.tp, work.cp, work.graph_dp, work.ep) as groups:
         for kind in stage_kinds(work.stages):
             layers_of = (
                 f"{traced[kind]} of {per_stage[kind]} layers" if per_stage[kind] else "whole"

@@ -1,5 +1,8 @@
 """A Llama/Qwen3-style decoder: RMSNorm, RoPE, GQA attention through SDPA, SwiGLU MLP.
 
+With ``num_experts`` the MLP is a mixture of experts (Mixtral, Qwen3-MoE;
+:mod:`kareus.models.moe`), its experts split over an expert-parallel group.
+
 Written plainly so that its graphs look like those of production models (HF transformers,
 Megatron-LM, torchtitan). Options cover the variants kareus must handle: optional QK-norm
 (Qwen3), tied embeddings, a plain GELU MLP, and post-norm blocks.
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kareus.models.moe import MoE
 from kareus.models.parallel import (
     ColumnParallelLinear,
     Group,
@@ -63,6 +67,11 @@ class LlamaConfig:
     mlp: str = "swiglu"  # or "gelu"
     norm_position: str = "pre"  # or "post"
     dropout: float = 0.0
+    num_experts: int = 0  # 0: a dense MLP; else routed experts (kareus.models.moe)
+    experts_per_token: int = 2
+    moe_intermediate_size: int = 0  # an expert's intermediate size (0: intermediate_size)
+    shared_expert_size: int = 0  # a shared expert's intermediate size (0: none)
+    norm_topk: bool = True  # renormalise the chosen experts' weights to sum to 1
 
     def __post_init__(self) -> None:
         if self.head_dim is None and self.hidden_size % self.num_heads:
@@ -77,21 +86,43 @@ class LlamaConfig:
             raise ValueError(f"mlp={self.mlp!r} must be 'swiglu' or 'gelu'")
         if self.norm_position not in ("pre", "post"):
             raise ValueError(f"norm_position={self.norm_position!r} must be 'pre' or 'post'")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"experts_per_token={self.experts_per_token} must be between 1 and "
+                f"num_experts={self.num_experts}"
+            )
+
+    @property
+    def expert_size(self) -> int:
+        """An expert's intermediate size."""
+        return self.moe_intermediate_size or self.intermediate_size
 
     @property
     def dim_per_head(self) -> int:
         """Size of one attention head."""
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
 
-    def check_parallel(self, *, tp: int = 1, cp: int = 1, pp: int = 1, seq_len: int = 0) -> None:
+    def check_parallel(
+        self, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, seq_len: int = 0
+    ) -> None:
         """Raise ValueError, naming the dimension, when a parallel size does not divide it."""
+        if ep > 1 and not self.num_experts:
+            raise ValueError(
+                f"expert-parallel size {ep} needs a mixture-of-experts model (num_experts > 0)"
+            )
         checks = [
             (tp, "tensor-parallel size", "num_kv_heads", self.num_kv_heads),
             (tp, "tensor-parallel size", "num_heads", self.num_heads),
             (tp, "tensor-parallel size", "intermediate_size", self.intermediate_size),
             (tp, "tensor-parallel size", "vocab_size", self.vocab_size),
             (pp, "pipeline-parallel size", "num_layers", self.num_layers),
+            (ep, "expert-parallel size", "num_experts", self.num_experts),
         ]
+        if self.num_experts:
+            checks.append((tp, "tensor-parallel size", "expert size", self.expert_size))
+            if self.shared_expert_size:
+                shared = self.shared_expert_size
+                checks.append((tp, "tensor-parallel size", "shared expert", shared))
         if seq_len and cp > 1:  # two chunks per rank: the load-balanced layout
             checks.append(
                 (2 * cp, "doubled context-parallel size (two chunks per rank)", "seq_len", seq_len)
@@ -140,12 +171,31 @@ PRESETS: dict[str, LlamaConfig] = {
     "llama3.3-70b": _llama3(80, 8192, 64, 28672, tied=False),
     "qwen3-1.7b": _qwen3(28, 2048, 16, 6144, tied=True),
     "qwen3-8b": _qwen3(36, 4096, 32, 12288, tied=False),
+    "mixtral-8x7b": LlamaConfig(
+        vocab_size=32000,
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        intermediate_size=14336,
+        rope_theta=1000000.0,
+        num_experts=8,
+        experts_per_token=2,
+    ),
+    "qwen3-30b-a3b": dataclasses.replace(
+        _qwen3(48, 2048, 32, 6144, tied=False),
+        num_kv_heads=4,
+        num_experts=128,
+        experts_per_token=8,
+        moe_intermediate_size=768,
+    ),
     # Tiny shapes for tests and examples.
     "tiny": LlamaConfig(),
     "tiny-4l": LlamaConfig(num_layers=4, hidden_size=64, intermediate_size=128),
     "tiny-8l": LlamaConfig(num_layers=8, hidden_size=64, intermediate_size=128),
     "tiny-16l": LlamaConfig(num_layers=16, hidden_size=64, intermediate_size=128),
     "tiny-qwen3": LlamaConfig(qk_norm=True, tie_embeddings=True),
+    "tiny-moe": LlamaConfig(num_experts=4, experts_per_token=2, shared_expert_size=32),
 }
 """Named shapes: real models' published shapes, and tiny ones for tests and examples."""
 
@@ -364,15 +414,21 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One transformer block: attention and MLP, each with a residual connection."""
+    """One transformer block: attention and MLP (or experts), each with a residual connection."""
 
-    def __init__(self, cfg: LlamaConfig, tp_group: Group = None, cp_group: Group = None) -> None:
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        tp_group: Group = None,
+        cp_group: Group = None,
+        ep_group: Group = None,
+    ) -> None:
         super().__init__()
         self.pre = cfg.norm_position == "pre"
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.attn = Attention(cfg, tp_group, cp_group)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = MLP(cfg, tp_group)
+        self.mlp = MoE(cfg, tp_group, ep_group) if cfg.num_experts else MLP(cfg, tp_group)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -396,6 +452,8 @@ class Llama(nn.Module):
             load-balanced layout); its loss is the mean over them: average the loss and
             sum-then-average the gradients over the group as with data parallelism.
         stage: ``(index, count)`` to hold only one pipeline stage's layers.
+        ep_group: a process group over which a mixture-of-experts model's experts are split
+            (expert parallelism; its ranks hold different tokens, as data-parallel ranks do).
 
     The first stage's ``forward`` takes token ids, the others hidden states [batch, seq,
     hidden]; the last returns logits (or the loss when ``labels`` are given), the others
@@ -409,12 +467,13 @@ class Llama(nn.Module):
         cp_group: Group = None,
         *,
         stage: tuple[int, int] = (0, 1),
+        ep_group: Group = None,
     ) -> None:
         super().__init__()
         index, count = stage
         if not 0 <= index < count:
             raise ValueError(f"stage={stage} must be (index, count) with 0 <= index < count")
-        cfg.check_parallel(tp=_size(tp_group), cp=_size(cp_group), pp=count)
+        cfg.check_parallel(tp=_size(tp_group), cp=_size(cp_group), pp=count, ep=_size(ep_group))
         self.cfg = cfg
         self.first, self.last = index == 0, index == count - 1
         self.tp_group = group_name(tp_group) if tp_group is not None else None
@@ -429,7 +488,9 @@ class Llama(nn.Module):
                 if tp_group is None
                 else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group)
             )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp_group, cp_group) for _ in range(per_stage))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, tp_group, cp_group, ep_group) for _ in range(per_stage)
+        )
         self.norm: nn.Module | None = None
         self.lm_head: nn.Module | None = None
         if self.last:

@@ -7,7 +7,9 @@ overlap scheduler can move apart. The autograd functions follow Megatron-LM:
 - :func:`copy_to_tp` ("f"): identity forward, all-reduce of the gradient backward;
 - :func:`reduce_from_tp` ("g"): all-reduce forward, identity backward;
 - :func:`gather_from_sp` / :func:`scatter_to_sp`: all-gather forward with reduce-scatter
-  backward, and the reverse (sequence parallelism).
+  backward, and the reverse (sequence parallelism);
+- :func:`all_to_all`: rows exchanged by split sizes, the gradient sent back the same way
+  with the sizes swapped (expert parallelism's dispatch and combine).
 
 :class:`ColumnParallelLinear` and :class:`RowParallelLinear` shard a linear layer's weight by
 output or input features across the group. :func:`gather_in_graph` shards parameters over a
@@ -121,6 +123,20 @@ class _ScatterToSP(torch.autograd.Function):
         return _all_gather(grad, ctx.size, ctx.name, ctx.dim), None, None, None
 
 
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], name: str
+    ) -> torch.Tensor:
+        ctx.out_splits, ctx.in_splits, ctx.name = out_splits, in_splits, name
+        return _fc.wait_tensor(_fc.all_to_all_single(x.contiguous(), out_splits, in_splits, name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        back = _fc.all_to_all_single(grad.contiguous(), ctx.in_splits, ctx.out_splits, ctx.name)
+        return _fc.wait_tensor(back), None, None, None
+
+
 def copy_to_tp(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Megatron's "f": identity forward, all-reduce of the gradient in the backward."""
     return _CopyToTP.apply(x, group_name(group))
@@ -139,6 +155,17 @@ def gather_from_sp(x: torch.Tensor, group: Group = None, dim: int = 0) -> torch.
 def scatter_to_sp(x: torch.Tensor, group: Group = None, dim: int = 0) -> torch.Tensor:
     """Reduce-scatter along ``dim`` forward; all-gather of the gradient backward."""
     return _ScatterToSP.apply(x, group_size(group), group_name(group), dim)
+
+
+def all_to_all(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group = None
+) -> torch.Tensor:
+    """Send ``x``'s rows to the ranks in ``in_splits`` counts; receive ``out_splits`` rows.
+
+    Row block i of ``x`` (``in_splits[i]`` rows) goes to rank i; the result holds rank j's
+    block (``out_splits[j]`` rows) in rank order. The backward sends the gradient back.
+    """
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group_name(group))
 
 
 def _shard(full: int, world: int, what: str) -> int:

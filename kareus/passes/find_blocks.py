@@ -44,7 +44,9 @@ _PARAMETRIZATION = re.compile(r"\.parametrizations\.\w+$")
 SimpleFSDP gathers a weight): indexed, but not a list of layers."""
 _ROOT = re.compile(r"^L\[['\"]\w+['\"]\](?:\[\d+\])*\.?")
 _COMPUTE = ("call_function", "call_method", "call_module")
-_PLUMBING = frozenset({"getitem", "autograd_function_apply", "view_as"})
+# (``size``: Dynamo reads a symbolic size where a block first meets it, in the first layer
+# only, and reuses it in the next)
+_PLUMBING = frozenset({"getitem", "autograd_function_apply", "view_as", "size"})
 
 
 @dataclasses.dataclass(frozen=True)

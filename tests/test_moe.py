@@ -1,0 +1,165 @@
+"""Mixture of experts: the layer against a per-token loop, expert parallelism over gloo against
+one rank, and tracing at scale pricing the all-to-all and the grouped GEMMs at the planned load."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from kareus.hardware import gpu
+from kareus.jobs.trace import Workload, trace
+from kareus.jobs.traffic import stage_traffic, stage_work
+from kareus.models import Llama, LlamaConfig, preset
+from kareus.models.moe import MoE, planned_load
+from kareus.testing import run_ranks
+
+CFG = LlamaConfig(num_experts=4, experts_per_token=2, shared_expert_size=32)
+
+
+def test_planned_load_is_uniform_or_skewed_and_adds_up_to_the_token_copies():
+    assert planned_load(64, 4, 2) == (32, 32, 32, 32)
+    skewed = planned_load(64, 4, 2, skew=1.5)
+    assert skewed[0] == 48 and sum(skewed) == 128 and max(skewed[1:]) - min(skewed[1:]) <= 1
+    assert sum(planned_load(1000, 128, 8, skew=3.0)) == 8000
+    with pytest.raises(ValueError, match="between 1 .* and 2"):
+        planned_load(64, 4, 2, skew=2.5)  # no expert gets a token twice
+    with pytest.raises(ValueError, match="between 1"):
+        planned_load(64, 4, 2, skew=0.5)
+
+
+def _by_token(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The layer's output, one token and one chosen expert at a time."""
+    tokens = x.reshape(-1, x.shape[-1])
+    probs = layer.router(tokens).float().softmax(-1)
+    out = torch.zeros_like(tokens)
+    for t in range(tokens.shape[0]):
+        weights, chosen = probs[t].topk(layer.top_k)
+        weights = weights / weights.sum()
+        for w, e in zip(weights, chosen.tolist(), strict=True):
+            h = F.silu(tokens[t] @ layer.w_gate[e]) * (tokens[t] @ layer.w_up[e])
+            out[t] += w * (h @ layer.w_down[e])
+    assert layer.shared is not None
+    gate, up, down = layer.shared
+    return (out + down(F.silu(gate(tokens)) * up(tokens))).view(x.shape)
+
+
+def test_the_layer_computes_each_tokens_chosen_experts_and_their_gradients():
+    torch.manual_seed(0)
+    layer = MoE(CFG)
+    x = torch.randn(3, 8, CFG.hidden_size, requires_grad=True)
+    got = layer(x)
+    grads = torch.autograd.grad(got.square().sum(), [x, *layer.parameters()])
+    want = _by_token(layer, x)
+    ref = torch.autograd.grad(want.square().sum(), [x, *layer.parameters()])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+def test_in_bf16_the_experts_run_as_grouped_gemms_equal_to_one_matmul_per_expert(monkeypatch):
+    import kareus.models.moe as moe
+
+    torch.manual_seed(0)
+    layer = MoE(CFG).to(torch.bfloat16)
+    x = torch.randn(2, 8, CFG.hidden_size, dtype=torch.bfloat16)
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(moe, "grouped_mm", lambda: lambda *a, **k: calls.append(1) or real(*a, **k))
+    grouped = layer(x)
+    assert len(calls) == 3  # gate, up, down: one grouped GEMM each
+    monkeypatch.setattr(moe, "grouped_mm", lambda: None)
+    torch.testing.assert_close(grouped, layer(x), rtol=2e-2, atol=2e-2)
+
+
+def _expert_parallel(rank):
+    """Rank r's tokens through experts split over 2 gloo ranks, and through all of them."""
+    torch.manual_seed(0)
+    full = Llama(CFG)
+    model = Llama(CFG, ep_group=dist.group.WORLD)
+    local = CFG.num_experts // 2
+    with torch.no_grad():
+        for key, param in model.state_dict().items():
+            src = full.state_dict()[key]
+            param.copy_(src[rank * local : (rank + 1) * local] if src.shape != param.shape else src)
+    ids = torch.randint(0, CFG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for name, m in (("ep", model), ("full", full)):
+        loss = m(ids, ids)
+        loss.backward()
+        out[name] = (loss.detach(), {k: p.grad.clone() for k, p in m.named_parameters()})
+    for key, g in out["full"][1].items():
+        if ".mlp.w_" in key:  # a rank's experts learn from both ranks' tokens
+            dist.all_reduce(g)
+            out["full"][1][key] = g[rank * local : (rank + 1) * local]
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_experts_split_over_two_gloo_ranks_train_as_all_experts_on_one():
+    """Data-dependent counts (a bincount, and an all-to-all of the counts), the dispatch and
+    combine all-to-alls with their backward: the loss and every gradient as one rank holding
+    all experts computes them (each rank's experts summed over both ranks' tokens)."""
+    for out in run_ranks(_expert_parallel):
+        (loss, grads), (ref_loss, ref_grads) = out["ep"], out["full"]
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        assert grads.keys() == ref_grads.keys()
+        for key, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def _stage(work: Workload):
+    stages, notes = trace(work)
+    return stages[0], notes
+
+
+def test_tracing_at_scale_prices_the_all_to_all_and_the_grouped_gemms_at_the_planned_load():
+    work = Workload(model="tiny-moe", ep=2, microbatch_size=2, seq_len=16)
+    pset, notes = _stage(work)
+    ops, colls = stage_work(pset)
+    # dispatch and combine forward, both again backward, in each of the 2 layers
+    assert [c.kind for c in colls] == ["all_to_all"] * 8 and {c.nodes for c in colls} == {1}
+    copies = 2 * 16 * 2  # tokens x experts per token, at the uniform load: as many received
+    assert {c.bytes for c in colls} == {copies * CFG.hidden_size * 2}  # bf16
+    grouped = [o for o in ops if o.name.startswith("_grouped_mm")]
+    assert len(grouped) == 18  # gate, up, down in each layer; twice each in the backward
+    assert {o.flops for o in grouped} == {2 * copies * CFG.hidden_size * CFG.intermediate_size}
+    assert any("mixture-of-experts blocks are planned whole" in n for n in notes), notes
+    traffic = stage_traffic(pset, gpu("h100"), 132)
+    assert traffic.by_kind["all_to_all"][0] == 8 and traffic.by_kind["all_to_all"][1] > 0
+    assert "all-to-all x8" in traffic.describe()
+
+    # The busiest expert at 1.5 x the mean, on the traced rank; its group across two nodes.
+    skewed = dataclasses.replace(work, expert_skew=1.5, gpus_per_node=1)
+    pset, _notes = _stage(skewed)
+    _ops, colls = stage_work(pset)
+    load = planned_load(2 * 16, 4, 2, skew=1.5)
+    assert load[0] == 24  # 1.5 x the mean
+    received = 2 * (load[0] + load[1])  # experts 0 and 1, from each of the 2 ranks
+    assert received > copies  # the traced rank receives more than it sends: priced so
+    assert {c.nodes for c in colls} == {2}
+    assert {c.bytes for c in colls} == {received * CFG.hidden_size * 2}
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"model": "tiny", "ep": 2}, "needs a mixture-of-experts model"),
+        ({"model": "tiny-moe", "ep": 3}, "num_experts=4 is not divisible by the expert-parallel"),
+        ({"model": "tiny-moe", "ep": 2, "dp": 3}, "dp=3 is not a multiple of ep=2"),
+        ({"model": "tiny-moe", "expert_skew": 3.0}, "expert skew 3.0 must be between 1"),
+        ({"model": "tiny", "expert_skew": 2.0}, "needs a mixture-of-experts model"),
+    ],
+)
+def test_expert_layouts_kareus_cannot_trace_are_named(fields, message):
+    with pytest.raises(ValueError, match=message):
+        Workload(**{"microbatch_size": 2, "seq_len": 16, **fields})
+
+
+def test_the_moe_presets_have_the_published_shapes():
+    mixtral, qwen = preset("mixtral-8x7b"), preset("qwen3-30b-a3b")
+    assert (mixtral.num_experts, mixtral.experts_per_token, mixtral.expert_size) == (8, 2, 14336)
+    assert (qwen.num_experts, qwen.experts_per_token, qwen.expert_size) == (128, 8, 768)
+    assert (qwen.num_layers, qwen.hidden_size, qwen.num_kv_heads) == (48, 2048, 4) and qwen.qk_norm
