@@ -30,7 +30,7 @@ def planned(tmp_path_factory):
     return main([*args, "--quiet"]), out
 
 
-@pytest.mark.parametrize("size", [1, 3])
+@pytest.mark.parametrize("size", [1, pytest.param(3, marks=pytest.mark.slow)])  # CI: 1
 def test_micro_batches_too_small_to_split_are_planned_whole_and_say_why(size, tmp_path, capsys):
     """Micro-batches of 1 to 3 sequences: the original graphs are traced once and planned
     (clocks per instruction, each collective alone), the baselines priced on the same

@@ -88,11 +88,14 @@ def _read(path):
 # CI time: every point with SIGINT, and SIGTERM where the runtime's own handler differs most
 # (inside the controller's set, and twice in a row); the whole matrix where CI is not set.
 _SLOW_SIGTERM = pytest.mark.slow
+_CI_SIGINT = ("during_switch", "in_callback", "twice")
+"""CI's sample of the SIGINT points (the rest run with KAREUS_SLOW_TESTS=1): a signal while
+the clock is being set, inside the user's callback, and twice."""
 
 
 @pytest.mark.parametrize(
     ("point", "sig"),
-    [(p, "SIGINT") for p in POINTS]
+    [pytest.param(p, "SIGINT", marks=() if p in _CI_SIGINT else pytest.mark.slow) for p in POINTS]
     + [
         pytest.param(p, "SIGTERM", marks=() if p in ("during_switch", "twice") else _SLOW_SIGTERM)
         for p in POINTS

@@ -23,6 +23,8 @@ from kareus.testing import (
 
 DIM = 16
 
+_SLOW = pytest.mark.slow  # the slow set (docs/development.md): CI runs a sample
+
 
 class Layer(nn.Module):
     """Attention-shaped projections, then an MLP: two column/row-parallel pairs under TP."""
@@ -301,7 +303,12 @@ def dist_world() -> int:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("per_block", "reshard", "hsdp"),
-    [(False, True, False), (True, True, False), (True, False, False), (True, True, True)],
+    [
+        (False, True, False),
+        pytest.param(True, True, False, marks=pytest.mark.slow),  # CI: in the HSDP one
+        pytest.param(True, False, False, marks=pytest.mark.slow),
+        (True, True, True),
+    ],
     ids=["whole-model", "per-block", "per-block-no-reshard", "per-block-hsdp"],
 )
 def test_fsdp2_layers_are_regions_of_their_own(per_block, reshard, hsdp):
@@ -434,7 +441,11 @@ def _overlaps(region):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "per_block, dtype",
-    [(False, None), (True, None), (False, torch.bfloat16)],
+    [
+        pytest.param(False, None, marks=pytest.mark.slow),  # CI: in the bf16 gathers' run
+        (True, None),
+        (False, torch.bfloat16),
+    ],
     ids=["whole", "per_block", "whole_bf16_gathers"],
 )
 def test_simple_fsdp_gathers_overlap_the_compute_before_them(per_block, dtype):
@@ -544,10 +555,14 @@ def _ddp(rank, per_block, dim, optimize_ddp=True):
 @pytest.mark.parametrize(
     ("per_block", "dim", "optimize_ddp", "want_split"),
     [
-        (False, DIM, True, ["layers.0", "layers.1", "layers.2", "layers.3"]),
+        # (CI's sample: split per block, kept whole by a bucket cut, split without DDP's
+        # optimizer; the other two are the slow set's)
+        pytest.param(
+            False, DIM, True, ["layers.0", "layers.1", "layers.2", "layers.3"], marks=_SLOW
+        ),
         (True, DIM, True, ["Layer.0"] * 4),
         (False, 256, True, []),
-        (True, 256, True, []),
+        pytest.param(True, 256, True, [], marks=_SLOW),
         (True, 256, False, ["Layer.0"] * 4),
     ],
     ids=["whole-1-bucket", "blocks-1-bucket", "whole-cut", "blocks-cut", "blocks-no-ddp-opt"],

@@ -42,8 +42,6 @@ from kareus.models.parallel import (
 if TYPE_CHECKING:
     from kareus.models.llama import LlamaConfig
 
-_fc = torch.ops._c10d_functional
-
 
 def planned_load(tokens: int, experts: int, top_k: int, skew: float = 1.0) -> tuple[int, ...]:
     """Return the token copies a rank sends to each expert at an expected load.
@@ -149,8 +147,7 @@ class MoE(nn.Module):
             return [list(mine) for _ in range(self.ep)]
         sent = torch.tensor(counts, device=self.router.weight.device)
         even = [local] * self.ep
-        got = _fc.wait_tensor(_fc.all_to_all_single(sent, even, even, self.ep_group))
-        return got.view(self.ep, local).tolist()
+        return all_to_all(sent, even, even, self.ep_group).view(self.ep, local).tolist()
 
     def _experts(self, routed: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Run the copies (grouped by expert, ``counts`` per expert) through the experts."""
