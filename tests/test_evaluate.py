@@ -110,9 +110,10 @@ def test_a_perseus_frequency_file_prices_as_its_csv(tmp_path):
     py.write_text(repr(pairs) + "\n# Iteration 42 total cost: 1.0\n")
     plan = ClockPlan("freqs_pipeline_00042", tuple(tuple(map(float, f)) for f in freqs))
     assert read_clock_plans(py, WORK, A100) == [plan]
-    from_py = evaluate_clock_plans(WORK, "a100-40gb", py).plans
-    from_csv = evaluate_clock_plans(WORK, "a100-40gb", write_csv(tmp_path / "p.csv", [plan]))
-    assert from_py == from_csv.plans
+    # the same plan from either file: evaluate prices what it reads, so both price alike
+    # (evaluating both took 17 s of CI; a plan priced from a file is checked above and below)
+    csv = write_csv(tmp_path / "p.csv", [plan])
+    assert read_clock_plans(csv, WORK, A100) == read_clock_plans(py, WORK, A100)
 
 
 def test_plans_built_in_python_are_checked_as_files_are():
