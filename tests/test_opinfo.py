@@ -1,6 +1,6 @@
 """kareus's per-sample verdict against PyTorch's own op descriptions (OpInfo), a sample.
 
-Every 12th float32 op of ``op_db`` (by name), two batched samples each: where kareus says an
+Every 16th float32 op of ``op_db`` (by name), two batched samples each: where kareus says an
 op acts per sample (it would split a block holding it), the op on the two halves, joined,
 must equal the op on the whole batch. The whole database is swept by
 ``python benchmarks/opinfo_sweep.py`` (docs/compile.md gives its figures).
