@@ -124,8 +124,8 @@ def test_each_overlapped_collective_flies_over_the_other_nanobatchs_kernels(spli
         assert len(flying) >= len(overlapping), (kind, [w.issue for w in windows])
 
 
-# CI's sample leaves it out: clocks on Inductor's graphs; a saved plan applied on Inductor stays
-# in CI
+# CI's sample leaves it out (and the saved plan below): a plan applied on Inductor with its
+# clock switches in place stays in CI (test_runtime.py), and plan files are read in test_cli.py
 @pytest.mark.slow
 def test_the_clock_switches_open_each_graph_and_close_the_backward(planned):
     *_, codes, compiled = planned
@@ -154,6 +154,7 @@ def test_no_size_symbol_reaches_inductor(split):
         assert sorted(used) == sorted(bound), [u for u in used if u not in bound]
 
 
+@pytest.mark.slow  # 59 s of CI (Inductor compiles it twice): siblings above
 def test_a_saved_plan_applies_with_the_default_codegen(planned, tmp_path, monkeypatch):
     base, batches, ref_losses, _codes, compiled = planned
     plan = kareus.explain(compiled).regions[0].inputs.plan
