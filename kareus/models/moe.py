@@ -47,8 +47,8 @@ def planned_load(tokens: int, experts: int, top_k: int, skew: float = 1.0) -> tu
     """Return the token copies a rank sends to each expert at an expected load.
 
     ``tokens`` tokens each pick ``top_k`` experts: ``tokens * top_k`` copies in all. Expert 0
-    takes ``skew`` times the mean (1: uniform), the others share the rest evenly; counts are
-    whole numbers adding up to the copies (largest remainders).
+    takes ``skew`` times the mean (1: uniform), the others share the rest evenly (the first
+    ones a copy more where it does not divide); counts add up to the copies.
 
     Raises:
         ValueError: a skew below 1, or above what routing allows (a token picks an expert
@@ -65,14 +65,8 @@ def planned_load(tokens: int, experts: int, top_k: int, skew: float = 1.0) -> tu
     if experts == 1:
         return (copies,)
     busiest = min(tokens, round(skew * mean))
-    rest = (copies - busiest) / (experts - 1)
-    shares = [rest] * (experts - 1)
-    counts = [math.floor(s) for s in shares]
-    for i in sorted(range(len(shares)), key=lambda i: counts[i] - shares[i])[
-        : copies - busiest - sum(counts)
-    ]:
-        counts[i] += 1
-    return (busiest, *counts)
+    each, extra = divmod(copies - busiest, experts - 1)
+    return (busiest, *(each + (i < extra) for i in range(experts - 1)))
 
 
 class MoE(nn.Module):
