@@ -552,7 +552,10 @@ def compile(
     compiled = torch.compile(model, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
     if isinstance(compiled, nn.Module):
         marks = BatchMarks(
-            backend.config.batch_dim or 0, model, mark=backend.config.nanobatches != 1
+            backend.config.batch_dim or 0,
+            model,
+            mark=backend.config.nanobatches != 1,
+            along=backend.config.split_along,
         )
         compiled.register_forward_pre_hook(marks.mark, with_kwargs=True)
         compiled.register_forward_hook(marks.unmark, always_call=True)

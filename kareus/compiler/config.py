@@ -18,6 +18,8 @@ from kareus.errors import ConfigError
 _CODEGENS = ("python", "inductor")
 SPLIT_WHEN = ("pays", "communicates")
 """The rules ``Config.split_when`` names."""
+SPLIT_ALONG = ("auto", "batch", "sequence")
+"""The dimensions ``Config.split_along`` names."""
 PARTITIONERS = ("min_cut", "default")
 """How AOTAutograd's joint graph is split into forward and backward (:attr:`Config.partitioner`)."""
 GRAPHS: dict[str, dict[str, Any]] = {
@@ -94,6 +96,17 @@ class Config:
         lambda v: v is None or (_is_int(v) and v >= 0),
         "The batch dimension of the model's inputs; None detects it from the inputs "
         "(dimension 0, or 1 for a Megatron-style [seq, batch, hidden] layout).",
+    )
+    split_along: str = _field(
+        "auto",
+        f"one of {SPLIT_ALONG}",
+        lambda v: v in SPLIT_ALONG,
+        "Which dimension a block is split along. 'auto' (default): the batch where it holds "
+        "at least 4 sequences, else the sequence (the dimension beside the batch: 1 for "
+        "[batch, seq, ...] inputs, 0 for [seq, batch, ...]), the two halves of each "
+        "sequence as the nanobatches, for causal attention only (the second half's "
+        "attention reads the first half's keys and values); 'batch' or 'sequence': that "
+        "one only. kareus.explain says which dimension each split block was split along.",
     )
     allow_random_split: bool = _field(
         False,

@@ -29,6 +29,7 @@ from kareus._torch_internals import (
 from kareus.compiler.config import Config
 from kareus.compiler.region import Region
 from kareus.errors import PassError
+from kareus.passes.batch_dims import MIN_NANOBATCH
 from kareus.passes.census import Key, as_side, census, collective_kind, describe, is_wait, lost
 from kareus.passes.outline import (
     check_no_random,
@@ -267,10 +268,6 @@ def symbols(values: Sequence[Any]) -> set[Any]:
             if isinstance(size, (torch.SymInt, torch.SymFloat, torch.SymBool)):
                 found |= size.node.expr.free_symbols
     return found
-
-
-MIN_NANOBATCH = 2
-"""The smallest nanobatch a split runs: a size of one would be specialised by Dynamo."""
 
 
 class Specialised:

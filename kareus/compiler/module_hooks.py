@@ -1,8 +1,8 @@
 """The hooks ``kareus.compile`` puts on a compiled module.
 
-Its batch dimension marked dynamic for each call and only for it, inputs still in flight
-waited for, and ``state_dict`` keys as the uncompiled model's (torch.compile's wrapper adds
-``_orig_mod.``).
+Its batch (or sequence) dimension marked dynamic for each call and only for it, inputs
+still in flight waited for, and ``state_dict`` keys as the uncompiled model's
+(torch.compile's wrapper adds ``_orig_mod.``).
 """
 
 from __future__ import annotations
@@ -12,14 +12,27 @@ from typing import Any
 import torch
 from torch import nn
 
+from kareus.passes.batch_dims import MIN_NANOBATCH
+
 _ORIG = "_orig_mod."
+
+SPLIT_BATCH_AT_LEAST = 2 * MIN_NANOBATCH
+"""The smallest batch split along the batch; a smaller one is split along the sequence."""
 
 
 class BatchMarks:
-    """Mark the inputs' batch dimension dynamic for the call, and only for it.
+    """Mark the inputs' batch (or sequence) dimension dynamic for the call, and only for it.
 
-    The nanobatch split needs a symbolic batch (sizes like ``view(b, ...)`` must follow
-    it). Two marks, because the tensors Dynamo traces are not always the ones passed:
+    The nanobatch split needs a symbolic size to cut (sizes like ``view(b, ...)`` must
+    follow it): the batch where it holds at least :data:`SPLIT_BATCH_AT_LEAST` sequences,
+    else the sequence (``along="auto"``; ``"batch"`` or ``"sequence"`` pick one). The
+    sequence is the dimension beside the batch of the first tensor input (1 after a batch
+    at 0, else 0); an input without it there is marked where its dimensions have the
+    sequence's length (a rotary table of ``[seq, dim]`` passed to a layer). A mark only
+    lets the size vary: the split proves from the graph's ops which dimension is the
+    sequence (:mod:`kareus.passes.per_sample`), and a wrong mark leaves the block whole.
+
+    Two marks, because the tensors Dynamo traces are not always the ones passed:
 
     - on each tensor input (``maybe_mark_dynamic``), read when Dynamo traces the call;
     - by name, through ``torch.compiler.config.dynamic_sources`` (``L['x']:0`` for each
@@ -39,9 +52,10 @@ class BatchMarks:
     2.13, with ``torch.compile`` alone too).
     """
 
-    def __init__(self, dim: int, module: Any, *, mark: bool = True) -> None:
+    def __init__(self, dim: int, module: Any, *, mark: bool = True, along: str = "auto") -> None:
         self.dim = dim
         self.do_mark = mark
+        self.along = along
         self.signature = _signature(getattr(module, "forward", None))  # read once
         self.marked: list[tuple[list[torch.Tensor], Any]] = []
 
@@ -53,15 +67,17 @@ class BatchMarks:
         marked: list[torch.Tensor] = []
         patch = None
         if self.do_mark:
+            dims_of = self._chooser((*args, *kwargs.values()))
             for value in (*args, *kwargs.values()):
-                if self._batched(value):
-                    if not getattr(value, "_has_dynamo_dim_marking", False):
-                        marked.append(value)
-                    torch._dynamo.maybe_mark_dynamic(value, self.dim)
+                dims = dims_of(value)
+                if dims and not getattr(value, "_has_dynamo_dim_marking", False):
+                    marked.append(value)
+                for d in dims:
+                    torch._dynamo.maybe_mark_dynamic(value, d)
             # by name only where hooks run before the forward Dynamo traces (FSDP2's):
             # without them Dynamo sees the tensors marked above (a config patch per call
             # cost about 0.1 ms)
-            patch = self._by_name(args, kwargs) if _hooked(module) else None
+            patch = self._by_name(args, kwargs, dims_of) if _hooked(module) else None
             if patch is not None:
                 patch.__enter__()
         self.marked.append((marked, patch))
@@ -77,6 +93,31 @@ class BatchMarks:
                 if hasattr(value, attr):
                     delattr(value, attr)
 
+    def _chooser(self, values: tuple[Any, ...]) -> Any:
+        """Return the function giving each input the dimensions to mark in this call."""
+        first = next(
+            (v for v in values if isinstance(v, torch.Tensor) and v.dim() > self.dim), None
+        )
+        seq_dim = 1 if self.dim == 0 else 0
+        batch = first.shape[self.dim] if first is not None else 0
+        by_sequence = self.along == "sequence" or (
+            self.along == "auto" and batch < SPLIT_BATCH_AT_LEAST
+        )
+        if not by_sequence or first is None or first.dim() <= seq_dim:
+            return lambda v: [self.dim] if self._batched(v) else []
+        length = first.shape[seq_dim]
+        if length < SPLIT_BATCH_AT_LEAST:
+            return lambda v: []
+
+        def sequence_dims(value: Any) -> list[int]:
+            if not isinstance(value, torch.Tensor):
+                return []
+            if value.dim() > seq_dim and value.shape[seq_dim] == length:
+                return [seq_dim]
+            return [d for d, size in enumerate(value.shape) if size == length]
+
+        return sequence_dims
+
     def _batched(self, value: Any) -> bool:
         return (
             isinstance(value, torch.Tensor)
@@ -84,7 +125,7 @@ class BatchMarks:
             and value.shape[self.dim] >= 2
         )
 
-    def _by_name(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _by_name(self, args: tuple[Any, ...], kwargs: dict[str, Any], dims_of: Any) -> Any:
         """Return a config patch naming the forward's tensor arguments dynamic, or None."""
         import re
 
@@ -98,9 +139,8 @@ class BatchMarks:
         for name, value in bound.arguments.items():
             values = value if isinstance(value, tuple) else (value,)  # *args
             for i, v in enumerate(values):
-                if self._batched(v):
-                    source = f"L[{name!r}]" + (f"[{i}]" if isinstance(value, tuple) else "")
-                    entries.append(f"{re.escape(source)}$:{self.dim}")
+                source = f"L[{name!r}]" + (f"[{i}]" if isinstance(value, tuple) else "")
+                entries += [f"{re.escape(source)}$:{d}" for d in dims_of(v)]
         config: Any = torch.compiler.config  # a config module: its fields are attributes
         if not entries or not hasattr(config, "dynamic_sources"):
             return None

@@ -53,8 +53,8 @@ class Workload:
             own (:class:`~kareus.models.sources.HFModel`, a Hugging Face ``config.json``;
             :class:`~kareus.models.sources.FactoryModel`, your function).
         tp, cp, pp: tensor, context and pipeline-parallel sizes.
-        microbatch_size: sequences per micro-batch (split into two nanobatches where it holds
-            4 or more; planned whole below).
+        microbatch_size: sequences per micro-batch (split into two nanobatches along the
+            batch where it holds 4 or more, along the sequence below).
         seq_len: tokens per sequence (split across the context-parallel ranks).
         microbatches: micro-batches per iteration (per pipeline).
         dtype: ``bf16``, ``fp16`` or ``fp32``.

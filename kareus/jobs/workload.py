@@ -16,7 +16,6 @@ import resource
 import time
 from collections.abc import Callable, Sequence
 
-from kareus.compiler.lowering import MIN_NANOBATCH
 from kareus.hardware import GPUSpec, gpu
 from kareus.ir.costs import Evaluator
 from kareus.ir.partitions import PartitionSet
@@ -134,8 +133,6 @@ def plan_workload(
     if on_traced is not None:
         on_traced(stages, originals)
     stages, originals, notes = _recomputed(work, stages, originals, notes)
-    if work.microbatch_size < 2 * MIN_NANOBATCH:
-        originals = stages  # one set of graphs, none split: the planner plans them whole
     result = plan_for_gpu(
         stages,
         spec,
@@ -212,14 +209,9 @@ def _partition_sets(
         notes: list[str] = []
         cached = None
         _log.info("read %d pipeline stages' partitions from %s", len(stages), partitions)
-    elif work.microbatch_size < 2 * MIN_NANOBATCH:
-        # nothing to split: the original graphs are traced once and planned as both
-        stages, notes, cached = traced_stages(
-            work, layers=layers, cache=cache, progress=progress, nanobatches=1
-        )
-        originals = stages
-        notes = [*notes, too_small_to_split(work.microbatch_size)]
     else:
+        # micro-batches of fewer than 2 * MIN_NANOBATCH sequences are split along the
+        # sequence where the layers' attention is causal (kareus.passes.split_nanobatches)
         stages, notes, cached = traced_stages(work, layers=layers, cache=cache, progress=progress)
         originals = _originals(work, layers, cache, evaluator, progress)
     if originals is None:
@@ -236,17 +228,6 @@ def parallelism(work: Workload) -> Parallelism:
         virtual_stages=work.virtual_stages,
         microbatches=work.microbatches,
         schedule=work.schedule,
-    )
-
-
-def too_small_to_split(microbatch_size: int) -> str:
-    """Say why a micro-batch of ``microbatch_size`` sequences is planned with whole layers."""
-    return (
-        f"micro-batches of {microbatch_size} sequence(s): a nanobatch of "
-        f"{microbatch_size // 2} is too small to split along the batch (the split needs "
-        f"{2 * MIN_NANOBATCH} or more), so every layer is planned whole: per-instruction "
-        "clocks, and each collective alone (as Perseus); a split along the sequence is not "
-        "built yet"
     )
 
 

@@ -38,6 +38,10 @@ class PassConfig(Protocol):
         """The inputs' batch dimension (None: 0)."""
 
     @property
+    def split_along(self) -> str:
+        """The dimension blocks are split along: "auto", "batch" or "sequence"."""
+
+    @property
     def allow_random_split(self) -> bool:
         """Whether blocks that draw random numbers may be split."""
 

@@ -17,6 +17,9 @@ import torch.fx as fx
 from kareus.passes.census import is_wait, priced_kind
 from kareus.passes.op_effects import arg_value, op_name
 
+MIN_NANOBATCH = 2
+"""The smallest nanobatch a split runs: a size of one would be specialised by Dynamo."""
+
 
 def batch_dim_of(value: Any, sym: Any) -> int | str | None:
     """Return the batch dimension of ``value``: its index, None (no batch), or "mixed".
@@ -259,12 +262,17 @@ def _stacked_for_scatter(node: Any, sym: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class BatchInfo:
-    """The symbolic batch size of a region and where it comes from."""
+    """The symbolic size a region's blocks are split along, and where it comes from.
+
+    ``along`` is "batch" (the nanobatches are halves of the batch) or "sequence" (halves
+    of each sequence: :func:`split_info`).
+    """
 
     size: torch.SymInt | int | None
     source: str
     dynamo_source: str = "L['x']"  # the input as Dynamo names it (dynamic_sources' syntax)
     dim: int = 0
+    along: str = "batch"
 
     @property
     def symbol(self) -> Any:
@@ -297,6 +305,31 @@ def batch_info(graph: fx.Graph, batch_dim: int) -> BatchInfo:
                 batch_dim,
             )
     return BatchInfo(None, "no tensor input")
+
+
+def split_info(graph: fx.Graph, batch_dim: int, along: str) -> BatchInfo:
+    """Return the size the region's blocks are split along (``Config.split_along``).
+
+    "auto": the batch where it is symbolic and holds two nanobatches of
+    :data:`MIN_NANOBATCH` or more, else the sequence (the dimension beside the batch) where
+    it is symbolic (and Dynamo did not fix it), else the batch (whose reason is given).
+    """
+    batch = batch_info(graph, batch_dim)
+    if along == "batch":
+        return batch
+    sequence = dataclasses.replace(batch_info(graph, 1 if batch_dim == 0 else 0), along="sequence")
+    if along == "sequence":
+        return sequence
+    halves = batch.symbol is not None and (batch.hint or 0) >= 2 * MIN_NANOBATCH
+    return batch if halves or not _still_symbolic(sequence.size) else sequence
+
+
+def _still_symbolic(size: Any) -> bool:
+    """Whether ``size`` is a symbol Dynamo did not fix to a constant while tracing."""
+    if not isinstance(size, torch.SymInt):
+        return False
+    env = size.node.shape_env
+    return env is None or bool(env.replace(size.node.expr).free_symbols)
 
 
 def fixed_batch_reason(graph: fx.Graph, batch: BatchInfo) -> str | None:

@@ -73,6 +73,7 @@ class BlockSet:
         blocks: every block found, in graph order.
         mismatched: blocks whose op sequence differs from their family's, with the reason.
         split: names of the blocks split into nanobatches.
+        split_along: what each split block's nanobatches halve: "batch" or "sequence".
         skipped: names of blocks left whole, with the reason.
         spans: per graph kind, per block name, per nanobatch (None when unsplit), the names
             of the block's nodes in that graph.
@@ -89,6 +90,7 @@ class BlockSet:
     whole_region: bool = False
     mismatched: dict[str, str] = dataclasses.field(default_factory=dict)
     split: list[str] = dataclasses.field(default_factory=list)
+    split_along: dict[str, str] = dataclasses.field(default_factory=dict)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     spans: dict[str, dict[str, dict[int | None, list[str]]]] = dataclasses.field(
         default_factory=dict
@@ -131,7 +133,8 @@ class BlockSet:
                 shared = f" +{len(span[None])} shared" if span.get(None) else ""
                 cells.append(per_nb + shared)
             if b.name in self.split:
-                cells += ["split", (notes or {}).get(b.name, "")]
+                along = self.split_along.get(b.name, "batch")
+                cells += [f"split ({along})", (notes or {}).get(b.name, "")]
             else:
                 cells += ["whole", self.skipped.get(b.name, self.mismatched.get(b.name, ""))]
             rows.append(cells)

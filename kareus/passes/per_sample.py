@@ -36,6 +36,7 @@ import torch.fx as fx
 from kareus.passes.batch_dims import batch_dim_of, rank_blocks_reason, rows_per_sample
 from kareus.passes.census import COLLECTIVE_NAMESPACES, is_wait, priced_kind, qualified_name
 from kareus.passes.op_effects import arg_value, op_name
+from kareus.passes.sequence_halves import causal_attention_reason
 from kareus.passes.subgraphs import bodies
 
 
@@ -263,12 +264,16 @@ def _pointwise(node: fx.Node) -> bool:
     return torch.Tag.pointwise in tags
 
 
-def why_not_per_sample(node: fx.Node, sym: Any) -> str:
+def why_not_per_sample(node: fx.Node, sym: Any, *, sequence: bool = False) -> str:
     """Return why ``node`` may compute a sample from other samples' data, or "" if it cannot.
 
     Args:
         node: a node of a Dynamo graph (or of a higher-order op's body in it).
-        sym: the batch symbol (sympy) of the region.
+        sym: the batch symbol (sympy) of the region, or the sequence's.
+        sequence: ``sym`` is the sequence's length, split in two halves of each sequence
+            (a "sample" is then a position): causal attention is allowed
+            (:func:`causal_attention_reason`), the split giving the second half the first
+            half's keys and values.
     """
     if node.op in ("placeholder", "output", "get_attr"):
         return ""
@@ -280,7 +285,7 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
     dims = [(i, batch_dim_of(i.meta.get("example_value"), sym)) for i in inputs]
     carrying = [(i, d) for i, d in dims if d is not None]
     if name in _HIGHER_ORDER:
-        return _body_reason(node, name, sym)
+        return _body_reason(node, name, sym, sequence)
     label = f"{node.name} ({name})"
     if name in _METADATA or (name == "getitem" and not _is_tensor(node.args[0])):
         return ""  # sizes; an element of a tuple (a split's parts, an op's outputs)
@@ -325,6 +330,10 @@ def why_not_per_sample(node: fx.Node, sym: Any) -> str:
         if _keeps_samples(source, carrying[0][1], value, out_dim, sym):  # type: ignore[arg-type]
             return ""
         return f"{label} moves elements of different samples into one row"
+    if sequence and name == "scaled_dot_product_attention":
+        return causal_attention_reason(node, sym, label)
+    if _gathers_rows(node, name, carrying):
+        return ""
     if name in _ALONG:
         return _aligned_reason(node, name, carrying, sym, label) or _along_reason(
             node, _ALONG[name], carrying, label
@@ -458,6 +467,8 @@ def _broadcast_reason(
 def _index_reason(node: fx.Node, carrying: Sequence[tuple[fx.Node, Any]], label: str) -> str:
     source, dim = carrying[0]
     if node.args[0] is not source:
+        if _looks_up(node, carrying):
+            return ""
         return f"{label} indexes with a batch-carrying tensor"
     index = node.args[1]
     index = index if isinstance(index, tuple) else (index,)
@@ -477,6 +488,39 @@ def _index_reason(node: fx.Node, carrying: Sequence[tuple[fx.Node, Any]], label:
     if entry != slice(None, None, None):
         return f"{label} indexes the batch dimension ({entry}), selecting samples"
     return ""
+
+
+def _looks_up(node: fx.Node, carrying: Sequence[tuple[fx.Node, Any]]) -> bool:
+    """Whether ``table[index]`` looks up rows of a table that carries no batch.
+
+    Each sample's own indices pick rows of a table every sample shares (a rotary cache
+    indexed by positions, as torchtitan does at a batch of one): the sample's output
+    depends on its indices alone, as an embedding's does.
+    """
+    index = node.args[1]
+    index = index[0] if isinstance(index, tuple) and len(index) == 1 else index
+    return (
+        isinstance(index, fx.Node)
+        and len(carrying) == 1
+        and carrying[0][0] is index
+        and isinstance(node.args[0], fx.Node)
+    )
+
+
+def _gathers_rows(node: fx.Node, name: str, carrying: Sequence[tuple[fx.Node, Any]]) -> bool:
+    """Whether a ``gather`` reads a source that carries no batch by batch-carrying indices.
+
+    ``torch.gather(table, dim, index)`` with only ``index`` carrying the batch: each
+    output element is the table's element at its own index (a lookup, as
+    :func:`_looks_up`).
+    """
+    if name not in ("gather", "take_along_dim"):
+        return False
+    source = node.args[0] if node.args else node.kwargs.get("input")
+    index = arg_value(node, 2, "index") if name == "gather" else arg_value(node, 1, "indices")
+    return (
+        isinstance(index, fx.Node) and source is not index and [i for i, _d in carrying] == [index]
+    )
 
 
 def _hint(size: Any) -> int:
@@ -509,13 +553,18 @@ def _keeps_samples(source: torch.Tensor, dim: int, value: Any, out_dim: Any, sym
     return p_out > 0 and k_out > 0 and p_in % p_out == 0 and k_in % k_out == 0
 
 
-def _body_reason(node: fx.Node, name: str, sym: Any) -> str:
+def _body_reason(node: fx.Node, name: str, sym: Any, sequence: bool) -> str:
     found = bodies(node)
     if not found:
         return f"{node.name} ({name}) has no body kareus can read"
     for arg, sub in found:
         for inner in sub.graph.nodes:
-            reason = why_not_per_sample(inner, sym)
+            if sequence and op_name(inner) == "scaled_dot_product_attention":
+                return (
+                    f"{inner.name} (scaled_dot_product_attention) runs inside {name} "
+                    f"{arg.target}, whose body the sequence split does not rewrite"
+                )
+            reason = why_not_per_sample(inner, sym, sequence=sequence)
             if reason:
                 return f"{reason} (inside {name} {arg.target})"
     return ""

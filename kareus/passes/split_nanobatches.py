@@ -6,6 +6,12 @@ then derives the split backward by itself, including the sum of the two halves' 
 gradients. Copies are tagged with block and nanobatch (:mod:`kareus.passes.tags`) and named
 ``<node>_nb0`` / ``<node>_nb1``.
 
+A batch too small to halve (fewer than 4 sequences) is split along the sequence instead
+(:func:`~kareus.passes.batch_dims.split_info`, ``Config.split_along``): the same cut, copy
+and join, with positions for samples, and one op that is not per position, causal
+attention, whose later half reads the earlier half's keys and values under a causal mask
+moved by the earlier half's length (:mod:`kareus.passes.sequence_halves`).
+
 By default (``Config.nanobatches=None``) only blocks that hold a collective are split: the
 split exists to overlap one nanobatch's collective with the other's compute, and a block
 without one would only run twice the kernels at half the size (1.15-1.36x the step time of
@@ -41,14 +47,22 @@ import torch
 import torch.fx as fx
 
 from kareus.passes.base import GraphPass, PassContext, PassResult
-from kareus.passes.batch_dims import BatchInfo, batch_info, fixed_batch_reason
+from kareus.passes.batch_dims import MIN_NANOBATCH, BatchInfo, fixed_batch_reason, split_info
 from kareus.passes.census import census
 from kareus.passes.find_blocks import BlockSet
 from kareus.passes.links import collectives_of, why_nothing_to_hide
 from kareus.passes.op_effects import draws_random, op_name, writes_in_place
 from kareus.passes.per_sample import why_not_per_sample
+from kareus.passes.sequence_halves import attend_to_earlier, in_positions
 from kareus.passes.tags import NodeTag, set_tag
 
+_SDPA = "scaled_dot_product_attention"
+_NO_SEQUENCE = (
+    "nor is it split along the sequence, whose length is not symbolic in the graph "
+    "(kareus.compile marks the dimension beside the batch dynamic where the batch is too "
+    "small; it stays a constant where the block meets it in an op of fixed size, as a "
+    "weight of that size: then that dimension is not a sequence)"
+)
 _BATCH_NORMS = frozenset({"batch_norm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d"})
 
 
@@ -59,6 +73,8 @@ class SplitPlan:
     batch_inputs: tuple[tuple[str, int], ...]  # (node name, batch dim)
     batch_sizes: tuple[str, ...]  # SymInt nodes equal to the batch size
     outputs: tuple[tuple[str, int | None], ...]  # (node name, batch dim; None: batch-free)
+    along: str = "batch"  # or "sequence": the nanobatches are halves of each sequence
+    attention: tuple[str, ...] = ()  # (sequence) causal attentions given earlier halves' keys
 
 
 class SplitNanobatches(GraphPass):
@@ -83,7 +99,7 @@ class SplitNanobatches(GraphPass):
             for b in blockset.blocks:
                 blockset.skipped[b.name] = reason
             return PassResult(gm, modified=False)
-        batch = batch_info(gm.graph, ctx.config.batch_dim or 0)
+        batch = split_info(gm.graph, ctx.config.batch_dim or 0, ctx.config.split_along)
         # Decide on the graph as captured (whose metadata is complete), then rewrite.
         by_name = {n.name: n for n in gm.graph.nodes}
         plans: list[tuple[str, tuple[str, ...], SplitPlan, list[fx.Node]]] = []
@@ -128,6 +144,7 @@ class SplitNanobatches(GraphPass):
         for name, names, plan, shared in plans:
             made += rewrite_split(gm.graph, name, names, plan, joined, shared, sizes=sizes)
             blockset.split.append(name)
+            blockset.split_along[name] = plan.along
         _erase_unused(gm.graph, made)
         return PassResult(gm, modified=bool(plans), collectives=expected)
 
@@ -184,7 +201,17 @@ def find_split(
         A :class:`SplitPlan`, or the reason the block must stay whole.
     """
     sym = batch.symbol
+    sequence = batch.along == "sequence"
+    small = batch.hint is not None and batch.hint // 2 < MIN_NANOBATCH
+    if small and not sequence:
+        return (
+            f"batch {batch.hint} is too small: a nanobatch of size {batch.hint // 2} would "
+            "specialise and recompile each step; use a batch of at least "
+            f"{2 * MIN_NANOBATCH}" + ("" if sym is not None else f"; {_NO_SEQUENCE}")
+        )
     if sym is None:
+        if sequence:
+            return f"along the sequence: {_NO_SEQUENCE}"
         return (
             f"the batch dimension ({batch.source}) is static: compile the block with "
             "kareus.compile, which marks it dynamic at each call (under FSDP2's hooks too); "
@@ -193,11 +220,8 @@ def find_split(
             f'{batch.dim}"), or call torch._dynamo.mark_dynamic on the input before the '
             "call where no hook replaces it"
         )
-    if batch.hint is not None and batch.hint // 2 < 2:
-        return (
-            f"batch {batch.hint} is too small: a nanobatch of size {batch.hint // 2} would "
-            "specialise and recompile each step; use a batch of at least 4"
-        )
+    if small:
+        return f"a sequence of {batch.hint} is too short to split in two halves of 2 or more"
     if (specialised := fixed_batch_reason(graph, batch)) is not None:
         return specialised
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -226,9 +250,9 @@ def find_split(
                 batch_sizes.append(inp)
     if not batch_inputs:
         return "no input of the block carries the batch dimension"
-    reason = _unsafe_op(nodes, inside, sym, allow_random)
+    reason = _unsafe_op(nodes, inside, sym, allow_random, sequence)
     if reason:
-        return reason
+        return f"along the sequence: {in_positions(reason)}" if sequence else reason
     last = order[nodes[-1]]
     outputs = []
     for node in nodes:
@@ -246,6 +270,8 @@ def find_split(
         tuple((n.name, d) for n, d in batch_inputs.items()),
         tuple(n.name for n in batch_sizes),
         tuple(outputs),
+        batch.along,
+        tuple(n.name for n in nodes if sequence and op_name(n) == _SDPA),
     )
 
 
@@ -260,7 +286,9 @@ def _mentions(sizes: Sequence[Any], sym: Any) -> bool:
     return any(isinstance(s, torch.SymInt) and sym in s.node.expr.free_symbols for s in sizes)
 
 
-def _unsafe_op(nodes: list[fx.Node], inside: set[fx.Node], sym: Any, allow_random: bool) -> str:
+def _unsafe_op(
+    nodes: list[fx.Node], inside: set[fx.Node], sym: Any, allow_random: bool, sequence: bool
+) -> str:
     """Return why an op of the block makes splitting unsafe, or ''."""
     for node in nodes:
         name = op_name(node)
@@ -277,7 +305,7 @@ def _unsafe_op(nodes: list[fx.Node], inside: set[fx.Node], sym: Any, allow_rando
                 return (
                     f"{node.name} ({name}) mutates {target.name}, from outside the block, in place"
                 )
-        reason = why_not_per_sample(node, sym)
+        reason = why_not_per_sample(node, sym, sequence=sequence)
         if reason:
             return reason
     return ""
@@ -400,6 +428,10 @@ def rewrite_split(
             with graph.inserting_after(cursor):
                 new = graph.node_copy(node, functools.partial(_lookup, env))
             new.meta.pop("example_value", None)  # its shape is the whole batch's: stale
+            if nb and node.name in plan.attention:
+                for part in attend_to_earlier(graph, new, node, [*copies, env], bounds[nb]):
+                    set_tag(part, NodeTag(block, nb))
+                    _named(graph, part, f"{node.name}_{part.name}_nb{nb}")
             set_tag(new, NodeTag(block, nb))
             cursor = env[node] = _named(graph, new, f"{node.name}_nb{nb}")
         copies.append(env)

@@ -60,7 +60,9 @@ def split_blocks(region: Any, kind: str | None = None) -> list[str]:
 
     Read from the rewritten graph that runs (the forward's, or ``kind``'s), not from what
     the split pass recorded: a block is split when its compute ops appear tagged with
-    nanobatch 0 and with nanobatch 1, the same ops in both copies. In graph order. For a
+    nanobatch 0 and with nanobatch 1, every op of the first copy in the second (which holds
+    more where the block is split along the sequence: the second half's attention joins
+    the first half's keys and values under a mask). In graph order. For a
     block whose tags AOTAutograd dropped (an activation-checkpointed body), the rewritten
     Dynamo graph it was traced from is read instead. ``region``: one of
     ``kareus.explain(model).regions``.
@@ -73,7 +75,7 @@ def split_blocks(region: Any, kind: str | None = None) -> list[str]:
     if kind is None and dynamo is not None and dynamo.final is not None:
         for block, pair in _nanobatch_copies(dynamo.final).items():
             copies.setdefault(block, pair)  # a block whose tags AOTAutograd dropped
-    return [b for b, (first, second) in copies.items() if first and first == second]
+    return [b for b, (first, second) in copies.items() if first and not first - second]
 
 
 def _nanobatch_copies(gm: torch.fx.GraphModule) -> dict[str, tuple[Any, Any]]:
