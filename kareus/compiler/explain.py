@@ -87,8 +87,11 @@ def _split_line(regions: tuple[Region, ...]) -> str:
         return f"split: no, no block to split: {why}"
     if not split:
         return f"split: no, 0 of {total} blocks: {reasons[0] if reasons else 'no reason kept'}"
-    along = sorted({a for _r, bs in found for a in bs.split_along.values()})
-    line = f"split: yes, {split} of {total} blocks into nanobatches along the {' or '.join(along)}"
+    line = f"split: yes, {split} of {total} blocks into nanobatches"
+    along = {a for _r, bs in found for a in bs.split_along.values()}
+    line += {"sequence": " along the sequence", "batch": ""}.get(
+        along.pop() if len(along) == 1 else "", " along the batch or the sequence"
+    )
     priced = [
         text
         for r, bs in found

@@ -273,6 +273,7 @@ class BatchInfo:
     dynamo_source: str = "L['x']"  # the input as Dynamo names it (dynamic_sources' syntax)
     dim: int = 0
     along: str = "batch"
+    tried_sequence: bool = False  # "batch" chosen where the sequence could not be split
 
     @property
     def symbol(self) -> Any:
@@ -320,8 +321,11 @@ def split_info(graph: fx.Graph, batch_dim: int, along: str) -> BatchInfo:
     sequence = dataclasses.replace(batch_info(graph, 1 if batch_dim == 0 else 0), along="sequence")
     if along == "sequence":
         return sequence
-    halves = batch.symbol is not None and (batch.hint or 0) >= 2 * MIN_NANOBATCH
-    return batch if halves or not _still_symbolic(sequence.size) else sequence
+    if batch.symbol is not None and (batch.hint or 0) >= 2 * MIN_NANOBATCH:
+        return batch
+    if _still_symbolic(sequence.size):
+        return sequence
+    return dataclasses.replace(batch, tried_sequence=True)
 
 
 def _still_symbolic(size: Any) -> bool:

@@ -200,30 +200,10 @@ def find_split(
     Returns:
         A :class:`SplitPlan`, or the reason the block must stay whole.
     """
-    sym = batch.symbol
-    sequence = batch.along == "sequence"
-    small = batch.hint is not None and batch.hint // 2 < MIN_NANOBATCH
-    if small and not sequence:
-        return (
-            f"batch {batch.hint} is too small: a nanobatch of size {batch.hint // 2} would "
-            "specialise and recompile each step; use a batch of at least "
-            f"{2 * MIN_NANOBATCH}" + ("" if sym is not None else f"; {_NO_SEQUENCE}")
-        )
-    if sym is None:
-        if sequence:
-            return f"along the sequence: {_NO_SEQUENCE}"
-        return (
-            f"the batch dimension ({batch.source}) is static: compile the block with "
-            "kareus.compile, which marks it dynamic at each call (under FSDP2's hooks too); "
-            "under torch.compile(..., backend='kareus') or module.compile(backend='kareus'), "
-            f'name it in torch.compiler.config.dynamic_sources ("{batch.dynamo_source}:'
-            f'{batch.dim}"), or call torch._dynamo.mark_dynamic on the input before the '
-            "call where no hook replaces it"
-        )
-    if small:
-        return f"a sequence of {batch.hint} is too short to split in two halves of 2 or more"
-    if (specialised := fixed_batch_reason(graph, batch)) is not None:
-        return specialised
+    reason = _size_reason(graph, batch)
+    if reason is not None:
+        return reason
+    sym, sequence = batch.symbol, batch.along == "sequence"
     order = {n: i for i, n in enumerate(graph.nodes)}
     by_name = {n.name: n for n in graph.nodes}
     nodes = [by_name[n] for n in names]
@@ -273,6 +253,33 @@ def find_split(
         batch.along,
         tuple(n.name for n in nodes if sequence and op_name(n) == _SDPA),
     )
+
+
+def _size_reason(graph: fx.Graph, batch: BatchInfo) -> str | None:
+    """Say why the size the region is split along cannot be halved (None: it can)."""
+    sym, hint = batch.symbol, batch.hint
+    sequence = batch.along == "sequence"
+    small = hint is not None and hint // 2 < MIN_NANOBATCH
+    if small and not sequence:
+        return (
+            f"batch {hint} is too small: a nanobatch of size {(hint or 0) // 2} would "
+            f"specialise and recompile each step; use a batch of at least {2 * MIN_NANOBATCH}"
+            + (f"; {_NO_SEQUENCE}" if batch.tried_sequence else "")
+        )
+    if sym is None:
+        if sequence:
+            return f"along the sequence: {_NO_SEQUENCE}"
+        return (
+            f"the batch dimension ({batch.source}) is static: compile the block with "
+            "kareus.compile, which marks it dynamic at each call (under FSDP2's hooks too); "
+            "under torch.compile(..., backend='kareus') or module.compile(backend='kareus'), "
+            f'name it in torch.compiler.config.dynamic_sources ("{batch.dynamo_source}:'
+            f'{batch.dim}"), or call torch._dynamo.mark_dynamic on the input before the '
+            "call where no hook replaces it"
+        )
+    if small:
+        return f"a sequence of {hint} is too short to split in two halves of 2 or more"
+    return fixed_batch_reason(graph, batch)
 
 
 def _batch_dim(value: torch.Tensor, sym: Any) -> int | None:
