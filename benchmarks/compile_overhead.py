@@ -51,7 +51,7 @@ compiled(ids, ids).backward()
 first = time.perf_counter() - start
 split = ""
 if setting != "aot_eager":
-    bs = kareus.explain(compiled).regions[0].findings.get("find_blocks")
+    bs = kareus.explain(compiled).regions[0].findings.blocks
     split = len(bs.split) if bs else 0
 print(first, split)
 """

@@ -40,7 +40,7 @@ def one(kind: str) -> None:
     )
     split, whole = [], {}
     for region in kareus.explain(compiled).regions:
-        found = region.findings.get("find_blocks")
+        found = region.findings.blocks
         split += list(getattr(found, "split", []))
         whole |= dict(getattr(found, "skipped", {}) or {})
     print(f"{kind}: {len(split)} block(s) split {split}; loss {abs(loss - want).item():.2e} "

@@ -86,9 +86,9 @@ def trace(args: argparse.Namespace) -> PartitionSet:
         dist.destroy_process_group()
     backend = find_backend(compiled)
     assert backend is not None
-    (region,) = [r for r in backend.regions if "cut_partitions" in r.findings]
+    (region,) = [r for r in backend.regions if r.findings.partitions is not None]
     print(f"{gathered} weights gathered in the graph per pass ({args.layers} layers)")
-    pset: PartitionSet = region.findings["cut_partitions"]
+    pset: PartitionSet = region.findings.partitions
     return pset
 
 

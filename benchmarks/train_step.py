@@ -377,7 +377,7 @@ def _split_note(fn: Any) -> str:
         return ""
     split = total = 0
     for region in report.regions:
-        blockset = region.findings.get("find_blocks")
+        blockset = region.findings.blocks
         if blockset is not None:
             split += len(blockset.split)
             total += len(blockset.blocks)

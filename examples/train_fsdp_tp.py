@@ -115,8 +115,8 @@ def main() -> None:
         if rank == 0:
             for i, block in enumerate(model.layers):
                 for region in kareus.explain(block).regions:
-                    blocks = region.findings["find_blocks"]
-                    pset = region.findings["cut_partitions"]
+                    blocks = region.findings.blocks
+                    pset = region.findings.partitions
                     print(
                         f"block {i}: split {blocks.split or 'none'}, "
                         f"{len(pset.partitions)} partitions (collective beside compute)"

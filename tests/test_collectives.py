@@ -83,7 +83,7 @@ def _train(sequence_parallel, **options):
         return InplaceTPNet(sequence_parallel=sequence_parallel)
 
     ref, got, counts, region = _trained(make, _batches(sequence_parallel), **options)
-    pset = region.findings["cut_partitions"]
+    pset = region.findings.partitions
     with_collective = sum(1 for p in pset.partitions if p.collective is not None)
     blocks = blocks_run(region)
     return ref, got, counts, blocks.split, with_collective, region.notes
@@ -211,7 +211,7 @@ def _gathered_whole_runs(rank):
         return _FSDPNet(False, layers=3)
 
     ref, got, _counts, region = _trained(make, _batches(False), strict=True, gpu="a100-40gb")
-    pset = region.findings["cut_partitions"]
+    pset = region.findings.partitions
     codes = {kind: region.graphs[kind].final_code for kind in ("forward", "backward")}
     decisions = dict(region.inputs.decisions)
     split = blocks_run(region).split

@@ -65,7 +65,7 @@ def test_split_overlap_and_clocks_are_there_in_what_runs():
         # split: both layers run as two nanobatch copies (read from the graph)
         assert blocks_run(region).split == ["layers.0", "layers.1"]
         # overlap: the plan's overlapped partitions' collectives fly over the other copy
-        pset, decisions = region.findings["cut_partitions"], region.inputs.decisions
+        pset, decisions = region.findings.partitions, region.inputs.decisions
         for kind in ("forward", "backward"):
             wanted = sum(
                 1

@@ -120,7 +120,7 @@ def test_a_compile_time_plan_of_whole_blocks_is_labelled_the_original_graphs():
     ((ids, labels),) = token_batches(1, 8, 16, PRESETS["tiny-4l"].vocab_size)
     model(ids, labels).backward()
     region = kareus.explain(model).regions[0]
-    assert region.findings["find_blocks"].blocks and not region.findings["find_blocks"].split
+    assert region.findings.blocks.blocks and not region.findings.blocks.split
     plan = region.inputs.plan
     assert plan is not None and {p.nanobatches for p in plan.frontier} == {1}
     rows = [line for line in plan.to_text().splitlines() if line.startswith("│")]

@@ -106,7 +106,7 @@ def test_the_default_codegen_is_inductor_and_trains_as_eager(split):
 def test_each_overlapped_collective_flies_over_the_other_nanobatchs_kernels(split):
     *_, (_l, _g, codes, made), compiled = split
     region = kareus.explain(compiled).regions[0]
-    pset, decisions = region.findings["cut_partitions"], region.inputs.decisions
+    pset, decisions = region.findings.partitions, region.inputs.decisions
     for kind, code, buffers in zip(("forward", "backward"), codes, made, strict=True):
         overlapping = [
             p

@@ -126,7 +126,7 @@ def _sharded_vs_full(rank, mode):
         if how != "eager":
             region = kareus.explain(run).regions[0]
             split = blocks_run(region).split
-            pset = region.findings["cut_partitions"]
+            pset = region.findings.partitions
             ops = list(pset.outside("forward"))
             for p in pset.partitions:
                 if p.instruction == "forward":

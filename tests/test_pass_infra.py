@@ -215,16 +215,15 @@ def test_the_pipeline_keeps_the_order_its_passes_declare():
 
 class CountCollectives(GraphPass):
     """A toy analysis pass, added in one place (the pipeline): it declares that it reads
-    the partitions and writes only its own finding."""
+    the partitions, and returns its finding (the runner stores it by the pass's name)."""
 
     name = "count_collectives"
     graphs = frozenset({"forward", "backward"})
     reads = frozenset({"cut_partitions"})
 
     def run(self, gm, ctx):
-        pset = ctx.findings.get("cut_partitions")
-        ctx.findings[self.name] = len(pset.partitions) if pset is not None else 0
-        return PassResult(gm, modified=False)
+        pset = ctx.findings.partitions
+        return PassResult(gm, modified=False, found=len(pset.partitions) if pset else 0)
 
 
 def test_a_toy_pass_is_added_in_one_place_and_its_finding_is_reported(pipeline):
@@ -234,7 +233,7 @@ def test_a_toy_pass_is_added_in_one_place_and_its_finding_is_reported(pipeline):
     model = kareus.compile(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
     model(torch.randn(2, 4)).sum().backward()
     region = kareus.explain(model).regions[0]
-    assert region.findings["count_collectives"] == 0
+    assert region.findings.extra == {"count_collectives": 0}
     assert "-- count_collectives --" in kareus.explain(model).summary()
     assert [r.name for r in region.history if r.graph == "forward"][-1] == "count_collectives"
 
@@ -246,6 +245,6 @@ def test_the_compiler_s_inputs_are_typed_and_apart_from_the_findings():
     assert region.inputs.plan is None and region.inputs.clock_runtime is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         region.inputs.plan = "x"
-    from kareus.passes.names import PASS_NAMES
-
-    assert set(region.findings) <= set(PASS_NAMES)  # pass outputs only
+    # the passes' typed findings: the blocks and partitions they found, nothing supplied
+    found = dict(region.findings.items())
+    assert set(found) == {"blocks", "partitions"} and not region.findings.extra, found

@@ -14,7 +14,7 @@ from kareus.ir.costs import PartitionWork
 from kareus.ir.partitions import Decision
 from kareus.ir.plan_file import Plan
 from kareus.jobs.trace import Workload, fake_world, trace_stage
-from kareus.passes.extract_partitions import unnamed
+from kareus.passes.extract_partitions import scheduled, unnamed
 from kareus.testing import free_port
 
 WORK = Workload(model="tiny", tp=2, microbatch_size=4, seq_len=64)
@@ -61,7 +61,9 @@ def test_work_outside_partitions_has_programs_that_add_up_to_it(traced, one_rank
         for coll in pset.exposed[kind]:
             assert programs[f"{kind}/exposed/{coll.name}"].work.collective == coll
         for program in pieces:  # they run (random inputs: values may be anything)
-            outputs = program.scheduled(Decision(None, None), one_rank)(*program.make_inputs("cpu"))
+            outputs = scheduled(program, Decision(None, None), one_rank)(
+                *program.make_inputs("cpu")
+            )
             assert len(outputs) > 0
 
 
@@ -75,7 +77,7 @@ def test_programs_run_in_every_order_with_the_same_results(traced, one_rank):
         slots = [None, *range(len(part.slots))] if part.collective else [None]
         results = []
         for slot in slots:
-            gm = program.scheduled(Decision(slot, None), one_rank)
+            gm = scheduled(program, Decision(slot, None), one_rank)
             order = [n.name for n in gm.graph.nodes]
             if part.collective and slot is not None:
                 issue = order.index(part.collective[0])
@@ -90,7 +92,7 @@ def test_programs_run_in_every_order_with_the_same_results(traced, one_rank):
             assert all(torch.equal(a, b) for a, b in zip(results[0], got, strict=True)), key
         if part.collective:
             # One rank: the all-reduce returns its input, which the program's output shows.
-            alone = program.scheduled(Decision(0, None), None)
+            alone = scheduled(program, Decision(0, None), None)
             assert not any("c10d" in str(n.target) for n in alone.graph.nodes)
             assert len(alone(*inputs)) == len(results[0]) - 1
 

@@ -558,7 +558,7 @@ def test_blocks_left_whole_are_costed_as_blocks_not_with_the_head():
     # Their compute is the layers' (activation recompute re-runs it), not the head's.
     compiled, out, _ = run_stack(BatchMeanLayer)
     out.backward()
-    pset = kareus.explain(compiled).regions[0].findings["cut_partitions"]
+    pset = kareus.explain(compiled).regions[0].findings.partitions
     assert pset.partitions == []
     for kind in ("forward", "backward"):
         assert set(pset.block_other[kind]) == {"blocks.0", "blocks.1", "blocks.2"}

@@ -177,7 +177,7 @@ def _compiled_llama(group_name, cfg=CFG, **options):
 
 
 def _blockset(compiled):
-    return kareus.explain(compiled).regions[0].findings["find_blocks"]
+    return kareus.explain(compiled).regions[0].findings.blocks
 
 
 @pytest.fixture
@@ -250,7 +250,7 @@ def test_a_slow_enough_link_splits_a_quick_one_does_not_and_both_train_like_eage
             kareus.explain(holder["c"]).summary()
         )
         # the same partitions priced again: the same verdicts (nothing measured decides)
-        again = price(region.findings["cut_partitions"], HOST)
+        again = price(region.findings.partitions, HOST)
         assert {b: v.describe() for b, v in again.items()} == priced
 
 

@@ -195,7 +195,7 @@ def _partition_types(compiled_regions) -> list:
     """(instruction, description, count) of every partition type, sorted."""
     out = []
     for region in compiled_regions:
-        pset = region.findings["cut_partitions"]
+        pset = region.findings.partitions
         for kind in ("forward", "backward"):
             counts = pset.counts(kind)
             for key, t in pset.types.items():
@@ -425,7 +425,7 @@ def _overlaps(region):
     where its graphs do not run them overlapped."""
     from kareus.testing import overlap_problems
 
-    pset = region.findings["cut_partitions"]
+    pset = region.findings.partitions
     kinds = {
         kind: [
             pset.types[p.type_key].collective.kind for p in pset.partitions if p.instruction == kind
@@ -615,7 +615,7 @@ def _ddp_compiled_autograd(rank):
     regions = [r for c in made for r in kareus.explain(c).regions]
     found = []
     for region in regions:
-        pset = region.findings["cut_partitions"]
+        pset = region.findings.partitions
         overlapped = [pset.types[p.type_key].collective.kind for p in pset.partitions]
         alone = [c.kind for colls in pset.exposed.values() for c in colls]
         found.append((overlapped, alone, overlap_problems(region)))
@@ -699,7 +699,7 @@ def _plan_then_blocks(rank):
     planned = plan.decisions_for(0)
     decisions = []
     for region in regions:
-        pset = region.findings["cut_partitions"]
+        pset = region.findings.partitions
         for key, dec in region.inputs.decisions.items():
             # the plan's decision for the plan's type described as this block's type is
             want = [

@@ -52,7 +52,7 @@ def _train_tp(rank, decisions):
 
     ref, got = compare_training(make, comp, token_batches(2, 6, 16, 128), resync=True)
     region = kareus.explain(holder["c"]).regions[0]
-    pset = region.findings["cut_partitions"]
+    pset = region.findings.partitions
     orders = {k: [n.name for n in gm.graph.nodes] for k, gm in grab.gms.items()}
     code = {k: gm.code for k, gm in grab.gms.items()}
     return ref, got, pset.to_json(), orders, code, kareus.explain(holder["c"]).summary()
@@ -160,7 +160,7 @@ def _tp_traced_once(rank):
 
         ref, got = compare_training(make, comp, token_batches(2, 6, 16, 128), resync=True)
         region = kareus.explain(holder["c"]).regions[0]
-        psets[once], notes[once] = region.findings["cut_partitions"].to_json(), region.notes
+        psets[once], notes[once] = region.findings.partitions.to_json(), region.notes
         histories.append((ref, got))
     return histories, psets, notes
 
@@ -196,7 +196,7 @@ def test_graph_without_collectives_has_no_partitions():
     ids, lab = token_batches(1, 6, 16, 128)[0]
     compiled(ids, lab).backward()
     region = kareus.explain(compiled).regions[0]
-    pset = region.findings["cut_partitions"]
+    pset = region.findings.partitions
     assert pset.partitions == [] and "frequency planning only" in pset.notes["forward"]
     sched = [r for r in region.history if r.name == "schedule_overlap"]
     assert sched and not any(r.modified for r in sched)
@@ -266,7 +266,7 @@ def _dtensor_run(rank):
     ref, got = compare_training(make, comp, batches, resync=True)
     report = kareus.explain(holder["c"])
     region = report.regions[0]
-    pset = region.findings["cut_partitions"]
+    pset = region.findings.partitions
     return (
         ref,
         got,

@@ -142,10 +142,14 @@ def plan_region(region: Region, gpu_name: str, policy: str) -> Plan | None:
     defaults, and says so): planning must never stop training.
     """
     from kareus.hardware import gpu
-    from kareus.ir.partitions import PartitionSet
     from kareus.planner import Parallelism, plan_for_gpu
 
-    pset: PartitionSet = region.findings["cut_partitions"]
+    pset = region.findings.partitions
+    if pset is None:
+        region.warn(
+            "nothing to plan: the graphs were not cut into partitions (see the pass history)"
+        )
+        return None
     sizes = [
         c.world_size for t in pset.types.values() for c in ([t.collective] if t.collective else [])
     ] + [c.world_size for cs in pset.exposed.values() for c in cs]
@@ -172,7 +176,7 @@ def _unsplit_if_whole(plan: Plan, region: Region) -> Plan:
     The planner prices the graphs as traced: with every block whole they are the original
     graphs, whatever the partition set's name for them (nanobatches 2).
     """
-    blockset = region.findings.get("find_blocks")
+    blockset = region.findings.blocks
     if blockset is None or blockset.split:
         return plan
     whole = functools.partial(dataclasses.replace, nanobatches=1)

@@ -40,7 +40,7 @@ from kareus.compiler.module_hooks import BatchMarks, add_orig_prefix, strip_orig
 from kareus.compiler.region import GraphRecord, Region
 from kareus.compiler.split_pricing import SplitDeclined, after_declined, judge, pricing_device
 from kareus.errors import ConfigError, PassError, PlanMismatchError
-from kareus.ir.partitions import Decision, PartitionSet
+from kareus.ir.partitions import Decision
 from kareus.ir.plan_file import Plan
 from kareus.passes import pipeline
 from kareus.passes.base import PassContext, RegionInputs, run_passes
@@ -216,7 +216,7 @@ class KareusBackend:
         lower = functools.partial(self._lower_or_captured, region, gm, captured)
         if len(symbols(example_inputs)) > 1:
             return lower(example_inputs)  # sizes besides the batch vary: lower symbolically
-        blockset = region.findings.get("find_blocks")
+        blockset = region.findings.blocks
         batch_at = next(
             (i for i, v in enumerate(example_inputs) if isinstance(v, torch.SymInt)), None
         )
@@ -377,7 +377,7 @@ class KareusBackend:
         # The forward that ran before the plan existed was this region's first instruction.
         self.runtime.count_unswitched(uid, "forward", uid, region.early_forward_runs)
         # Rewrite both graphs by the plan, from the captured graphs.
-        region.findings["cut_partitions"] = PartitionSet()
+        region.findings.partitions = None  # cut again from the plan's rewrite
         for kind in ("forward", "backward"):
             g, inputs, _old = compiled[kind]
             compiled[kind] = (g, inputs, self._run_graph_passes(region, kind, g, inputs))

@@ -13,6 +13,8 @@ from kareus.compiler.backend import find_backend
 from kareus.compiler.config import Config
 from kareus.compiler.region import Region
 from kareus.errors import NotCompiledError, NotYetCapturedError
+from kareus.ir.partitions import PartitionSet
+from kareus.passes.blocks import BlockSet
 from kareus.runtime.switcher import IterationEnergy
 
 
@@ -73,12 +75,16 @@ class Report:
         return "\n\n".join(parts)
 
 
-def _findings(regions: tuple[Region, ...], name: str) -> list[tuple[Region, Any]]:
-    return [(r, r.findings[name]) for r in regions if r.findings.get(name) is not None]
+def _blocks(regions: tuple[Region, ...]) -> list[tuple[Region, BlockSet]]:
+    return [(r, r.findings.blocks) for r in regions if r.findings.blocks is not None]
+
+
+def _partitions(regions: tuple[Region, ...]) -> list[tuple[Region, PartitionSet]]:
+    return [(r, r.findings.partitions) for r in regions if r.findings.partitions is not None]
 
 
 def _split_line(regions: tuple[Region, ...]) -> str:
-    found = _findings(regions, "find_blocks")
+    found = _blocks(regions)
     total = sum(len(bs.blocks) for _r, bs in found)
     split = sum(len(bs.split) for _r, bs in found)
     reasons = [why for _r, bs in found for why in bs.skipped.values()]
@@ -103,7 +109,7 @@ def _split_line(regions: tuple[Region, ...]) -> str:
 
 
 def _overlap_line(regions: tuple[Region, ...]) -> str:
-    found = _findings(regions, "cut_partitions")
+    found = _partitions(regions)
     flying: dict[str, int] = {}
     exposed = 0
     for _r, pset in found:
@@ -169,7 +175,7 @@ def _region_text(region: Region, with_code: bool) -> str:
             lines.append(f"-- {name} --\n{text}")
     notes = {block: text for block, (split, text) in region.split_prices.items() if split}
     for name, finding in region.findings.items():
-        if name == "find_blocks":
+        if name == "blocks":
             text = finding.to_text(notes)
         else:
             text = finding.to_text() if hasattr(finding, "to_text") else repr(finding)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
 
 import torch.fx as fx
 
 from kareus.passes.base import PassRecord, RegionInputs
+from kareus.passes.findings import Findings
 
 
 @dataclasses.dataclass
@@ -49,7 +49,7 @@ class Region:
             with ``TORCH_LOGS``.
         graphs: the region's graphs by kind ("dynamo", "forward", "backward", "inference").
         history: the pass records of all graphs, in the order the passes ran.
-        findings: what the passes found (blocks, partitions...), keyed by pass name.
+        findings: what the passes found (blocks, partitions...), typed.
         inputs: what the compiler supplies the passes (plan, decisions, clock runtime).
         notes: why something was left unchanged (a failed pass, a skipped block...).
         device: the device type its tensors are on ("cuda", "cpu"...; "" without tensors).
@@ -63,7 +63,7 @@ class Region:
     device: str = ""
     graphs: dict[str, GraphRecord] = dataclasses.field(default_factory=dict)
     history: list[PassRecord] = dataclasses.field(default_factory=list)
-    findings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    findings: Findings = dataclasses.field(default_factory=Findings)
     notes: list[str] = dataclasses.field(default_factory=list)
     parameters: frozenset[int] = frozenset()
     inputs: RegionInputs = dataclasses.field(default_factory=RegionInputs)
@@ -83,7 +83,7 @@ class Region:
 
     def undo_split(self, reason: str) -> None:
         """Record that the region's blocks run whole after all (the split was not kept)."""
-        blockset = self.findings.get("find_blocks")
+        blockset = self.findings.blocks
         if blockset is not None:
             for name in blockset.split:
                 blockset.skipped[name] = f"split undone: {reason}"

@@ -38,8 +38,10 @@ from kareus.ir.costs import CollectiveCost
 from kareus.ir.partitions import PartitionSet
 from kareus.passes.annotate_costs import AnnotateCosts
 from kareus.passes.base import PassContext, RegionInputs, run_passes
+from kareus.passes.blocks import BlockSet
 from kareus.passes.cut_partitions import CutPartitions
-from kareus.passes.find_blocks import BlockSet, FindBlocks
+from kareus.passes.find_blocks import FindBlocks
+from kareus.passes.findings import Findings
 from kareus.passes.links import HOST, declared_time
 
 
@@ -78,7 +80,7 @@ def pricing_device(config: Config, device: str) -> str | None:
 def judge(
     inputs: RegionInputs,
     config: Config,
-    findings: Mapping[str, Any],
+    findings: Findings,
     graphs: Mapping[str, fx.GraphModule],
 ) -> dict[str, tuple[bool, str]]:
     """Price the split blocks of a region's partitioned graphs.
@@ -95,7 +97,7 @@ def judge(
         nothing is priced: the split forced or a plan's, no block split, or verdicts of an
         earlier lowering standing).
     """
-    blockset: BlockSet | None = findings.get("find_blocks")
+    blockset = findings.blocks
     if inputs.pricing is None or inputs.priced is not None or not blockset or not blockset.split:
         return {}
     pset = _partitions(config, inputs, blockset, graphs)
@@ -112,15 +114,15 @@ def _partitions(
     scratch = copy.copy(blockset)
     scratch.spans = dict(blockset.spans)
     scratch._by_seq_nr = dict(blockset._by_seq_nr)
-    findings: dict[str, Any] = {"find_blocks": scratch}
+    findings = Findings(blocks=scratch)
     passes = (FindBlocks(), AnnotateCosts(), CutPartitions())
     for kind in ("forward", "backward"):
         g = graphs[kind]
         example = [n.meta.get("val") for n in g.graph.find_nodes(op="placeholder")]
         ctx = PassContext(config, kind, findings, example, inputs=inputs)
         run_passes(copy_module(g), passes, ctx)
-    pset: PartitionSet = findings["cut_partitions"]
-    return pset
+    assert findings.partitions is not None  # cut_partitions ran on both graphs
+    return findings.partitions
 
 
 def price(pset: PartitionSet, on: str) -> dict[str, Any]:

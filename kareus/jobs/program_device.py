@@ -21,7 +21,8 @@ import torch.distributed as dist
 from kareus.hardware import Emulator
 from kareus.ir.costs import Estimate, Knobs, PartitionWork
 from kareus.ir.partitions import Decision, PartitionSet
-from kareus.passes.extract_partitions import PartitionProgram, unnamed
+from kareus.passes.extract_partitions import scheduled, unnamed
+from kareus.passes.programs import PartitionProgram
 from kareus.planner.knobs import _digest
 
 
@@ -192,7 +193,8 @@ class ProgramDevice:
                     piece,
                     self._lowered(
                         piece.program,
-                        piece.program.scheduled(
+                        scheduled(
+                            piece.program,
                             Decision(slot, share),
                             None if piece.alone else self._group(piece.program),
                             self.pool if share is not None else None,

@@ -35,7 +35,7 @@ from kareus.models.sources import (
     ModelSource,
     run_failure,
 )
-from kareus.passes.extract_partitions import PartitionProgram
+from kareus.passes.programs import PartitionProgram
 
 if TYPE_CHECKING:
     from kareus.planner.data_parallel import DataParallel, StageWeights
@@ -414,7 +414,7 @@ def _stage_trace(compiled: Any, work: Workload, stage: int, groups: tuple[Any, .
     found: dict[int, dict[str, PartitionProgram]] = {}
     for region in backend.regions:
         notes.extend(region.notes)
-        blocks = region.findings.get("find_blocks")
+        blocks = region.findings.blocks
         if blocks is not None and blocks.skipped:
             why = next(iter(blocks.skipped.values()))
             if work.shape is not None and work.shape.num_experts:
@@ -428,10 +428,10 @@ def _stage_trace(compiled: Any, work: Workload, stage: int, groups: tuple[Any, .
                 f"stage {stage}: {len(blocks.skipped)} of {len(blocks.blocks)} blocks left "
                 f"whole: {why}"
             )
-        pset = region.findings.get("cut_partitions")
+        pset = region.findings.partitions
         if pset is not None and "backward" in pset.other:
             psets.append(pset)
-            found[id(pset)] = region.findings.get("extract_partitions", {})
+            found[id(pset)] = region.findings.programs
     if not psets:
         raise TraceError(
             f"stage {stage} of {work.describe()} traced into no training graph"

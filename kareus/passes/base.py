@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from kareus.errors import NodeError, PassError
 from kareus.passes import census as _census
+from kareus.passes.findings import Findings
 
 
 class PassConfig(Protocol):
@@ -122,11 +123,14 @@ class PassResult:
             (:func:`kareus.passes.census.census`), when the pass changed them on purpose
             (the nanobatch split doubles a split block's); None means "unchanged". The
             runner fails the pass when the graph's count differs.
+        found: what the pass found, stored by the runner in the region's findings under
+            the field the pass declares (:attr:`GraphPass.finds`); None: nothing new.
     """
 
     gm: fx.GraphModule
     modified: bool
     collectives: collections.Counter[_census.Key] | None = None
+    found: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,9 +154,9 @@ class PassContext:
     Attributes:
         config: the compile call's configuration.
         graph: which graph of the region this is (one of :data:`GRAPH_KINDS`).
-        findings: what the passes of one compiled region found, keyed by the pass's name
-            (the blocks ``find_blocks`` found, read later by the AOT passes); a pass writes
-            its own key only, and reads those it declares (:attr:`GraphPass.reads`).
+        findings: what the passes of one compiled region found (the blocks ``find_blocks``
+            found, read later by the AOT passes), typed; the runner stores each pass's
+            result there, and a pass reads those it declares (:attr:`GraphPass.reads`).
         example_inputs: the example inputs the graph was captured with.
         passes_run: names of the passes already run on this graph.
         inputs: what the compiler supplies (plan, decisions, clock runtime...).
@@ -160,7 +164,7 @@ class PassContext:
 
     config: PassConfig
     graph: str
-    findings: dict[str, Any]
+    findings: Findings
     example_inputs: Sequence[Any] = ()
     passes_run: list[str] = dataclasses.field(default_factory=list)
     inputs: RegionInputs = dataclasses.field(default_factory=RegionInputs)
@@ -171,9 +175,10 @@ class GraphPass(abc.ABC):
 
     Subclasses set :attr:`name` and :attr:`graphs`, declare :attr:`reads` and :attr:`after`,
     implement :meth:`run`, and may add checks in :meth:`requires` (before) and
-    :meth:`ensures` (after; the runner always lints). A pass writes its findings under its
-    own name only. ``PIPELINE`` is checked against the declarations
-    (:func:`check_order`).
+    :meth:`ensures` (after; the runner always lints). A pass that finds something
+    declares the field of :class:`~kareus.passes.findings.Findings` it fills
+    (:attr:`finds`) and returns the finding (``PassResult.found``); the runner stores it.
+    ``PIPELINE`` is checked against the declarations (:func:`check_order`).
     """
 
     name: ClassVar[str]
@@ -183,6 +188,9 @@ class GraphPass(abc.ABC):
     after: ClassVar[frozenset[str]] = frozenset()
     """Passes that must run before this one although it reads nothing of theirs (their
     rewrites of the graph)."""
+    finds: ClassVar[str | None] = None
+    """The field of :class:`~kareus.passes.findings.Findings` the pass fills (a name not
+    among its fields, or None for the pass's own name: an entry of ``Findings.extra``)."""
 
     def requires(self, gm: fx.GraphModule, ctx: PassContext) -> None:  # noqa: B027
         """Raise :class:`NodeError` or ``ValueError`` when ``gm`` lacks what the pass needs."""
@@ -204,6 +212,7 @@ def check_order(passes: Sequence[GraphPass]) -> None:
     for p in passes:
         if p.name in seen:
             raise ValueError(f"pass {p.name!r} is in the pipeline twice")
+
         missing = sorted((p.reads | p.after) - seen)
         if missing:
             raise ValueError(
@@ -298,6 +307,8 @@ def run_passes(
         gm = result.gm
         if result.modified:
             gm.recompile()
+        if result.found is not None:
+            ctx.findings.store(p.finds or p.name, result.found)
         records.append(
             PassRecord(
                 p.name,

@@ -30,24 +30,26 @@ class CheckPlan(GraphPass):
     name = "check_plan"
     graphs = frozenset({"forward", "backward"})
     reads = frozenset({"cut_partitions", "find_blocks"})
+    finds = "plan_check"
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         """Raise (or warn and drop decisions) when the plan does not fit; never rewrites."""
         plan: Plan | None = ctx.inputs.plan
-        pset: PartitionSet | None = ctx.findings.get("cut_partitions")
+        pset = ctx.findings.partitions
         stage = ctx.inputs.plan_stage
         if plan is None or pset is None or ctx.inputs.planned:
             return PassResult(gm, modified=False)
-        blockset = ctx.findings.get("find_blocks")
+        blockset = ctx.findings.blocks
         if blockset is not None and not blockset.blocks and not pset.partitions:
             # A graph beside the layers' (a graph break before the loss, as in Hugging Face's
             # GPT-2): the plan was made for the graph holding the layers and decides nothing
             # here.
-            ctx.findings["check_plan"] = (
-                "this graph holds no layer blocks and no collective: the plan decides "
-                "nothing in it, so it is not checked against the plan"
+            return PassResult(
+                gm,
+                modified=False,
+                found="this graph holds no layer blocks and no collective: the plan decides "
+                "nothing in it, so it is not checked against the plan",
             )
-            return PassResult(gm, modified=False)
         check_group_sizes(plan, gm)
         if ctx.graph != "backward":  # the forward's inputs are the workload's
             check_workload(plan, gm)

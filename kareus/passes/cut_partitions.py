@@ -34,8 +34,8 @@ from kareus.ir.costs import CollectiveCost, OpCost
 from kareus.ir.partitions import Partition, PartitionSet, PartitionType, Slot
 from kareus.passes.annotate_costs import NODES_KEY, cost_of, moves_freely, nbytes
 from kareus.passes.base import GraphPass, PassContext, PassResult
+from kareus.passes.blocks import BlockSet
 from kareus.passes.census import cost_kind, group_name
-from kareus.passes.find_blocks import BlockSet
 
 
 @dataclasses.dataclass
@@ -55,6 +55,7 @@ class CutPartitions(GraphPass):
 
     name = "cut_partitions"
     graphs = frozenset({"forward", "backward", "inference"})
+    finds = "partitions"
     reads = frozenset({"find_blocks"})
     after = frozenset({"annotate_costs"})  # reads the costs it annotated on the nodes
 
@@ -66,10 +67,10 @@ class CutPartitions(GraphPass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         """Record the partitions of this graph in the region's ``PartitionSet``."""
-        pset = ctx.findings.setdefault(self.name, PartitionSet())
-        blockset: BlockSet | None = ctx.findings.get("find_blocks")
+        pset = ctx.findings.partitions or PartitionSet()  # the forward's, in the backward
+        blockset = ctx.findings.blocks
         cut_graph(gm.graph, ctx.graph, blockset, pset, fuse=ctx.config.fuses_memory_ops)
-        return PassResult(gm, modified=False)
+        return PassResult(gm, modified=False, found=pset)
 
 
 def collective_cost(issue: fx.Node) -> CollectiveCost:

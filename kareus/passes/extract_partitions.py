@@ -38,99 +38,8 @@ from kareus.passes.cut_partitions import (
     partition_costs,
     step_index,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """Shape, strides and dtype of one input, to make a random tensor like it."""
-
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-
-    def make(self, device: torch.device | str, generator: torch.Generator) -> torch.Tensor:
-        """Return a tensor of this layout: normal values for floats, zeros otherwise.
-
-        Zeros keep integer inputs (indices, positions) in range.
-        """
-        size = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride, strict=True))
-        flat = torch.zeros(max(size, 1), dtype=self.dtype, device=device)
-        if self.dtype.is_floating_point:
-            flat.copy_(torch.randn(flat.shape, generator=generator).to(self.dtype))
-        return flat.as_strided(self.shape, self.stride)
-
-
-@dataclasses.dataclass
-class PartitionProgram:
-    """A partition type, or a piece of the work outside partitions, as a runnable program.
-
-    Attributes:
-        key: what it stands for: a partition type's key (``KEY/collective``: its
-            collective alone), or ``KIND/outside``, ``KIND/block/BLOCK``,
-            ``KIND/exposed/NODE`` for work outside partitions.
-        partition: the copied partition (its node names are the program's); None outside.
-        work: the program's cost, equal to what the partition set records for it.
-        gm: the program, in captured order (issue and wait after the compute).
-        inputs: one spec per placeholder, in order.
-        group_name: the process group its collective was traced on, or None.
-    """
-
-    key: str
-    partition: Partition | None
-    work: PartitionWork
-    gm: fx.GraphModule
-    inputs: tuple[TensorSpec, ...]
-    group_name: str | None
-
-    def make_inputs(self, device: torch.device | str, seed: int = 0) -> list[torch.Tensor]:
-        """Return random inputs of the captured layouts on ``device`` (same seed, same data)."""
-        gen = torch.Generator().manual_seed(seed)
-        return [spec.make(device, gen) for spec in self.inputs]
-
-    def scheduled(
-        self, decision: Decision, group_name: str | None, pool: Any = None
-    ) -> fx.GraphModule:
-        """Return a copy ordered per ``decision``, its collective on ``group_name``.
-
-        Args:
-            decision: launch slot (None: no overlap) and SM share of the collective.
-            group_name: the real group to run the collective on; None leaves it out
-                (a one-GPU measurement of the compute alone).
-            pool: a :class:`~kareus.runtime.comm_pool.CommunicatorPool` that points the
-                collective at its SM share's communicator; None keeps ``group_name``.
-        """
-        from kareus.passes.schedule_overlap import rewrite_schedule
-        from kareus.runtime.comm_pool import _group_arg
-
-        graph = copy.deepcopy(self.gm.graph)
-        issues = [n for n in graph.nodes if cost_of(n).op_class == "collective_issue"]
-        waits = [n for n in graph.nodes if cost_of(n).op_class == "collective_wait"]
-        if group_name is None and issues:
-            output = next(n for n in graph.nodes if n.op == "output")
-            gone = {*issues, *waits}
-            output.args = (tuple(a for a in output.args[0] if a not in gone),)
-            for node in (*waits, *issues):
-                graph.erase_node(node)
-        for issue in issues if group_name is not None else ():
-            i = _group_arg(issue)
-            if i is not None:
-                issue.args = (*issue.args[:i], group_name, *issue.args[i + 1 :])
-        part = self.partition
-        if part is not None:
-            if group_name is None:
-                part = dataclasses.replace(part, collective=None)
-            share = decision.sm_share if part.collective is not None else None
-            rewrite_schedule(
-                graph,
-                part.instruction,
-                PartitionSet(partitions=[part]),
-                {part.type_key: dataclasses.replace(decision, sm_share=share)},
-                pool,
-            )
-        elif pool is not None and decision.sm_share is not None and group_name is not None:
-            pool.regroup([(issue, decision.sm_share) for issue in issues])
-        graph.lint()
-        return fx.GraphModule(self.gm, graph, class_name=_class_name(self.key))
+from kareus.passes.programs import PartitionProgram, TensorSpec, class_name
+from kareus.passes.schedule_overlap import rewrite_schedule
 
 
 class ExtractPartitions(GraphPass):
@@ -139,13 +48,14 @@ class ExtractPartitions(GraphPass):
     name = "extract_partitions"
     graphs = frozenset({"forward", "backward"})
     reads = frozenset({"cut_partitions", "find_blocks"})
+    finds = "programs"
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        """Record ``{key: PartitionProgram}`` under this pass's name in the findings."""
-        pset: PartitionSet | None = ctx.findings.get("cut_partitions")
+        """Find ``{key: PartitionProgram}`` (those of the graphs before kept)."""
+        pset = ctx.findings.partitions
         if not ctx.config.extract_partitions or pset is None:
             return PassResult(gm, modified=False)
-        programs: dict[str, PartitionProgram] = ctx.findings.setdefault(self.name, {})
+        programs: dict[str, PartitionProgram] = dict(ctx.findings.programs)
         kind, fuse = ctx.graph, ctx.config.fuses_memory_ops
         wanted: dict[str, tuple[PartitionProgram, PartitionWork]] = {}
         for key, ptype in pset.types.items():
@@ -157,7 +67,7 @@ class ExtractPartitions(GraphPass):
                 if part.collective is not None:  # alone: activation recompute re-runs it
                     alone = extract(gm, list(part.collective), f"{key}/collective", fuse=fuse)
                     wanted[alone.key] = alone, PartitionWork((), ptype.collective)
-        blockset = ctx.findings.get("find_blocks")
+        blockset = ctx.findings.blocks
         spans = blockset.spans.get(kind, {}) if blockset is not None else {}
         rest, per_block, exposed, _alone = outside_nodes(gm.graph, kind, pset, spans, fuse)
         index = step_index(gm.graph)
@@ -181,7 +91,53 @@ class ExtractPartitions(GraphPass):
                     "partition set records: extraction and partition cutting disagree"
                 )
             programs[key] = program
-        return PassResult(gm, modified=False)
+        return PassResult(gm, modified=False, found=programs)
+
+
+def scheduled(
+    program: PartitionProgram, decision: Decision, group_name: str | None, pool: Any = None
+) -> fx.GraphModule:
+    """Return a copy of ``program`` ordered per ``decision``, its collective on ``group_name``.
+
+    Args:
+        program: a partition type's program (:func:`extract`).
+        decision: launch slot (None: no overlap) and SM share of the collective.
+        group_name: the real group to run the collective on; None leaves it out
+            (a one-GPU measurement of the compute alone).
+        pool: a :class:`~kareus.runtime.comm_pool.CommunicatorPool` that points the
+            collective at its SM share's communicator; None keeps ``group_name``.
+    """
+    from kareus.runtime.comm_pool import _group_arg
+
+    graph = copy.deepcopy(program.gm.graph)
+    issues = [n for n in graph.nodes if cost_of(n).op_class == "collective_issue"]
+    waits = [n for n in graph.nodes if cost_of(n).op_class == "collective_wait"]
+    if group_name is None and issues:
+        output = next(n for n in graph.nodes if n.op == "output")
+        gone = {*issues, *waits}
+        output.args = (tuple(a for a in output.args[0] if a not in gone),)
+        for node in (*waits, *issues):
+            graph.erase_node(node)
+    for issue in issues if group_name is not None else ():
+        i = _group_arg(issue)
+        if i is not None:
+            issue.args = (*issue.args[:i], group_name, *issue.args[i + 1 :])
+    part = program.partition
+    if part is not None:
+        if group_name is None:
+            part = dataclasses.replace(part, collective=None)
+        share = decision.sm_share if part.collective is not None else None
+        rewrite_schedule(
+            graph,
+            part.instruction,
+            PartitionSet(partitions=[part]),
+            {part.type_key: dataclasses.replace(decision, sm_share=share)},
+            pool,
+        )
+    elif pool is not None and decision.sm_share is not None and group_name is not None:
+        pool.regroup([(issue, decision.sm_share) for issue in issues])
+    graph.lint()
+    return fx.GraphModule(program.gm, graph, class_name=class_name(program.key))
 
 
 def unnamed(work: PartitionWork) -> PartitionWork:
@@ -189,10 +145,6 @@ def unnamed(work: PartitionWork) -> PartitionWork:
     ops = tuple(dataclasses.replace(o, name="") for o in work.ops)
     coll = work.collective and dataclasses.replace(work.collective, name="")
     return PartitionWork(ops, coll)
-
-
-def _class_name(key: str) -> str:
-    return "Program_" + "".join(c if c.isalnum() else "_" for c in key)
 
 
 def extract(
@@ -247,7 +199,7 @@ def extract(
         env[node] = graph.node_copy(node, lambda a: env[a])
     outputs = [env[n] for n in nodes if any(u not in inside for u in n.users) or not n.users]
     graph.output(tuple(outputs))
-    program = fx.GraphModule(gm, graph, class_name=_class_name(key))
+    program = fx.GraphModule(gm, graph, class_name=class_name(key))
     copied = [env[n] for n in nodes]
     compute = [n for n in copied if cost_of(n).op_class not in _COLLECTIVE]
     issues = [n for n in copied if cost_of(n).op_class == "collective_issue"]

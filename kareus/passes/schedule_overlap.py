@@ -42,7 +42,7 @@ class ScheduleOverlap(GraphPass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         """Reorder ``gm``; report a change only when the node order moved."""
-        pset: PartitionSet | None = ctx.findings.get("cut_partitions")
+        pset = ctx.findings.partitions
         if pset is None or not any(p.instruction == ctx.graph for p in pset.partitions):
             return PassResult(gm, modified=False)
         decisions: Mapping[str, Decision] = ctx.inputs.decisions or {}

@@ -49,7 +49,6 @@ import torch.fx as fx
 from kareus.passes.base import GraphPass, PassContext, PassResult
 from kareus.passes.batch_dims import MIN_NANOBATCH, BatchInfo, fixed_batch_reason, split_info
 from kareus.passes.census import census
-from kareus.passes.find_blocks import BlockSet
 from kareus.passes.links import collectives_of, why_nothing_to_hide
 from kareus.passes.op_effects import draws_random, op_name, writes_in_place
 from kareus.passes.per_sample import why_not_per_sample
@@ -86,7 +85,7 @@ class SplitNanobatches(GraphPass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         """Split the blocks; record a reason for each block left whole."""
-        blockset: BlockSet | None = ctx.findings.get("find_blocks")
+        blockset = ctx.findings.blocks
         if blockset is None or not blockset.blocks:
             return PassResult(gm, modified=False)
         if ctx.config.nanobatches == 1:

@@ -33,7 +33,7 @@ def overlap_problems(region: Any) -> list[str]:
     ``region``: one of ``kareus.explain(model).regions``.
     """
     problems = []
-    pset = region.findings["cut_partitions"]
+    pset = region.findings.partitions
     lines = {kind: node_lines(graph.final_code) for kind, graph in region.graphs.items()}
     for part in (p for p in pset.partitions if p.collective):
         at = lines[part.instruction]
@@ -99,13 +99,13 @@ def _nanobatch_copies(gm: torch.fx.GraphModule) -> dict[str, tuple[Any, Any]]:
 
 
 def blocks_run(region: Any) -> Any:
-    """Return the region's blocks (``findings["find_blocks"]``) once the graph confirms them.
+    """Return the region's blocks (``findings.blocks``) once the graph confirms them.
 
     The blocks kareus records as split must be the blocks the graph that runs computes in
     two nanobatch copies (:func:`split_blocks`): a record the graph does not bear out fails
     here (AssertionError). Tests read what was split through it, never the record alone.
     """
-    recorded = region.findings["find_blocks"]
+    recorded = region.findings.blocks
     if _running_graph(region, None) is not None:
         ran = split_blocks(region)
         assert set(ran) == set(recorded.split), (
