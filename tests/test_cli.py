@@ -40,9 +40,11 @@ def test_micro_batches_of_one_to_three_sequences_are_split_along_the_sequence(
     Megatron-LM's time uses no more energy than Megatron-LM's own plan."""
     args = ["plan", *SMALL, "--microbatch-size", str(size), "--microbatches", "2"]
     assert main([*args, "--out", str(tmp_path)]) == EXIT_OK
-    capsys.readouterr()
+    shown = capsys.readouterr().out
     plan = Plan.load(tmp_path / "plan.json")
     assert plan.workload["microbatch_size"] == size
+    said = "4 of 4 blocks split along the sequence"
+    assert said in shown and said in (tmp_path / "report.md").read_text()
     saved = json.loads((tmp_path / "partitions.json").read_text())
     split = [p for s in saved["sets"] for p in s["partitions"]]
     # every layer of the split graphs is partitioned in both directions, each half's

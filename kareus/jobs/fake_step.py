@@ -17,6 +17,7 @@ from kareus.models.llama import Llama
 from kareus.models.moe import set_planned_load
 from kareus.models.parallel import gather_in_graph
 from kareus.models.sources import FactoryModel, HFModel, StepInputs, step_loss
+from kareus.passes.blocks import BlockSet
 
 if TYPE_CHECKING:
     from kareus.jobs.trace import Workload
@@ -96,3 +97,28 @@ def _build_stage(
     x = ids if model.first else torch.zeros(*shape, cfg.hidden_size, dtype=dtype)
     x.requires_grad_(x.is_floating_point())
     return model, StepInputs(args=(x, ids if model.last else None))
+
+
+def block_notes(blocks: BlockSet, work: Workload, stage: int) -> list[str]:
+    """Say what a stage's blocks were not split for, and which were split along the sequence."""
+    notes = []
+    if blocks.skipped:
+        why = next(iter(blocks.skipped.values()))
+        if work.shape is not None and work.shape.num_experts:
+            why = (
+                "mixture-of-experts blocks are planned whole (the experts' token counts are the "
+                "planned load's constants; splitting a block whose routing sorts the "
+                "micro-batch's tokens together is not built): clocks and each all-to-all are "
+                "planned, as Perseus would"
+            )
+        notes.append(
+            f"stage {stage}: {len(blocks.skipped)} of {len(blocks.blocks)} blocks left whole: {why}"
+        )
+    along = [b for b, a in blocks.split_along.items() if a == "sequence"]
+    if along:
+        notes.append(
+            f"stage {stage}: {len(along)} of {len(blocks.blocks)} blocks split along the "
+            f"sequence (micro-batches of {work.microbatch_size} cannot be halved): the later "
+            "half's attention reads the earlier half's keys and values"
+        )
+    return notes

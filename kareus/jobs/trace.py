@@ -27,7 +27,7 @@ from kareus.compiler.config import GRAPHS
 from kareus.errors import KareusError, TraceError
 from kareus.ir.partitions import PartitionSet
 from kareus.jobs.extrapolate import TEMPLATE_POSITION, extrapolate
-from kareus.jobs.fake_step import DTYPES, run_stage
+from kareus.jobs.fake_step import DTYPES, block_notes, run_stage
 from kareus.models.llama import LlamaConfig, preset
 from kareus.models.sources import (
     FactoryModel,
@@ -414,20 +414,8 @@ def _stage_trace(compiled: Any, work: Workload, stage: int, groups: tuple[Any, .
     found: dict[int, dict[str, PartitionProgram]] = {}
     for region in backend.regions:
         notes.extend(region.notes)
-        blocks = region.findings.blocks
-        if blocks is not None and blocks.skipped:
-            why = next(iter(blocks.skipped.values()))
-            if work.shape is not None and work.shape.num_experts:
-                why = (
-                    "mixture-of-experts blocks are planned whole (the experts' token counts "
-                    "are the planned load's constants; splitting a block whose routing sorts "
-                    "the micro-batch's tokens together is not built): clocks and each "
-                    "all-to-all are planned, as Perseus would"
-                )
-            notes.append(
-                f"stage {stage}: {len(blocks.skipped)} of {len(blocks.blocks)} blocks left "
-                f"whole: {why}"
-            )
+        if region.findings.blocks is not None:
+            notes += block_notes(region.findings.blocks, work, stage)
         pset = region.findings.partitions
         if pset is not None and "backward" in pset.other:
             psets.append(pset)
