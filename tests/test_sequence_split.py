@@ -12,6 +12,7 @@ graph that runs. Blocks whose sequence the split cannot prove stay whole with th
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -63,17 +64,27 @@ def _along(compiled):
     return blocks.split, set(blocks.split_along.values()), kareus.explain(compiled).summary()
 
 
+QWEN3 = dataclasses.replace(CFG, qk_norm=True, tie_embeddings=True)  # tiny-qwen3's layers
+
+
 @pytest.mark.parametrize(
-    ("batch", "seq", "codegen"),
-    [(1, 32, "inductor"), (2, 32, "python"), (3, 33, "python")],
-    ids=["batch1-inductor", "batch2-python", "batch3-odd-seq-python"],
+    ("batch", "seq", "codegen", "cfg"),
+    [
+        (1, 32, "inductor", CFG),
+        (3, 33, "python", QWEN3),
+        # CI's sample leaves out batch 2 (an even sequence on the python codegen: batch 1's)
+        pytest.param(2, 32, "python", CFG, marks=pytest.mark.slow),
+    ],
+    ids=["llama-batch1-inductor", "qwen3-batch3-odd-seq-python", "llama-batch2-python"],
 )
-def test_a_batch_too_small_to_halve_is_split_along_the_sequence(one_rank, batch, seq, codegen):
+def test_a_batch_too_small_to_halve_is_split_along_the_sequence(one_rank, batch, seq, codegen, cfg):
     torch.manual_seed(0)
-    model = Llama(CFG, tp_group=one_rank)
+    model = Llama(cfg, tp_group=one_rank)
     batches = token_batches(2, batch, seq, CFG.vocab_size)
     ref, got, compiled = _compiled_beside_eager(model, batches, codegen=codegen)
-    assert_same_history(ref, got, bitwise_loss=False, rtol=1e-5, atol=1e-6)
+    # fp32 rounding: the second half's attention sums its keys in another order, and the
+    # second step starts from weights AdamW moved by the first step's gradients
+    assert_same_history(ref, got, bitwise_loss=False, rtol=1e-4, atol=1e-5)
     split, along, summary = _along(compiled)
     assert split == LAYERS and along == {"sequence"}, summary
     assert "along the sequence" in summary.splitlines()[1]
@@ -179,20 +190,20 @@ def test_blocks_whose_sequence_cannot_be_proven_stay_whole_with_a_reason(how, re
         assert split == [] and "along the sequence" in line and reason in line, line
 
 
-def _tp2(rank):
-    """kareus's Llama at TP 2 over gloo, batch 1 x seq 256, on Inductor."""
+def _tp2(rank, codegen, seq):
+    """kareus's Llama at TP 2 over gloo, batch 1 x ``seq``."""
     torch.manual_seed(0)
     cfg = LlamaConfig(num_layers=2, hidden_size=64, num_heads=4, intermediate_size=128)
     holder = {}
 
     def comp(m):
-        holder["c"] = kareus.compile(m, codegen="inductor", split_when="communicates")
+        holder["c"] = kareus.compile(m, codegen=codegen, split_when="communicates")
         return holder["c"]
 
     ref, got = compare_training(
         lambda: Llama(cfg, tp_group=dist.group.WORLD),
         comp,
-        token_batches(2, 1, 256, cfg.vocab_size),
+        token_batches(2, 1, seq, cfg.vocab_size),
         resync=True,
     )
     region = kareus.explain(holder["c"]).regions[0]
@@ -203,8 +214,14 @@ def _tp2(rank):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_tensor_parallel_batch_of_one_is_split_along_the_sequence_over_gloo():
-    for ref, got, split, along, flying in run_ranks(_tp2, timeout_s=240):
+@pytest.mark.parametrize(
+    ("codegen", "seq"),
+    # CI's sample: the python codegen (Inductor's lowering of the split along the sequence
+    # is checked on one rank above)
+    [("python", 64), pytest.param("inductor", 256, marks=pytest.mark.slow)],
+)
+def test_tensor_parallel_batch_of_one_is_split_along_the_sequence_over_gloo(codegen, seq):
+    for ref, got, split, along, flying in run_ranks(_tp2, codegen, seq, timeout_s=240):
         assert_same_history(ref, got, bitwise_loss=False, rtol=1e-5, atol=1e-6)
         assert split == LAYERS and set(along.values()) == {"sequence"}, (split, along)
         for side in flying:
