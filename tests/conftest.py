@@ -3,6 +3,7 @@ import tempfile
 
 import pytest
 import torch
+import torch.distributed as dist
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Inductor is kareus's default codegen; it compiles each graph in seconds (tens on these
@@ -93,3 +94,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "slow" in item.keywords and slow:
             item.add_marker(pytest.mark.skip(reason="marked slow: CI=true leaves it out"))
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A gloo process group of one rank (the default group) for a test file's tests: a
+    tensor-parallel model on it holds every collective, so its layers split as at TP 8."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

@@ -30,7 +30,20 @@ def planned(tmp_path_factory):
     return main([*args, "--quiet"]), out
 
 
-@pytest.mark.parametrize("size", [1, pytest.param(3, marks=pytest.mark.slow)])  # CI: 1
+def test_a_micro_batch_of_one_is_traced_split_along_the_sequence():
+    """What `kareus plan` traces at --microbatch-size 1 (CI's sample of the end-to-end test
+    below): every layer split along the sequence in both directions, each half's
+    all-reduces beside the other half's compute, and a note that says so."""
+    work = Workload(model="tiny-4l", tp=2, microbatch_size=1, seq_len=32, microbatches=1)
+    [split], notes = trace(work)
+    assert {(p.block, p.instruction) for p in split.partitions} == {
+        (f"layers.{i}", kind) for i in range(4) for kind in ("forward", "backward")
+    }
+    assert any("4 of 4 blocks split along the sequence" in n for n in notes), notes
+
+
+@pytest.mark.slow  # CI's sample: the trace above (the planning path is any micro-batch's)
+@pytest.mark.parametrize("size", [1, 3])
 def test_micro_batches_of_one_to_three_sequences_are_split_along_the_sequence(
     size, tmp_path, capsys
 ):

@@ -14,7 +14,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import kareus
 from kareus.compiler.backend import find_backend
@@ -24,15 +23,6 @@ from kareus.runtime.clocks import EmulatedClocks
 from kareus.testing import blocks_run, inductor_buffers, inductor_windows, token_batches
 
 CFG = LlamaConfig(num_layers=2, hidden_size=64, intermediate_size=128)
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def _train(model, batches, *, codes=False):

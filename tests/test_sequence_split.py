@@ -36,15 +36,6 @@ CFG = LlamaConfig(num_layers=2, hidden_size=64, intermediate_size=128)
 LAYERS = ["layers.0", "layers.1"]
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 def _compiled_beside_eager(model, batches, **options):
     """Train ``model`` eager and compiled; return both histories and the compiled model."""
     holder = {}
