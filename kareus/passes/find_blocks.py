@@ -28,6 +28,7 @@ import collections
 import re
 from collections.abc import Iterable
 
+import torch
 import torch.fx as fx
 
 from kareus._torch_internals import SEQ_NR, seq_nr_pairs
@@ -46,6 +47,15 @@ _COMPUTE = ("call_function", "call_method", "call_module")
 # (``size``: Dynamo reads a symbolic size where a block first meets it, in the first layer
 # only, and reuses it in the next)
 _PLUMBING = frozenset({"getitem", "autograd_function_apply", "view_as", "size"})
+
+
+def _sized(node: fx.Node) -> bool:
+    """Whether ``node`` computes a size, not a tensor.
+
+    Such as ``s0 // 2`` where a block first needs it: Dynamo computes it once, in the
+    first layer, and the next layers reuse it.
+    """
+    return isinstance(node.meta.get("example_value"), (torch.SymInt, torch.SymBool, int))
 
 
 class FindBlocks(GraphPass):
@@ -195,7 +205,7 @@ def find_blocks(
     # autograd.Function whose inputs need no gradient, as in the first layer, and wraps it
     # in autograd_function_apply elsewhere; both compute the same).
     sigs = {
-        p: tuple(sig for n in nodes if (sig := _signature(n))[1] not in _PLUMBING)
+        p: tuple(sig for n in nodes if (sig := _signature(n))[1] not in _PLUMBING and not _sized(n))
         for p, nodes in members.items()
     }
     for family, fblocks in blockset.families().items():

@@ -197,8 +197,18 @@ def find_split(
     """Decide whether the block made of nodes ``names`` can be split.
 
     Returns:
-        A :class:`SplitPlan`, or the reason the block must stay whole.
+        A :class:`SplitPlan`, or the reason the block must stay whole (along the sequence:
+        said in positions, not samples).
     """
+    found = _find_split(graph, names, batch, allow_random)
+    if isinstance(found, str) and batch.along == "sequence":
+        return f"along the sequence: {in_positions(found)}"
+    return found
+
+
+def _find_split(
+    graph: fx.Graph, names: Sequence[str], batch: BatchInfo, allow_random: bool
+) -> SplitPlan | str:
     reason = _size_reason(graph, batch)
     if reason is not None:
         return reason
@@ -231,7 +241,7 @@ def find_split(
         return "no input of the block carries the batch dimension"
     reason = _unsafe_op(nodes, inside, sym, allow_random, sequence)
     if reason:
-        return f"along the sequence: {in_positions(reason)}" if sequence else reason
+        return reason
     last = order[nodes[-1]]
     outputs = []
     for node in nodes:
@@ -267,7 +277,7 @@ def _size_reason(graph: fx.Graph, batch: BatchInfo) -> str | None:
         )
     if sym is None:
         if sequence:
-            return f"along the sequence: {_NO_SEQUENCE}"
+            return _NO_SEQUENCE
         return (
             f"the batch dimension ({batch.source}) is static: compile the block with "
             "kareus.compile, which marks it dynamic at each call (under FSDP2's hooks too); "
