@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import kareus
+from kareus import Decision
 from kareus.cli import EXIT_BAD_INPUT, main
 from kareus.errors import FileFormatError, PlanMismatchError
 from kareus.ir.plan_file import FrontierPoint, Plan, ScheduledInstruction
@@ -191,12 +192,21 @@ def test_a_plan_for_another_workload_is_refused_naming_the_types():
 def test_strict_false_warns_and_applies_what_matches():
     model = MLP()
     ref = copy.deepcopy(model)
-    compiled = kareus.compile(model, plan=good_plan(SEVENTY_B), strict=False)
+    decided = {"forward.0": Decision(0, None), "*": Decision(None, None)}
+    plan = dataclasses.replace(
+        good_plan(SEVENTY_B), decisions={"0/forward": decided, "0/backward": {}}
+    )
+    compiled = kareus.compile(model, plan=plan, strict=False)
     x = torch.randn(6, 8)
     with pytest.warns(RuntimeWarning, match="another workload"):
         loss = compiled(x)
         loss.backward()
     torch.testing.assert_close(loss, ref(x))
+    # the decision of the type that does not match is dropped from what the region
+    # applies (check_plan's finding); what the compiler supplied stays as it was given
+    region = kareus.explain(compiled).regions[0]
+    assert dict(region.findings.plan_check.decisions) == {"*": Decision(None, None)}
+    assert dict(region.inputs.decisions) == decided
 
 
 def test_a_plan_that_fits_is_applied_without_a_word(recwarn):

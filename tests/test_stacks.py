@@ -700,7 +700,7 @@ def _plan_then_blocks(rank):
     decisions = []
     for region in regions:
         pset = region.findings.partitions
-        for key, dec in region.inputs.decisions.items():
+        for key, dec in region.findings.plan_check.decisions.items():  # keyed by its types
             # the plan's decision for the plan's type described as this block's type is
             want = [
                 d

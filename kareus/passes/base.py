@@ -83,8 +83,9 @@ class RegionInputs:
         plan: the plan being applied (None: none).
         plan_stage: the pipeline stage of the plan this model runs.
         planned: the plan was made for this very region at compile time (nothing to check).
-        decisions: the overlap decisions to apply, by partition type (``"*"``: all);
-            ``check_plan`` narrows them to the types that fit.
+        decisions: the overlap decisions to apply, by partition type (``"*"``: all), as
+            given: ``check_plan`` finds those that fit the region
+            (:class:`~kareus.passes.findings.PlanCheck`), which ``schedule_overlap`` applies.
         clock_runtime: the clock runtime switches go to (None: no clock plan).
         clock_stage: the stage whose clock steps this region's switches count.
         communicator_pool: the communicators that overlap collectives use (None: default).

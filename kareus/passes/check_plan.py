@@ -19,9 +19,10 @@ import torch
 import torch.fx as fx
 
 from kareus.errors import PlanMismatchError
-from kareus.ir.partitions import PartitionSet
+from kareus.ir.partitions import Decision, PartitionSet
 from kareus.ir.plan_file import Plan
 from kareus.passes.base import GraphPass, PassContext, PassResult
+from kareus.passes.findings import PlanCheck
 
 
 class CheckPlan(GraphPass):
@@ -44,23 +45,22 @@ class CheckPlan(GraphPass):
             # A graph beside the layers' (a graph break before the loss, as in Hugging Face's
             # GPT-2): the plan was made for the graph holding the layers and decides nothing
             # here.
-            return PassResult(
-                gm,
-                modified=False,
-                found="this graph holds no layer blocks and no collective: the plan decides "
-                "nothing in it, so it is not checked against the plan",
+            note = (
+                "this graph holds no layer blocks and no collective: the plan decides nothing "
+                "in it, so it is not checked against the plan"
             )
+            return PassResult(gm, modified=False, found=PlanCheck(_kept(ctx), note))
         check_group_sizes(plan, gm)
         if ctx.graph != "backward":  # the forward's inputs are the workload's
             check_workload(plan, gm)
         if not plan.fingerprint:
-            return PassResult(gm, modified=False)
+            return PassResult(gm, modified=False, found=PlanCheck(_kept(ctx)))
         if getattr(blockset, "whole_region", False):
             # One block compiled on its own: the plan is checked and applied per block type.
             differences, mapping = compare_block(plan, stage, ctx.graph, pset)
             if not differences:
-                _remap_decisions(ctx.inputs.decisions, ctx.graph, mapping)
-                return PassResult(gm, modified=False)
+                kept = _remapped(_kept(ctx), ctx.graph, mapping)
+                return PassResult(gm, modified=False, found=PlanCheck(kept))
         else:
             differences = compare(plan, stage, ctx.graph, pset)
             layers = _layers_differ(plan, blockset)
@@ -71,7 +71,7 @@ class CheckPlan(GraphPass):
                     + " (a model config of as many layers)"
                 )
         if not differences:
-            return PassResult(gm, modified=False)
+            return PassResult(gm, modified=False, found=PlanCheck(_kept(ctx)))
         made_for = plan.workload.get("describe")
         message = (
             f"the plan was made for another workload than this model's stage {stage} "
@@ -87,13 +87,12 @@ class CheckPlan(GraphPass):
         if ctx.config.strict is not False:
             raise PlanMismatchError(message)
         warnings.warn(f"kareus: {message}", RuntimeWarning, stacklevel=2)
-        decisions = ctx.inputs.decisions
-        if decisions is not None:
+        kept = _kept(ctx)
+        if kept is not None:
             want = plan.fingerprint.get(f"{stage}/{ctx.graph}", {})
             have = pset.fingerprint(ctx.graph)
-            for key in [k for k in decisions if k != "*" and want.get(k) != have.get(k)]:
-                del decisions[key]
-        return PassResult(gm, modified=False)
+            kept = {k: d for k, d in kept.items() if k == "*" or want.get(k) == have.get(k)}
+        return PassResult(gm, modified=False, found=PlanCheck(kept))
 
 
 def _graphs_hint(plan: Plan, inductors: bool) -> str:
@@ -352,12 +351,24 @@ def _fraction(whole: str, part: str) -> bool:
     return len(ratios) == 1 and (r := ratios.pop()) >= 1 and r == int(r)
 
 
-def _remap_decisions(decisions: dict[str, Any] | None, kind: str, mapping: dict[str, str]) -> None:
+def _kept(ctx: PassContext) -> dict[str, Decision] | None:
+    """Return the decisions standing so far: the forward's, in the backward; else supplied.
+
+    Each lowering of the region (one per batch size) checks its forward afresh.
+    """
+    check = ctx.findings.plan_check
+    if ctx.graph == "backward" and check is not None and check.decisions is not None:
+        return dict(check.decisions)
+    return None if ctx.inputs.decisions is None else dict(ctx.inputs.decisions)
+
+
+def _remapped(
+    decisions: dict[str, Decision] | None, kind: str, mapping: dict[str, str]
+) -> dict[str, Decision] | None:
     """Key ``kind``'s decisions by this block's type keys instead of the plan's."""
     if decisions is None:
-        return
+        return None
     prefix = f"{kind}."
-    planned = {k: decisions.pop(k) for k in [k for k in decisions if k.startswith(prefix)]}
-    decisions.update(
-        {mine: planned[theirs] for mine, theirs in mapping.items() if theirs in planned}
-    )
+    planned = {k: d for k, d in decisions.items() if k.startswith(prefix)}
+    kept = {k: d for k, d in decisions.items() if not k.startswith(prefix)}
+    return kept | {mine: planned[theirs] for mine, theirs in mapping.items() if theirs in planned}

@@ -9,12 +9,35 @@ fields by name, typed: nothing reads a pass's result by a string.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from kareus.ir.partitions import PartitionSet
+from kareus.ir.partitions import Decision, PartitionSet
 from kareus.passes.blocks import BlockSet
 from kareus.passes.programs import PartitionProgram
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCheck:
+    """What ``check_plan`` found of the applied plan against one region.
+
+    Attributes:
+        decisions: the plan's overlap decisions that fit the region, keyed by its partition
+            types (a block compiled alone: its types, not the plan's; ``strict=False``: the
+            types that match only); None where the supplied ones stand as given.
+        note: why a graph was not checked against the plan ("" where it was).
+    """
+
+    decisions: Mapping[str, Decision] | None = None
+    note: str = ""
+
+    def to_text(self) -> str:
+        """Render the note, then the decisions kept, a line each."""
+        lines = [self.note] if self.note else []
+        if self.decisions is not None:
+            lines.append("decisions kept for this region's partition types:")
+            lines += [f"{k}: {v}" for k, v in self.decisions.items()] or ["none"]
+        return "\n".join(lines)
 
 
 @dataclasses.dataclass
@@ -28,8 +51,8 @@ class Findings:
         partitions: ``cut_partitions``: the partitions of the forward and backward graphs.
         programs: ``extract_partitions``: each partition type as a runnable program, by
             type key (with ``Config.extract_partitions``).
-        plan_check: ``check_plan``: why a graph was not checked against the plan, where it
-            was not.
+        plan_check: ``check_plan``: the plan's decisions that fit the region, and why a
+            graph was not checked against the plan, where it was not.
         extra: what passes added to the pipeline (not kareus's own) found, by the name
             each declares (:attr:`GraphPass.finds`, else its own).
     """
@@ -37,7 +60,7 @@ class Findings:
     blocks: BlockSet | None = None
     partitions: PartitionSet | None = None
     programs: dict[str, PartitionProgram] = dataclasses.field(default_factory=dict)
-    plan_check: str | None = None
+    plan_check: PlanCheck | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def store(self, name: str, value: Any) -> None:

@@ -45,7 +45,12 @@ class ScheduleOverlap(GraphPass):
         pset = ctx.findings.partitions
         if pset is None or not any(p.instruction == ctx.graph for p in pset.partitions):
             return PassResult(gm, modified=False)
-        decisions: Mapping[str, Decision] = ctx.inputs.decisions or {}
+        check = ctx.findings.plan_check
+        decisions: Mapping[str, Decision] = (
+            check.decisions
+            if check is not None and check.decisions is not None
+            else ctx.inputs.decisions or {}
+        )
         pool: CommunicatorPool | None = ctx.inputs.communicator_pool
         before = [n.name for n in gm.graph.nodes]
         regroup = rewrite_schedule(gm.graph, ctx.graph, pset, decisions, pool)
