@@ -124,6 +124,7 @@ def test_plans_built_in_python_are_checked_as_files_are():
         evaluate_clock_plans(WORK, "a100-40gb", [short])
 
 
+@pytest.mark.slow  # CI's sample: evaluate's other CLI runs (its table and its errors)
 def test_json_output_is_one_object_with_every_plan(tmp_path, capsys):
     path = write_csv(tmp_path / "plans.csv", [uniform("a", 1410), uniform("b", 1200)])
     assert main(["evaluate", *ARGS, "--clocks", str(path), "--json"]) == EXIT_OK

@@ -147,7 +147,8 @@ def _sharded_vs_full(rank, mode):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["tp", "cp"])
+# CI: CP (TP against eager is test_tensor_parallel.py's and test_sequence_split.py's)
+@pytest.mark.parametrize("mode", [pytest.param("tp", marks=pytest.mark.slow), "cp"])
 def test_tensor_and_context_parallel_match_the_unsharded_model(mode):
     results = run_ranks(_sharded_vs_full, mode)
     flops = [result.pop("attention_flops") for result in results]
