@@ -86,7 +86,7 @@ def attend_to_earlier(
     """Give a later half's causal attention ``new`` the keys and values of the halves before.
 
     ``node`` is the attention as captured (``is_causal=True``, sequence at dimension -2,
-    :func:`~kareus.passes.per_sample.causal_attention_reason`); ``copies`` every half's
+    :func:`causal_attention_reason`); ``copies`` every half's
     copies so far, this one's last; ``bounds`` this half's (start, length). Its queries
     read the keys and values of the sequence up to its end, joined in order, under a
     causal mask moved right by ``start``: query ``i`` (position ``start + i``) sees keys
@@ -100,7 +100,8 @@ def attend_to_earlier(
             given = sdpa_arg(node, arg)
             dim = given.meta["example_value"].dim() - 2
             parts[arg] = graph.call_function(torch.cat, ([c[given] for c in copies], dim))
-        total = graph.call_function(operator.add, (start, length)) if _is_node(start) else None
+        symbolic = isinstance(start, fx.Node)  # halves of a symbolic length, else constants
+        total = graph.call_function(operator.add, (start, length)) if symbolic else None
         device = node.meta["example_value"].device
         ones = graph.call_function(
             torch.ones,
@@ -108,17 +109,10 @@ def attend_to_earlier(
             {"dtype": torch.bool, "device": device},
         )
         mask = graph.call_method("tril", (ones,), {"diagonal": start})
-    kwargs = {k: v for k, v in new.kwargs.items() if k not in SDPA_ARGS}
-    given_positionally = dict(zip(SDPA_ARGS, new.args, strict=False))
-    kwargs["dropout_p"] = given_positionally.get("dropout_p", new.kwargs.get("dropout_p", 0.0))
-    query = given_positionally.get("query", new.kwargs.get("query"))
-    new.args = (query, parts["key"], parts["value"])
-    new.kwargs = {**kwargs, "attn_mask": mask, "is_causal": False}
+    keywords = {k: v for k, v in new.kwargs.items() if k not in SDPA_ARGS}  # scale, enable_gqa
+    new.args = (sdpa_arg(new, "query"), parts["key"], parts["value"])  # no dropout: checked
+    new.kwargs = {**keywords, "attn_mask": mask, "is_causal": False}
     return [parts["key"], parts["value"], *([total] if total is not None else []), ones, mask]
-
-
-def _is_node(value: Any) -> bool:
-    return isinstance(value, fx.Node)
 
 
 def in_positions(reason: str) -> str:
