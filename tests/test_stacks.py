@@ -6,7 +6,6 @@ partitioned), or says why not.
 """
 
 import functools
-
 import os
 
 import pytest
