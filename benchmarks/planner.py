@@ -76,7 +76,7 @@ def _data_parallel(pp, dp, mode):
 
 def at_scale(spec, configs, dp=None, dp_mode="ddp"):
     """Plan 70B shapes at each (PP, micro-batches) of ``configs``; print the figures."""
-    from kareus.planner.compose import Composer
+    from kareus.planner.compose import Composer, Problem
     from kareus.planner.dag import one_f_one_b
     from kareus.planner.instruction_options import evaluate_options
     from kareus.planner.knobs import CountingEvaluator
@@ -100,8 +100,7 @@ def at_scale(spec, configs, dp=None, dp_mode="ddp"):
         freqs = default_clocks(spec.clocks_mhz(), plan.evaluations["clocks"])
         static = spec.calibration.static_power_w
         opts = evaluate_options([pset] * pp, ev, freqs, static, settings).options
-        comp = Composer(one_f_one_b(pp, micro), opts, static_power_w=static, gpus=8 * pp,
-                        gpus_per_stage=8)  # fmt: skip
+        comp = Composer(Problem(one_f_one_b(pp, micro), opts, static, 8 * pp, gpus_per_stage=8))
         uniform = min(u.energy_j for u in comp.uniform_plans())
         least = min(p.energy_j for p in plan.frontier)
         layout = "" if dp is None else f", DP {dp} ({dp_mode}, {8 * pp * dp} GPUs)"

@@ -11,7 +11,7 @@ from kareus.hardware.calibrate import attention_partition
 from kareus.ir.costs import CollectiveCost, Knobs, OpCost
 from kareus.ir.partitions import PartitionSet
 from kareus.ir.plan_file import FrontierPoint, Plan
-from kareus.planner.compose import Composer, brute_force
+from kareus.planner.compose import Composer, Problem, SolveKnobs, brute_force
 from kareus.planner.dag import (
     Option,
     SwitchCost,
@@ -23,7 +23,7 @@ from kareus.planner.dag import (
     with_steps,
 )
 from kareus.planner.instruction_options import evaluate_options
-from kareus.planner.iteration import plan_for_gpu, plan_iteration
+from kareus.planner.iteration import IterationInputs, plan_for_gpu, plan_iteration
 from kareus.planner.knobs import (
     DEFAULT_CLOCK_COUNT,
     CountingEvaluator,
@@ -82,7 +82,7 @@ def test_cp_sat_equals_brute_force(kind):
         )
         for g in groups
     }
-    comp = Composer(it, opts, static_power_w=0.5, gpus=2 if kind == "1f1b" else 1)
+    comp = Composer(Problem(it, opts, static_power_w=0.5, gpus=2 if kind == "1f1b" else 1))
     fastest = comp.solve(minimise="time")
     frugal = comp.solve()
     assert fastest.status == frugal.status == "OPTIMAL"
@@ -109,7 +109,7 @@ def _seven_clock_pipeline(microbatches):
     it = one_f_one_b(2, microbatches)
     freqs = (810, 900, 1005, 1100, 1200, 1305, 1410)
     opts = {g: _tradeoff_options(g, freqs) for g in {i.group for i in it.instructions}}
-    comp = Composer(it, opts, static_power_w=20.0, gpus=4)
+    comp = Composer(Problem(it, opts, static_power_w=20.0, gpus=4))
     return it, opts, comp, comp.fastest_choice().time_s, max(u.time_s for u in comp.uniform_plans())
 
 
@@ -126,7 +126,7 @@ def test_the_fastest_point_is_not_a_hair_faster_at_much_more_energy():
         ]
         for g in {i.group for i in it.instructions}
     }
-    comp = Composer(it, opts, static_power_w=10.0, gpus=2)
+    comp = Composer(Problem(it, opts, static_power_w=10.0, gpus=2))
     least = comp.fastest_choice()
     assert {o.profile for o in least.choices} == {"hot"}
     front = comp.frontier(4)
@@ -155,7 +155,7 @@ def test_the_fastest_point_is_the_least_energy_within_a_microsecond_of_the_least
             for f in (1410, 1200)
             for p in ("a", "b")
         ]
-    comp = Composer(it, opts, static_power_w=10.0, gpus=2)
+    comp = Composer(Problem(it, opts, static_power_w=10.0, gpus=2))
     least = comp.fastest_choice().time_s
     front = comp.frontier(4)
     best_e, _t = brute_force(comp, least + 1e-6)
@@ -187,7 +187,7 @@ def test_frontier_never_loses_to_a_uniform_clock_plan(schedule):
     it = schedule(2, 32)
     freqs = (810, 1005, 1200, 1410)
     opts = {g: _tradeoff_options(g, freqs) for g in {i.group for i in it.instructions}}
-    comp = Composer(it, opts, static_power_w=20.0, gpus=4, time_limit_s=0.001)
+    comp = Composer(Problem(it, opts, static_power_w=20.0, gpus=4), SolveKnobs(time_limit_s=0.001))
     front = [(s.time_s, s.energy_j) for s in comp.frontier(6)]
     assert is_monotone(front) and len(front) >= 2
     # Every plan at one clock and one profile, enumerated here, is matched or beaten.
@@ -205,7 +205,7 @@ def test_least_time_is_exact_and_every_point_carries_a_valid_lower_bound():
     # Small: CP-SAT proves every solve, so each bound is the brute-force optimum.
     it = one_f_one_b(2, 2)
     opts = {g: _tradeoff_options(g, (810, 1200, 1410)) for g in {i.group for i in it.instructions}}
-    comp = Composer(it, opts, static_power_w=20.0, gpus=4)
+    comp = Composer(Problem(it, opts, static_power_w=20.0, gpus=4))
     assert comp.solve(minimise="time").time_s == comp.fastest_choice().time_s
     for p in comp.frontier(5):  # every point proven optimal at its time
         best = brute_force(comp, p.time_s + 1e-9)
@@ -217,7 +217,7 @@ def test_least_time_is_exact_and_every_point_carries_a_valid_lower_bound():
     it = one_f_one_b(2, 32)
     freqs = (810, 1005, 1200, 1410)
     opts = {g: _tradeoff_options(g, freqs) for g in {i.group for i in it.instructions}}
-    comp = Composer(it, opts, static_power_w=20.0, gpus=4, time_limit_s=0.001)
+    comp = Composer(Problem(it, opts, static_power_w=20.0, gpus=4), SolveKnobs(time_limit_s=0.001))
     front = comp.frontier(6)
     assert all(p.bound_j is not None and p.bound_j <= p.energy_j for p in front)
     for u in comp.uniform_plans():
@@ -248,11 +248,11 @@ def test_relaxation_bounds_the_optimum_and_rounds_to_a_plan_within_the_bound(kin
     it = {"chain": chain(3), "1f1b": one_f_one_b(2, 2), "gpipe": gpipe(2, 2)}[kind]
     freqs = (810, 1005, 1200, 1410) if kind == "chain" else (810, 1200, 1410)
     opts = {g: _tradeoff_options(g, freqs) for g in {i.group for i in it.instructions}}
-    comp = Composer(it, opts, static_power_w=20.0, gpus=2)
+    comp = Composer(Problem(it, opts, static_power_w=20.0, gpus=2))
     fastest = comp.fastest_choice().time_s
     slowest = max(u.time_s for u in comp.uniform_plans())
     relaxation = Relaxation(
-        it, comp.model_options, static_power_w=20.0, gpus=2, gpus_per_stage=1
+        Problem(it, comp.model_options, static_power_w=20.0, gpus=2, gpus_per_stage=1)
     )  # one program, re-solved at each bound as the composer does
     for frac in (0.0, 0.15, 0.4, 0.7, 1.0, None):
         bound = None if frac is None else fastest + frac * (slowest - fastest)
@@ -278,10 +278,14 @@ def test_a_relaxation_glop_ends_abnormally_is_solved_afresh():
 
     it = one_f_one_b(2, 4)
     opts = {g: _tradeoff_options(g, (810, 1200, 1410)) for g in {i.group for i in it.instructions}}
-    comp = Composer(it, opts, static_power_w=20.0, gpus=4)
+    comp = Composer(Problem(it, opts, static_power_w=20.0, gpus=4))
     bound = 1.1 * comp.fastest_choice().time_s
-    normal = Relaxation(it, comp.model_options, static_power_w=20.0, gpus=4, gpus_per_stage=1)
-    broken = Relaxation(it, comp.model_options, static_power_w=20.0, gpus=4, gpus_per_stage=1)
+    normal = Relaxation(
+        Problem(it, comp.model_options, static_power_w=20.0, gpus=4, gpus_per_stage=1)
+    )
+    broken = Relaxation(
+        Problem(it, comp.model_options, static_power_w=20.0, gpus=4, gpus_per_stage=1)
+    )
     broken._lp.Solve = lambda: pywraplp.Solver.ABNORMAL  # the program's solves fail
     failing = broken._lp
     want, got = normal.at(bound), broken.at(bound)
@@ -298,8 +302,10 @@ def test_a_relaxation_below_the_fastest_plan_is_none_and_quiet(capfd):
 
     it = one_f_one_b(2, 4)
     opts = {g: _tradeoff_options(g, (810, 1200, 1410)) for g in {i.group for i in it.instructions}}
-    comp = Composer(it, opts, static_power_w=20.0, gpus=4)
-    relaxation = Relaxation(it, comp.model_options, static_power_w=20.0, gpus=4, gpus_per_stage=1)
+    comp = Composer(Problem(it, opts, static_power_w=20.0, gpus=4))
+    relaxation = Relaxation(
+        Problem(it, comp.model_options, static_power_w=20.0, gpus=4, gpus_per_stage=1)
+    )
     capfd.readouterr()
     assert relaxation.at(0.5 * comp.fastest_choice().time_s) is None
     assert relaxation.at(1.1 * comp.fastest_choice().time_s) is not None  # still usable
@@ -318,9 +324,9 @@ def test_dive_finds_plans_no_worse_than_rounding_and_within_the_bound():
         bound = lo + frac * (hi - lo)
         # fresh programs: both start from the same vertex, so rounding is the same
         got = [
-            Relaxation(it, comp.model_options, static_power_w=20.0, gpus=4, gpus_per_stage=1).at(
-                bound, limit
-            )
+            Relaxation(
+                Problem(it, comp.model_options, static_power_w=20.0, gpus=4, gpus_per_stage=1)
+            ).at(bound, limit)
             for limit in (None, 0.0)
         ]
         assert all(g is not None and g.choices is not None for g in got)
@@ -344,7 +350,7 @@ def test_a_dive_that_reaches_glops_work_limit_keeps_the_rounded_plan(monkeypatch
 
     def solve(limit_j):
         relaxation = relax.Relaxation(
-            it, comp.model_options, static_power_w=20.0, gpus=4, gpus_per_stage=1
+            Problem(it, comp.model_options, static_power_w=20.0, gpus=4, gpus_per_stage=1)
         )
         return relaxation.at(bound, limit_j)
 
@@ -375,7 +381,7 @@ def test_a_solve_that_stalls_from_a_basis_is_solved_afresh_with_the_same_answers
 
     def sweep():
         relaxation = relax.Relaxation(
-            it, comp.model_options, static_power_w=20.0, gpus=4, gpus_per_stage=1
+            Problem(it, comp.model_options, static_power_w=20.0, gpus=4, gpus_per_stage=1)
         )
         return [relaxation.at(b, 0.0) for b in bounds]
 
@@ -395,7 +401,7 @@ def test_a_solve_that_stalls_from_a_basis_is_solved_afresh_with_the_same_answers
 def test_a_bound_solved_again_returns_the_first_answer_or_a_better_hint():
     it = one_f_one_b(2, 8)
     opts = {g: _tradeoff_options(g, (810, 1200, 1410)) for g in {i.group for i in it.instructions}}
-    comp = Composer(it, opts, static_power_w=20.0, gpus=4, time_limit_s=0.001)
+    comp = Composer(Problem(it, opts, static_power_w=20.0, gpus=4), SolveKnobs(time_limit_s=0.001))
     bound = 1.2 * comp.fastest_choice().time_s
     first = comp.solve(bound_s=bound)
     solves, searches = len(comp.solves), comp.searches
@@ -413,7 +419,10 @@ def test_iterations_past_the_search_limit_keep_the_relaxations_plan():
     got = {}
     for limit in (None, 16):
         # gap limit 0: the relaxation proves no plan, so every solve would search
-        comp = Composer(it, opts, static_power_w=20.0, gpus=4, search_max_instructions=limit)
+        comp = Composer(
+            Problem(it, opts, static_power_w=20.0, gpus=4),
+            SolveKnobs(search_max_instructions=limit),
+        )
         bound = 1.2 * comp.fastest_choice().time_s
         got[limit] = comp.solve(bound_s=bound), comp.searches
     (searched, searches), (kept, none) = got[None], got[16]
@@ -438,12 +447,8 @@ def test_iterations_past_the_dive_limit_keep_the_rounded_plan(monkeypatch):
     for limit in (None, 16):
         dives.clear()
         comp = Composer(
-            it,
-            opts,
-            static_power_w=20.0,
-            gpus=4,
-            search_max_instructions=0,
-            dive_max_instructions=limit,
+            Problem(it, opts, static_power_w=20.0, gpus=4),
+            SolveKnobs(search_max_instructions=0, dive_max_instructions=limit),
         )
         got[limit] = comp.solve(bound_s=1.2 * comp.fastest_choice().time_s), len(dives)
     (dived, n_dives), (kept, none) = got[None], got[16]
@@ -489,7 +494,7 @@ def test_70b_pipeline_is_proven_by_the_relaxation_without_search():
     ev = CountingEvaluator(Emulator(SPEC))
     opts = evaluate_options([pset] * 8, ev, default_clocks(SPEC.clocks_mhz()), static, settings)
     comp = Composer(
-        one_f_one_b(8, 16), opts.options, static_power_w=static, gpus=64, gpus_per_stage=8
+        Problem(one_f_one_b(8, 16), opts.options, static_power_w=static, gpus=64, gpus_per_stage=8)
     )
     uniform = min(u.energy_j for u in comp.uniform_plans())
     assert min(p.energy_j for p in plan.frontier) <= uniform
@@ -504,7 +509,9 @@ def test_dominated_options_leave_the_model_but_not_the_uniform_plans():
     assert _undominated(a + b + dup) == (a[0], a[1], b[0])
     it = chain(2)
     comp = Composer(
-        it, {g: a + b for g in {i.group for i in it.instructions}}, static_power_w=1.0, gpus=1
+        Problem(
+            it, {g: a + b for g in {i.group for i in it.instructions}}, static_power_w=1.0, gpus=1
+        )
     )
     assert len(comp.uniform_plans()) == 4
     assert comp.solve().energy_j == pytest.approx(brute_force(comp)[0])
@@ -743,15 +750,17 @@ def test_replay_reproduces_a_recorded_plan(tmp_path):
     pset = megatron_partition_set(
         hidden=512, ffn=2048, heads=8, seq=512, microbatch=4, layers=1, tp=2
     )
-    kwargs = dict(
+    inputs = IterationInputs(
+        stages=pset,
         gpu=SPEC.name,
         clocks_mhz=SPEC.clocks_mhz(),
         static_power_w=SPEC.calibration.static_power_w,
-        settings=PlannerSettings(sweep_points=3, clocks_mhz=(1410, 1005)),
     )
+    settings = PlannerSettings(sweep_points=3, clocks_mhz=(1410, 1005))
     log = tmp_path / "evals.jsonl"
-    first = plan_iteration(pset, RecordingEvaluator(Emulator(SPEC), log), **kwargs).plan
-    replayed = plan_iteration(pset, ReplayEvaluator(log), **kwargs).plan
+    recorded = RecordingEvaluator(Emulator(SPEC), log)
+    first = plan_iteration(inputs, recorded, settings=settings).plan
+    replayed = plan_iteration(inputs, ReplayEvaluator(log), settings=settings).plan
     assert replayed.frontier == first.frontier and replayed.schedule == first.schedule
     with pytest.raises(KareusError, match="no recorded result"):
         ReplayEvaluator(log).partition(attention_partition(), Knobs(1410, 3))
@@ -784,7 +793,7 @@ def test_perseus_baseline_agrees_with_lowtime():
         ]
         for g in groups
     }
-    comp = Composer(it, opts, static_power_w=60.0, gpus=2)
+    comp = Composer(Problem(it, opts, static_power_w=60.0, gpus=2))
     lt = lowtime_frontier(it, opts, static_power_w=60.0, gpus=2, unit_time_s=0.01)
     assert len(lt) > 3
     worse = 0
@@ -1141,8 +1150,8 @@ def test_interleaved_split_and_unsplit_frontiers_are_proven_point_by_point():
             for g in {i.group for i in it.instructions}
         }
 
-    mine = Composer(it, opts(0.97, 1.02, "split"), static_power_w=60.0, gpus=2)
-    theirs = Composer(it, opts(1.0, 1.0, "original"), static_power_w=60.0, gpus=2)
+    mine = Composer(Problem(it, opts(0.97, 1.02, "split"), static_power_w=60.0, gpus=2))
+    theirs = Composer(Problem(it, opts(1.0, 1.0, "original"), static_power_w=60.0, gpus=2))
     split, unsplit = mine.frontier(3), theirs.frontier(3)
 
     def proven(p):
@@ -1170,11 +1179,16 @@ def test_clock_changes_are_priced_and_never_kept_when_they_do_not_pay():
     options = {(0, "forward"): fwd, (0, "backward"): bwd}
     energies = []
     for cost, changes in ((0.0, 8), (0.05, 8), (0.5, 0)):
-        comp = Composer(chain(4), options, static_power_w=50, gpus=1, switch=SwitchCost(cost))
+        comp = Composer(
+            Problem(chain(4), options, static_power_w=50, gpus=1),
+            SolveKnobs(switch=SwitchCost(cost)),
+        )
         sol = comp.solve()
         assert comp.switches(sol.choices) == changes, cost
         # priced: the plan's energy is its instructions' plus each change's
-        plain = Composer(chain(4), options, static_power_w=50, gpus=1).evaluate(sol.choices)[1]
+        plain = Composer(Problem(chain(4), options, static_power_w=50, gpus=1)).evaluate(
+            sol.choices
+        )[1]
         # a change before backward costs 50 ms x (its highest dynamic power 100 W + 50 W)
         assert sol.energy_j == pytest.approx(
             plain + changes / 2 * cost * 150 + changes / 2 * cost * 150
@@ -1182,7 +1196,9 @@ def test_clock_changes_are_priced_and_never_kept_when_they_do_not_pay():
         energies.append(sol.energy_j)
     assert energies[0] < energies[1] < energies[2]
     # a plan handed in with a change that does not pay for itself is repaired
-    comp = Composer(chain(1), options, static_power_w=50, gpus=1, switch=SwitchCost(0.5))
+    comp = Composer(
+        Problem(chain(1), options, static_power_w=50, gpus=1), SolveKnobs(switch=SwitchCost(0.5))
+    )
     sol = comp.solve(hint=None)
     assert comp.switches(sol.choices) == 0
 
@@ -1205,7 +1221,9 @@ def test_no_bound_is_above_the_best_plan_that_meets_it():
         for g in ((0, "forward"), (0, "backward"))
     }
     it = chain(3)
-    comp = Composer(it, options, static_power_w=40, gpus=1, switch=SwitchCost(0.0005))
+    comp = Composer(
+        Problem(it, options, static_power_w=40, gpus=1), SolveKnobs(switch=SwitchCost(0.0005))
+    )
     failures = []
     for _ in range(40):
         plan = [rng.choice(options[i.group]) for i in it.instructions]
@@ -1229,7 +1247,9 @@ def test_a_dominated_option_that_saves_a_clock_change_is_searched():
         (0, "step"): [Option(1410, "a", 0.5, 20.0), Option(1005, "a", 0.5, 15.0)],
     }
     it, _ranks = with_steps(chain(2))
-    comp = Composer(it, options, static_power_w=50, gpus=1, switch=SwitchCost(0.05))
+    comp = Composer(
+        Problem(it, options, static_power_w=50, gpus=1), SolveKnobs(switch=SwitchCost(0.05))
+    )
     found = comp.solve()
     best_j, _t = brute_force(comp)
     assert [o.freq_mhz for o in found.choices] == [1410] * len(it.instructions)
@@ -1251,13 +1271,14 @@ def test_the_relaxation_prices_clock_changes_per_clock_and_stays_a_bound():
     bwd = [top, Option(1200, "a", 1.5, 85.0), Option(900, "a", 2.5, 50.0)]
     options = {(0, "forward"): fwd, (0, "backward"): bwd}
     comp = Composer(
-        chain(1), options, static_power_w=1, gpus=1, switch=SwitchCost(1.0), gap_limit=0.005
+        Problem(chain(1), options, static_power_w=1, gpus=1),
+        SolveKnobs(switch=SwitchCost(1.0), gap_limit=0.005),
     )
     best_j, _t = brute_force(comp, 3.0)
     assert best_j == pytest.approx(178.0)
     kw = {"static_power_w": 1, "gpus": 1, "gpus_per_stage": 1}
-    free = relax.Relaxation(comp.it, comp.model_options, **kw).at(3.0)
-    priced = relax.Relaxation(comp.it, comp.options, change_j=comp.change_j, **kw).at(3.0)
+    free = relax.Relaxation(Problem(comp.it, comp.model_options, **kw)).at(3.0)
+    priced = relax.Relaxation(comp.problem).at(3.0)
     assert free is not None and priced is not None
     assert free.bound_j == pytest.approx(163.0, rel=1e-5)
     assert best_j * (1 - 1e-5) <= priced.bound_j <= best_j
@@ -1292,10 +1313,10 @@ def test_the_bound_with_clock_changes_priced_is_below_every_plan_and_mostly_tigh
         it = chain(2) if seed % 2 else one_f_one_b(2, 2)
         options = {k: random_options(rng) for k in sorted({i.key for i in it.instructions})}
         switch = SwitchCost(rng.choice((0.02, 0.1, 0.3)))
-        comp = Composer(it, options, static_power_w=50, gpus=1, switch=switch)
+        comp = Composer(Problem(it, options, static_power_w=50, gpus=1), SolveKnobs(switch=switch))
         kw = {"static_power_w": 50, "gpus": 1, "gpus_per_stage": 1}
-        priced = Relaxation(it, comp.options, change_j=comp.change_j, **kw)
-        free = Relaxation(it, comp.model_options, **kw)
+        priced = Relaxation(comp.problem)
+        free = Relaxation(Problem(it, comp.model_options, **kw))
         fastest = comp.fastest_choice().time_s
         for bound in (None, fastest * 1.05, fastest * 1.2):
             best_j, _t = brute_force(comp, bound)
@@ -1333,7 +1354,7 @@ def test_the_composers_own_frontier_against_brute_force_on_fresh_instances(capsy
             for g in ((0, "forward"), (0, "backward"))
         }
         it = chain(2)
-        comp = Composer(it, options, static_power_w=rng.uniform(20, 80), gpus=1)
+        comp = Composer(Problem(it, options, static_power_w=rng.uniform(20, 80), gpus=1))
         front = comp.frontier(5)
         least_time = min(comp.evaluate(c)[0] for c in _every_plan(comp))
         # the fastest point is the least energy within the composer's resolution of the

@@ -1,11 +1,12 @@
 """The relaxation as a min-cost flow (kareus.planner.flow) and the DAG timing kept in place."""
 
+import dataclasses
 import random
 
 import numpy as np
 import pytest
 
-from kareus.planner.compose import Composer, brute_force
+from kareus.planner.compose import Composer, Problem, SolveKnobs, brute_force
 from kareus.planner.dag import Option, SwitchCost, Timing, gpipe, makespan, one_f_one_b
 from kareus.planner.flow import FlowRelaxation
 from kareus.planner.relax import Relaxation, recover_slack
@@ -20,12 +21,12 @@ def _options(group, freqs=(810, 1005, 1200, 1410)):
 
 def _pair(it, static_w=20.0, gpus=4):
     opts = {g: _options(g) for g in {i.group for i in it.instructions}}
-    comp = Composer(it, opts, static_power_w=static_w, gpus=gpus)
+    comp = Composer(Problem(it, opts, static_power_w=static_w, gpus=gpus))
     kw = {"static_power_w": static_w, "gpus": gpus, "gpus_per_stage": 1}
     return (
         comp,
-        Relaxation(it, comp.model_options, **kw),
-        FlowRelaxation(it, comp.model_options, **kw),
+        Relaxation(Problem(it, comp.model_options, **kw)),
+        FlowRelaxation(Problem(it, comp.model_options, **kw)),
     )
 
 
@@ -76,11 +77,11 @@ def test_on_a_models_options_the_flow_agrees_with_the_simplex_and_proves_its_pla
     clocks = default_clocks(spec.clocks_mhz())
     opts = evaluate_options([pset] * 4, ev, clocks, static, PlannerSettings()).options
     it = one_f_one_b(4, 16)
-    comp = Composer(it, opts, static_power_w=static, gpus=32, gpus_per_stage=8)
+    comp = Composer(Problem(it, opts, static_power_w=static, gpus=32, gpus_per_stage=8))
     kw = {"static_power_w": static, "gpus": 32, "gpus_per_stage": 8}
-    simplex = Relaxation(it, comp.model_options, **kw)
-    whole = FlowRelaxation(it, comp.model_options, hull_tolerance=0.0, **kw)
-    flow = FlowRelaxation(it, comp.model_options, **kw)
+    simplex = Relaxation(Problem(it, comp.model_options, **kw))
+    whole = FlowRelaxation(Problem(it, comp.model_options, **kw), hull_tolerance=0.0)
+    flow = FlowRelaxation(Problem(it, comp.model_options, **kw))
     better = 0
     for bound in _bounds(comp):
         want, got = simplex.at(bound), flow.at(bound)
@@ -162,9 +163,10 @@ def test_a_composer_past_the_flow_threshold_plans_a_proven_frontier():
     # dive's edge.
     it = one_f_one_b(4, 16)  # 128 instructions
     opts = {g: _options(g) for g in {i.group for i in it.instructions}}
-    kw = {"static_power_w": 20.0, "gpus": 4, "search_max_instructions": 0, "gap_limit": 0.005}
-    simplex = Composer(it, opts, **kw).frontier(points=6)
-    flowed_comp = Composer(it, opts, flow_min_instructions=128, **kw)
+    problem = Problem(it, opts, static_power_w=20.0, gpus=4)
+    knobs = SolveKnobs(search_max_instructions=0, gap_limit=0.005)
+    simplex = Composer(problem, knobs).frontier(points=6)
+    flowed_comp = Composer(problem, dataclasses.replace(knobs, flow_min_instructions=128))
     flowed = flowed_comp.frontier(points=6)
     assert flowed_comp._flow is not None  # the flow solved every bound (the simplex dived
     # where its plan was not proven within the gap limit)
@@ -216,14 +218,13 @@ def test_the_switch_greedy_keeps_its_plans_on_large_iterations():
     it = one_f_one_b(4, 16)
     opts = {g: _options(g) for g in {i.group for i in it.instructions}}
     comp = Composer(
-        it,
-        opts,
-        static_power_w=20.0,
-        gpus=4,
-        search_max_instructions=0,
-        flow_min_instructions=1,
-        dive_max_instructions=0,  # the flow alone
-        switch=SwitchCost(0.05),
+        Problem(it, opts, static_power_w=20.0, gpus=4),
+        SolveKnobs(
+            search_max_instructions=0,
+            flow_min_instructions=1,
+            dive_max_instructions=0,
+            switch=SwitchCost(0.05),
+        ),
     )
     sol = comp.solve(bound_s=1.2 * comp.fastest_choice().time_s)
     assert (sol.time_s, sol.energy_j) == comp.evaluate(sol.choices)
@@ -284,8 +285,10 @@ def test_at_the_least_time_groups_take_a_profile_that_runs_their_fastest_option(
         for k in ("forward", "backward")
     }
     it = one_f_one_b(2, 4)
-    comp = Composer(it, opts, static_power_w=5.0, gpus=2)
-    flow = FlowRelaxation(it, comp.model_options, static_power_w=5.0, gpus=2, gpus_per_stage=1)
+    comp = Composer(Problem(it, opts, static_power_w=5.0, gpus=2))
+    flow = FlowRelaxation(
+        Problem(it, comp.model_options, static_power_w=5.0, gpus=2, gpus_per_stage=1)
+    )
     bound = comp.fastest_choice().time_s + 1e-6
     got = flow.at(bound)
     assert got is not None and got.choices is not None
@@ -304,11 +307,11 @@ def test_a_thinned_hull_prices_the_flow_but_the_bound_and_plan_use_every_option(
     it = one_f_one_b(3, 8)
     freqs = tuple(range(705, 1411, 45))  # 16 clocks: hulls with vertices to leave out
     opts = {g: _options(g, freqs) for g in {i.group for i in it.instructions}}
-    comp = Composer(it, opts, static_power_w=20.0, gpus=4)
+    comp = Composer(Problem(it, opts, static_power_w=20.0, gpus=4))
     kw = {"static_power_w": 20.0, "gpus": 4, "gpus_per_stage": 1}
-    simplex = Relaxation(it, comp.model_options, **kw)
-    whole = FlowRelaxation(it, comp.model_options, hull_tolerance=0.0, **kw)
-    coarse = FlowRelaxation(it, comp.model_options, hull_tolerance=0.05, **kw)
+    simplex = Relaxation(Problem(it, comp.model_options, **kw))
+    whole = FlowRelaxation(Problem(it, comp.model_options, **kw), hull_tolerance=0.0)
+    coarse = FlowRelaxation(Problem(it, comp.model_options, **kw), hull_tolerance=0.05)
     hull = lower_hull([o for o in next(iter(opts.values())) if o.profile == "a"])
     assert 2 < len(thin(hull, 0.05)) < len(hull) == len(thin(hull, 0.0))
     used = set()
@@ -413,10 +416,10 @@ def test_instructions_with_traffic_of_their_own_keep_their_groups_profile():
             else o
             for o in _options(i.group)
         ]
-    comp = Composer(it, opts, static_power_w=20.0, gpus=1)
+    comp = Composer(Problem(it, opts, static_power_w=20.0, gpus=1))
     kw = {"static_power_w": 20.0, "gpus": 1, "gpus_per_stage": 1}
-    simplex = Relaxation(it, comp.model_options, **kw)
-    flow = FlowRelaxation(it, comp.model_options, **kw)
+    simplex = Relaxation(Problem(it, comp.model_options, **kw))
+    flow = FlowRelaxation(Problem(it, comp.model_options, **kw))
     for bound in _bounds(comp):
         best_j, _t = brute_force(comp, bound)
         solved = comp.solve(bound_s=bound)

@@ -29,7 +29,7 @@ from kareus.hardware import Emulator, GPUSpec, gpu
 from kareus.ir.costs import Evaluator
 from kareus.ir.partitions import PartitionSet
 from kareus.jobs.trace import Workload
-from kareus.planner.compose import Composer
+from kareus.planner.compose import Composer, Problem
 from kareus.planner.dag import STEP, Instruction, Iteration, Option, schedule_iteration
 from kareus.planner.dp_pricing import add_data_parallel, data_parallel_planning
 from kareus.planner.instruction_options import default_profiles, instruction_options
@@ -459,11 +459,7 @@ def evaluate_clock_plans(
     by_clock = {group: {o.freq_mhz: o for o in opts} for group, opts in options.items()}
     parallel = Parallelism(tp=work.tp, cp=work.cp, pp=work.pp)
     composer = Composer(
-        iteration,
-        options,
-        static_power_w=static_w,
-        gpus=parallel.gpus,
-        gpus_per_stage=parallel.gpus_per_stage,
+        Problem(iteration, options, static_w, parallel.gpus, parallel.gpus_per_stage)
     )
     position = {  # (data parallelism's traffic tags some of the iteration's instructions)
         (i.stage, i.kind, i.microbatch): (rank, p)

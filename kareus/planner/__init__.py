@@ -8,10 +8,10 @@ from kareus.planner.compose import Composer
 from kareus.planner.dag import chain, one_f_one_b
 from kareus.planner.data_parallel import DataParallel, StageWeights
 from kareus.planner.frontiers import METHODS
-from kareus.planner.iteration import plan_for_gpu, plan_iteration
+from kareus.planner.iteration import IterationInputs, plan_for_gpu, plan_iteration
 from kareus.planner.knobs import KnobSpace, RecordingEvaluator, ReplayEvaluator, Setting
 from kareus.planner.search import exhaustive, search
-from kareus.planner.select import POLICIES, InfeasiblePlanError, select
+from kareus.planner.select import POLICIES, InfeasiblePlanError, Pick, select
 from kareus.planner.settings import Parallelism, PlannerSettings
 
 __all__ = [
@@ -20,8 +20,10 @@ __all__ = [
     "Composer",
     "DataParallel",
     "InfeasiblePlanError",
+    "IterationInputs",
     "KnobSpace",
     "Parallelism",
+    "Pick",
     "PlannerSettings",
     "RecordingEvaluator",
     "ReplayEvaluator",

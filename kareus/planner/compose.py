@@ -23,54 +23,21 @@ import dataclasses
 import itertools
 import logging
 import math
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
 
 from kareus.errors import KareusError
 from kareus.planner.cp_sat import CpSatSearch
-from kareus.planner.dag import (
-    Iteration,
-    Option,
-    SwitchCost,
-    change_energy,
-    group_profiles,
-    plan_cost,
-    switches,
-)
+from kareus.planner.dag import Option, change_energy, group_profiles, switches
+from kareus.planner.flow import FlowRelaxation
 from kareus.planner.pareto import TIME_RESOLUTION_S, meets
+from kareus.planner.problem import Problem, Solution, SolveKnobs
+from kareus.planner.relax import Relaxation, Relaxed
 from kareus.planner.sweep import lower_bounds, prove, sweep_frontier
 from kareus.planner.switch_pay import pay_for_switches
 
-if TYPE_CHECKING:
-    from kareus.planner.flow import FlowRelaxation
-    from kareus.planner.relax import Relaxation, Relaxed
+__all__ = ["Composer", "Problem", "Solution", "SolveKnobs", "brute_force"]
 
 _log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class Solution:
-    """One composed plan: an option per instruction, the iteration time and energy.
-
-    ``bound_j`` is CP-SAT's proof that no plan on the same options within ``within_s``
-    (any time when None) uses less energy; it is None for plans that no solve produced.
-    """
-
-    choices: tuple[Option, ...]
-    time_s: float
-    energy_j: float
-    status: str
-    within_s: float | None = None
-    bound_j: float | None = None
-
-    @property
-    def gap(self) -> float | None:
-        """The proven gap: how much of the energy a better plan could at most save."""
-        return None if self.bound_j is None else (self.energy_j - self.bound_j) / self.energy_j
-
-    def proven(self, gap_limit: float) -> bool:
-        """Whether CP-SAT proved the plan optimal or its gap is within ``gap_limit``."""
-        return self.status == "OPTIMAL" or (self.gap is not None and self.gap <= gap_limit)
 
 
 def _undominated(options: Sequence[Option]) -> tuple[Option, ...]:
@@ -111,86 +78,51 @@ class Composer:
     """Builds and solves the CP-SAT model for one iteration and its options.
 
     Args:
-        iteration: the DAG.
-        options: per group (stage, kind), the options of its instructions.
-        static_power_w: static power of one GPU.
-        gpus: GPUs the iteration runs on (all stages, all tensor-parallel ranks).
-        gpus_per_stage: GPUs that run each instruction (tensor-parallel ranks).
-        time_limit_s: CP-SAT deterministic work limit per solve, per 64 instructions of the
-            iteration (deterministic time units: the result never depends on machine load).
-        workers: CP-SAT search workers, interleaved in one thread when more than one.
-        gap_limit: a solve stops once its plan is proven within this fraction of the least
-            energy (deterministic: the proof, not the clock, decides).
-        search_max_instructions: CP-SAT searches only iterations of at most this many
-            instructions (None: any); a larger one keeps the relaxation's plan and reports
-            its gap, proven or not.
-        dive_max_instructions: the relaxation's dive improves the rounded plan only in
-            iterations of at most this many instructions (None: any); a larger one keeps
-            the rounded plan and its proven gap.
-        flow_min_instructions: iterations of at least this many instructions solve the
-            relaxation as a min-cost flow (:mod:`kareus.planner.flow`: the same bound, a
-            rounding about as good, no dive) instead of by the simplex (None: never); the
-            simplex still dives where the flow's plan is not proven within the gap limit
-            and the iteration has at most ``dive_max_instructions``.
-        switch: what a clock change costs (:class:`~kareus.planner.dag.SwitchCost`); every
-            plan is priced with it, CP-SAT weighs it, and a change whose saving does not
-            pay for it is undone. The simplex's relaxation prices it too (each pair that may
-            change, by the total variation of the two instructions' clock weights); the
-            flow's leaves it out. Either bound stays a bound.
+        problem: the iteration, its options and what a plan is priced on (its
+            ``change_j`` is left out: the composer prices clock changes by ``knobs.switch``).
+        knobs: how hard each solve works (:class:`~kareus.planner.problem.SolveKnobs`;
+            None: its defaults).
     """
 
-    def __init__(
-        self,
-        iteration: Iteration,
-        options: Mapping[tuple[int, str], Sequence[Option]],
-        *,
-        static_power_w: float,
-        gpus: int,
-        gpus_per_stage: int = 1,
-        time_limit_s: float = 10.0,
-        workers: int = 1,
-        seed: int = 0,
-        gap_limit: float = 0.0,
-        search_max_instructions: int | None = None,
-        dive_max_instructions: int | None = None,
-        flow_min_instructions: int | None = None,
-        switch: SwitchCost | None = None,
-    ) -> None:
-        self.it = iteration
-        self.options = {g: tuple(o) for g, o in options.items()}
-        for instr in iteration.instructions:
-            if not self.options.get(instr.key):
+    def __init__(self, problem: Problem, knobs: SolveKnobs | None = None) -> None:
+        knobs = knobs or SolveKnobs()
+        it = problem.iteration
+        for instr in it.instructions:
+            if not problem.options.get(instr.key):
                 raise KareusError(f"no options for stage {instr.stage} {instr.key[1]}")
+        switch = knobs.switch if knobs.switch is not None and knobs.switch.time_s > 0 else None
+        self.knobs = dataclasses.replace(knobs, switch=switch)
+        # the energy of a clock change before each instruction, on all GPUs of its stage
+        # (empty when changes are free)
+        change_j = tuple(
+            change_energy(switch, problem.options[i.key], problem.static_power_w)
+            * problem.gpus_per_stage
+            for i in (it.instructions if switch is not None else ())
+        )
+        self.problem = dataclasses.replace(problem, change_j=change_j)
+        self.it = it
+        self.options = self.problem.options
         # An option dominated within its profile can only tie, unless clock changes cost
         # something: at its neighbours' clock it saves one (CP-SAT and the simplex price
         # changes and keep them all then; the flow leaves changes out).
-        self.model_options = {g: _undominated(o) for g, o in self.options.items()}
-        self.switch = switch if switch is not None and switch.time_s > 0 else None
-        self.search_options = self.model_options if self.switch is None else self.options
-        self.static_w = static_power_w
-        self.gpus = gpus
-        self.per_stage = gpus_per_stage
-        self.time_limit_s = time_limit_s
-        self.workers = workers
-        self.seed = seed
-        self.gap_limit = gap_limit
-        self.search_max_instructions = search_max_instructions
-        self.dive_max_instructions = dive_max_instructions
-        self.flow_min_instructions = flow_min_instructions
+        undominated = {g: _undominated(o) for g, o in self.options.items()}
+        self.model_options = undominated
+        self._search = (
+            dataclasses.replace(self.problem, options=undominated)
+            if switch is None
+            else self.problem
+        )
+        self.search_options = self._search.options
         self.solves: list[Solution] = []  # every solve since the last frontier() began
         self.searches = 0  # of which CP-SAT searched (the relaxation had not proven them)
         self._relaxation: Relaxation | None = None  # built at its first solve, then kept
         self._flow: FlowRelaxation | None = None  # likewise
         self._memo: dict[float | None, Solution] = {}  # each bound's solution, since frontier()
-        # the energy of a clock change before each instruction, on all GPUs of its stage
-        # (empty when changes are free)
-        self.change_j = [
-            change_energy(self.switch, self.options[i.key], static_power_w) * gpus_per_stage
-            for i in (iteration.instructions if self.switch is not None else ())
-        ]
-        self._by_clock = {
-            g: {(o.profile, o.freq_mhz): o for o in opts} for g, opts in self.options.items()
-        }
+
+    @property
+    def gap_limit(self) -> float:
+        """The fraction of its energy a solve's plan is proven within before it stops."""
+        return self.knobs.gap_limit
 
     def restart(self) -> None:
         """Forget the solves so far (a new frontier begins)."""
@@ -203,18 +135,11 @@ class Composer:
 
         ``key``: the :attr:`~kareus.planner.dag.Instruction.key` of the instructions.
         """
-        return self._by_clock[key].get((profile, freq_mhz))
+        return self.problem.option(key, profile, freq_mhz)
 
     def evaluate(self, choices: Sequence[Option]) -> tuple[float, float]:
         """Return (iteration time, energy of all GPUs) of one choice per instruction."""
-        return plan_cost(
-            self.it,
-            choices,
-            static_power_w=self.static_w,
-            gpus=self.gpus,
-            gpus_per_stage=self.per_stage,
-            change_j=self.change_j,
-        )
+        return self.problem.cost(choices)
 
     def switches(self, choices: Sequence[Option]) -> int:
         """Return the clock changes one iteration of ``choices`` makes, on all GPUs."""
@@ -276,10 +201,8 @@ class Composer:
         proven = (
             best is not None and best.energy_j - relaxed.bound_j <= self.gap_limit * best.energy_j
         )
-        too_large = (
-            self.search_max_instructions is not None
-            and len(self.it.instructions) > self.search_max_instructions
-        )
+        most = self.knobs.search_max_instructions
+        too_large = most is not None and len(self.it.instructions) > most
         if best is not None and (proven or too_large):
             found = dataclasses.replace(
                 best, within_s=bound_s, bound_j=min(relaxed.bound_j, best.energy_j)
@@ -294,28 +217,20 @@ class Composer:
         proven within the gap limit and the iteration is small enough to dive, the simplex
         dives too, and the better bound and plan are kept.
         """
-        from kareus.planner.flow import FlowRelaxation
-        from kareus.planner.relax import Relaxation, Relaxed
-
         n = len(self.it.instructions)
-        dives = self.dive_max_instructions is None or n <= self.dive_max_instructions
-        flows = self.flow_min_instructions is not None and n >= self.flow_min_instructions
-        kw: dict[str, Any] = {
-            "static_power_w": self.static_w,
-            "gpus": self.gpus,
-            "gpus_per_stage": self.per_stage,
-        }
+        most, least = self.knobs.dive_max_instructions, self.knobs.flow_min_instructions
+        dives = most is None or n <= most
+        flows = least is not None and n >= least
         first: Relaxed | None = None
         if flows:
-            if self._flow is None:
-                self._flow = FlowRelaxation(self.it, self.model_options, **kw)
+            if self._flow is None:  # (the flow leaves clock changes out)
+                free = dataclasses.replace(self.problem, change_j=())
+                self._flow = FlowRelaxation(dataclasses.replace(free, options=self.model_options))
             first = self._flow.at(bound_s, self.gap_limit)
             if first is None or not dives or self._proven(first):
                 return first
         if self._relaxation is None:
-            self._relaxation = Relaxation(
-                self.it, self.search_options, change_j=self.change_j, **kw
-            )
+            self._relaxation = Relaxation(self._search)
         second = self._relaxation.at(bound_s, self.gap_limit if dives else None)
         if first is None or second is None:
             return second
@@ -330,7 +245,7 @@ class Composer:
         return energy - relaxed.bound_j <= self.gap_limit * energy
 
     def _record(self, found: Solution) -> Solution:
-        found = pay_for_switches(self, found)
+        found = pay_for_switches(self.problem, found)
         self.solves.append(found)
         self._memo[found.within_s] = found
         return found
@@ -350,18 +265,7 @@ class Composer:
         meets the bound (and its bound proves nothing).
         """
         self.searches += 1
-        search = CpSatSearch(
-            self.it,
-            self.search_options,
-            self.static_w,
-            self.gpus,
-            self.per_stage,
-            self.change_j,
-            self.time_limit_s,
-            self.workers,
-            self.seed,
-            self.gap_limit,
-        )
+        search = CpSatSearch(self._search, self.knobs)
         opts = [self.search_options[i.key] for i in self.it.instructions]
         bound_us = None if bound_s is None else math.floor(bound_s * 1e6)
         # each energy term of the objective is rounded to the nearest microjoule
@@ -387,7 +291,7 @@ class Composer:
                 )
                 return self._record(found)
             within = f"within {bound_s:.6f} s " if bound_s is not None else ""
-            limit = self.time_limit_s * max(1.0, len(self.it.instructions) / 64)
+            limit = self.knobs.time_limit_s * max(1.0, len(self.it.instructions) / 64)
             raise KareusError(
                 f"CP-SAT found no plan {within}within its work limit ({limit:.1f} "
                 "deterministic units; raise PlannerSettings.solver_time_limit_s) "

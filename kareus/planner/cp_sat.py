@@ -10,13 +10,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
-from kareus.planner.dag import Iteration, Option, group_profiles
-
-if TYPE_CHECKING:
-    from kareus.planner.compose import Solution
+from kareus.planner.dag import Option, group_profiles
+from kareus.planner.problem import Problem, Solution, SolveKnobs
 
 _log = logging.getLogger(__name__)
 
@@ -30,29 +28,18 @@ class CpSatSearch:
     """CP-SAT's model of one iteration and its search.
 
     Attributes:
-        it: the iteration.
-        options: per group, the options CP-SAT chooses from.
-        static_w: static power of one GPU.
-        gpus, per_stage: GPUs of the iteration, and of each instruction.
-        change_j: per instruction, the energy of a clock change before it (empty: free).
-        time_limit_s, workers, seed, gap_limit: as the composer's.
+        problem: the iteration, the options CP-SAT chooses from per group, and what a plan
+            is priced on (``change_j`` empty: changes are free, and not in the model).
+        knobs: the composer's (its work limit, workers, seed and gap limit).
     """
 
-    it: Iteration
-    options: Mapping[tuple[int, str], Sequence[Option]]
-    static_w: float
-    gpus: int
-    per_stage: int
-    change_j: Sequence[float]
-    time_limit_s: float
-    workers: int
-    seed: int
-    gap_limit: float
+    problem: Problem
+    knobs: SolveKnobs
 
     @property
     def switches(self) -> bool:
         """Whether clock changes cost anything (they are in the model)."""
-        return bool(self.change_j)
+        return bool(self.problem.change_j)
 
     def run(
         self,
@@ -78,11 +65,11 @@ class CpSatSearch:
         # deterministic work count, not by the wall clock, so the same inputs give the same
         # plan on any machine under any load. Larger iterations get proportionally more
         # work: the limit is per 64 instructions.
-        solver.parameters.num_workers = self.workers
-        solver.parameters.interleave_search = self.workers > 1
-        solver.parameters.random_seed = self.seed
-        solver.parameters.relative_gap_limit = self.gap_limit
-        limit = self.time_limit_s * max(1.0, len(self.it.instructions) / 64)
+        solver.parameters.num_workers = self.knobs.workers
+        solver.parameters.interleave_search = self.knobs.workers > 1
+        solver.parameters.random_seed = self.knobs.seed
+        solver.parameters.relative_gap_limit = self.knobs.gap_limit
+        limit = self.knobs.time_limit_s * max(1.0, len(self.problem.iteration.instructions) / 64)
         solver.parameters.max_deterministic_time = limit
         solver.parameters.max_time_in_seconds = WALL_CLOCK_GUARD_S
         status = solver.solve(m)
@@ -115,14 +102,14 @@ class CpSatSearch:
         m = cp_model.CpModel()
         horizon = sum(max(d) for d in us) + 1
         x = [[m.new_bool_var(f"x{i}_{k}") for k in range(len(us[i]))] for i in range(len(us))]
-        profiles = group_profiles(self.it, self.options)
+        profiles = group_profiles(self.problem.iteration, self.problem.options)
         groups = sorted(profiles)
         y = {g: {p: m.new_bool_var(f"y{g}_{p}") for p in profiles[g]} for g in groups}
         for g in groups:
             m.add_exactly_one(y[g].values())
         start, end = [], []
         switch_uj = self.switch_terms(m, x, opts)
-        for i, instr in enumerate(self.it.instructions):
+        for i, instr in enumerate(self.problem.iteration.instructions):
             m.add_exactly_one(x[i])
             for k, opt in enumerate(opts[i]):
                 m.add_implication(x[i][k], y[instr.group][opt.profile])
@@ -131,7 +118,7 @@ class CpSatSearch:
             m.add(e == s + sum(d * v for d, v in zip(us[i], x[i], strict=True)))
             start.append(s)
             end.append(e)
-        for a, b in self.it.edges:
+        for a, b in self.problem.iteration.edges:
             m.add(end[a] <= start[b])
         t = m.new_int_var(0, horizon, "T")
         for e in end:
@@ -139,11 +126,12 @@ class CpSatSearch:
         if bound_us is not None:
             m.add(t <= bound_us)
         dyn = sum(
-            round(o.dynamic_energy_j * 1e6 * self.per_stage) * x[i][k]
+            round(o.dynamic_energy_j * 1e6 * self.problem.gpus_per_stage) * x[i][k]
             for i in range(len(opts))
             for k, o in enumerate(opts[i])
         )
-        static_w = math.floor(self.static_w * self.gpus)  # W x us = uJ (down: a bound stays one)
+        # W x us = uJ (down: a bound stays one)
+        static_w = math.floor(self.problem.static_power_w * self.problem.gpus)
         m.minimize(dyn + switch_uj + static_w * t)
         return m, x
 
@@ -161,9 +149,9 @@ class CpSatSearch:
         ]
         top = max(round(o.freq_mhz) for row in opts for o in row)
         energy: Any = 0
-        for a, b in self.it.switch_pairs():
+        for a, b in self.problem.iteration.switch_pairs():
             w = m.new_bool_var(f"w{a}_{b}")
             m.add(clocks[a] - clocks[b] <= top * w)
             m.add(clocks[b] - clocks[a] <= top * w)
-            energy += round(self.change_j[b] * 1e6) * w
+            energy += round(self.problem.change_j[b] * 1e6) * w
         return energy

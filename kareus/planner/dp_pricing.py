@@ -18,7 +18,7 @@ from kareus.errors import KareusError
 from kareus.hardware import Emulator, GPUSpec
 from kareus.ir.costs import CollectiveCost, Estimate, Evaluator, Knobs, OpCost, PartitionWork
 from kareus.ir.partitions import PartitionSet
-from kareus.planner.compose import Composer, Solution
+from kareus.planner.compose import Composer
 from kareus.planner.dag import STEP, Instruction, Iteration, Option, with_steps
 from kareus.planner.data_parallel import (
     ADAM_BYTES_PER_PARAM,
@@ -33,6 +33,7 @@ from kareus.planner.data_parallel import (
     iteration_traffic,
     scaled,
 )
+from kareus.planner.problem import Solution
 from kareus.planner.select import select
 
 

@@ -47,6 +47,7 @@ import numpy as np
 
 from kareus.errors import KareusError
 from kareus.planner.dag import Iteration, Option, group_profiles, makespan, slack, topology
+from kareus.planner.problem import Problem
 from kareus.planner.relax import BOUND_TOLERANCE, Priced, Relaxed, lower_hull, recover_slack
 
 TIME_UNITS_PER_MS = 1_000
@@ -64,22 +65,17 @@ the flow's arcs (:func:`thin`; relative to its energy). On Llama 3.3 70B shapes 
 class FlowRelaxation(Priced):
     """The relaxation of one composition, solved as a min-cost flow at any time bound.
 
-    Takes the arguments of :class:`kareus.planner.relax.Relaxation` and answers
-    :meth:`at` as it does, without a dive.
+    Takes the problem :class:`kareus.planner.relax.Relaxation` takes and answers :meth:`at`
+    as it does, without a dive; it leaves clock changes out (``problem.change_j`` is not
+    read).
     """
 
-    def __init__(
-        self,
-        iteration: Iteration,
-        options: Mapping[tuple[int, str], Sequence[Option]],
-        *,
-        static_power_w: float,
-        gpus: int,
-        gpus_per_stage: int,
-        hull_tolerance: float = HULL_TOLERANCE,
-    ) -> None:
-        super().__init__(iteration, options, static_power_w, gpus, gpus_per_stage)
-        self._static_per_ms = static_power_w * gpus / 1e3  # J per ms of iteration time
+    def __init__(self, problem: Problem, hull_tolerance: float = HULL_TOLERANCE) -> None:
+        super().__init__(problem)
+        iteration, options = problem.iteration, problem.options
+        gpus_per_stage = problem.gpus_per_stage
+        self._per_stage = gpus_per_stage
+        self._static_per_ms = problem.static_power_w * problem.gpus / 1e3  # J per ms of time
         self._thinned = hull_tolerance > 0
         # per group, its instructions by key (:attr:`~kareus.planner.dag.Instruction.key`)
         self._groups: dict[tuple[int, str], dict[tuple[int, str], list[int]]] = {}

@@ -12,9 +12,10 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kareus.planner.compose import Composer, Solution
+from kareus.planner.compose import Composer
 from kareus.planner.instruction_options import ORIGINAL
 from kareus.planner.pareto import TIME_RESOLUTION_S, pareto_front
+from kareus.planner.problem import Solution
 from kareus.planner.settings import PlannerSettings
 from kareus.planner.sweep import REFINE_GAP, best_within
 

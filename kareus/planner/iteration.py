@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from kareus.errors import KareusError
@@ -24,7 +24,7 @@ from kareus.hardware import Emulator, GPUSpec
 from kareus.ir.costs import Evaluator
 from kareus.ir.partitions import Decision, PartitionSet
 from kareus.ir.plan_file import FrontierPoint, Plan, ScheduledInstruction
-from kareus.planner.compose import Composer, Solution
+from kareus.planner.compose import Composer
 from kareus.planner.dag import (
     SCHEDULES,
     STEP,
@@ -44,8 +44,9 @@ from kareus.planner.dp_pricing import (
 from kareus.planner.frontiers import compose_frontiers
 from kareus.planner.instruction_options import ORIGINAL, Evaluated, Pair, evaluate_options
 from kareus.planner.knobs import CountingEvaluator
+from kareus.planner.problem import Problem, Solution
 from kareus.planner.search import SearchResult
-from kareus.planner.select import select
+from kareus.planner.select import Pick, select
 from kareus.planner.settings import Parallelism, PlannerSettings
 
 
@@ -61,79 +62,90 @@ class PlanningResult:
     settings: PlannerSettings = PlannerSettings()
 
 
-def plan_iteration(
-    psets: PartitionSet | Sequence[PartitionSet],
-    evaluator: Evaluator,
-    *,
-    gpu: str,
-    clocks_mhz: Sequence[int],
-    static_power_w: float,
-    parallel: Parallelism = Parallelism(),
-    settings: PlannerSettings = PlannerSettings(),
-    policy: str = "iso_time",
-    energy_budget_j: float | None = None,
-    deadline_s: float | None = None,
-    skip_reasons: Sequence[str] = (),
-    progress: Any = None,
-    workload: dict[str, Any] | None = None,
-    original: PartitionSet | Sequence[PartitionSet] | None = None,
-    data_parallel: DataParallelPlanning | None = None,
-) -> PlanningResult:
-    """Plan one training iteration.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IterationInputs:
+    """What one training iteration is planned from: its graphs, the GPU and the layout.
 
-    Args:
-        psets: the partition set of each pipeline stage (one set is used for every stage).
-        original: the same for the original graphs (no block split). Given, the Megatron-LM
-            and Perseus baselines are priced on them and their Perseus plans join kareus's
-            frontier where no split plan beats them; None prices the baselines on the split
-            graphs, each collective alone (one nanobatch's launches more per kernel).
-        evaluator: times and energies (the emulator, a replay, a profiler).
+    Attributes:
+        stages: the partition set of each pipeline stage (one set: every stage's).
         gpu: GPU name, recorded in the plan.
         clocks_mhz: the GPU's supported clocks.
         static_power_w: static power of one GPU.
         parallel: tensor/pipeline parallel sizes and micro-batches per iteration.
-        settings: planner knobs.
-        policy: how to pick the plan (see :func:`kareus.planner.select.select`).
-        energy_budget_j: the budget of policy ``energy_budget_j``.
-        deadline_s: the deadline of policy ``deadline_s``.
+        original: the same as ``stages`` for the original graphs (no block split). Given,
+            the Megatron-LM and Perseus baselines are priced on them and their Perseus
+            plans join kareus's frontier where no split plan beats them; None prices the
+            baselines on the split graphs, each collective alone (one nanobatch's launches
+            more per kernel).
+        data_parallel: the data-parallel layout, stage parameters and pricing; None: no
+            data-parallel traffic or optimizer step (as before data parallelism was
+            modelled).
         skip_reasons: reasons recorded by the passes, kept in the plan.
+        workload: what was planned (model, batch shape...), recorded in the plan.
+    """
+
+    stages: PartitionSet | Sequence[PartitionSet]
+    gpu: str
+    clocks_mhz: Sequence[int]
+    static_power_w: float
+    parallel: Parallelism = Parallelism()
+    original: PartitionSet | Sequence[PartitionSet] | None = None
+    data_parallel: DataParallelPlanning | None = None
+    skip_reasons: Sequence[str] = ()
+    workload: Mapping[str, Any] | None = None
+
+    def graphs(self) -> tuple[list[PartitionSet], list[PartitionSet] | None]:
+        """Return the split and the original graphs' sets, one per pipeline stage."""
+        stages = self.parallel.stages
+        originals = None if self.original is None else _per_stage(self.original, stages)
+        return _per_stage(self.stages, stages), originals
+
+
+def plan_iteration(
+    inputs: IterationInputs,
+    evaluator: Evaluator,
+    *,
+    settings: PlannerSettings = PlannerSettings(),
+    pick: Pick = Pick(),
+    progress: Callable[[str], None] | None = None,
+) -> PlanningResult:
+    """Plan one training iteration.
+
+    Args:
+        inputs: the graphs, the GPU and the layout planned.
+        evaluator: times and energies (the emulator, a replay, a profiler).
+        settings: planner knobs.
+        pick: how to pick the plan (see :func:`kareus.planner.select.select`).
         progress: optional callable ``progress(step: str)`` for long steps (one call per
             type searched, one for the options, two for composing).
-        workload: what was planned (model, batch shape...), recorded in the plan.
-        data_parallel: the data-parallel layout, stage parameters and pricing; None: no
-            data-parallel traffic or optimizer step (as before data parallelism was modelled).
 
     Raises:
         InfeasiblePlanError: the policy's budget or deadline cannot be met.
         KareusError: an unknown pipeline schedule.
     """
+    parallel, data_parallel = inputs.parallel, inputs.data_parallel
     _check_schedule(parallel)
-    stages = _per_stage(psets, parallel.stages)
-    originals = None if original is None else _per_stage(original, parallel.stages)
+    graphs = inputs.graphs()
     ev = CountingEvaluator(evaluator)
     note = progress or (lambda _step: None)
 
-    plan_on = functools.partial(
-        _one_pass, (stages, originals), ev, parallel, data_parallel, static_power_w, settings,
-        deadline_s, note,
-    )  # fmt: skip
+    plan_on = functools.partial(_one_pass, inputs, ev, settings, pick.deadline_s, note)
     # (a data-parallel step is one instruction more per rank)
     instructions = parallel.instructions + (parallel.pp if data_parallel is not None else 0)
-    run = _two_passes(plan_on, settings, clocks_mhz, instructions, note)
+    run = _two_passes(plan_on, settings, inputs.clocks_mhz, instructions, note)
     freqs, evaluated, blind_options, iteration, dp_record, comps, frontiers, counts = run
     # (every evaluation made, in either pass; the solves are the kept pass's)
     counts = {**counts, "total": ev.evaluations, "clocks": len(freqs)}
-    chosen = _choose(frontiers, policy, energy_budget_j, deadline_s)
-    graphs = (stages, originals)
+    chosen = _choose(frontiers, pick)
     if data_parallel is not None and data_parallel.layout.mode not in IN_GRAPH:  # else planned
         dp_record["blind"] = _seeing_data_parallel(
-            parallel, blind_options, graphs, comps["kareus"], freqs, static_power_w, settings,
-            (policy, energy_budget_j, deadline_s), note,
-        )  # fmt: skip
+            inputs, blind_options, comps["kareus"], freqs, settings, pick, note
+        )
     meta = {
-        "gpu": gpu, "source": getattr(evaluator, "source", "modelled"), "policy": policy,
-        "skip_reasons": tuple(skip_reasons), "static_power_w": static_power_w,
-        "workload": dict(workload or {}), "data_parallel": dp_record,
+        "gpu": inputs.gpu, "source": getattr(evaluator, "source", "modelled"),
+        "policy": pick.policy, "skip_reasons": tuple(inputs.skip_reasons),
+        "static_power_w": inputs.static_power_w, "workload": dict(inputs.workload or {}),
+        "data_parallel": dp_record,
         "clock_switch": dataclasses.asdict(settings.switch or SwitchCost()),
     }  # fmt: skip
     plan = _plan_file(chosen, frontiers, evaluated, iteration, graphs, parallel, counts, meta)
@@ -143,22 +155,21 @@ def plan_iteration(
 
 
 def _one_pass(
-    graphs: tuple[list[PartitionSet], list[PartitionSet] | None],
+    inputs: IterationInputs,
     ev: CountingEvaluator,
-    parallel: Parallelism,
-    data_parallel: DataParallelPlanning | None,
-    static_power_w: float,
     settings: PlannerSettings,
     deadline_s: float | None,
     note: Callable[[str], None],
     freqs: tuple[float, ...],
 ) -> _Planned:
     """Evaluate, compose and solve the frontiers on one clock grid."""
+    graphs = inputs.graphs()
     stages, originals = graphs
+    static_power_w, parallel = inputs.static_power_w, inputs.parallel
     evaluated = evaluate_options(stages, ev, freqs, static_power_w, settings, note, originals)
     blind = dict(evaluated.options)  # the data-parallel traffic replaces its lists
     iteration, dp_record = _iteration_for(
-        parallel, evaluated.options, graphs, data_parallel, freqs, note
+        parallel, evaluated.options, graphs, inputs.data_parallel, freqs, note
     )
     comps = _composers(
         iteration, evaluated.options, max(freqs), static_power_w, parallel, settings, originals
@@ -205,35 +216,32 @@ class _Planned(NamedTuple):
 
 
 def _seeing_data_parallel(
-    parallel: Parallelism,
+    inputs: IterationInputs,
     blind_options: dict[tuple[int, str], list[Option]],
-    graphs: tuple[Sequence[PartitionSet], Sequence[PartitionSet] | None],
     aware: Composer,
     freqs: Sequence[float],
-    static_power_w: float,
     settings: PlannerSettings,
-    request: tuple[str, float | None, float | None],
+    pick: Pick,
     note: Callable[[str], Any],
 ) -> dict[str, Any]:
     """Return what planning with the data-parallel traffic in view gained (:func:`blind_gain`).
 
-    ``blind_options``: the options before the traffic was added; ``request``: the policy,
-    its energy budget and deadline.
+    ``blind_options``: the options before the traffic was added.
     """
     note("planning blind to the data-parallel traffic, to price what seeing it gained")
-    policy, energy_budget_j, deadline_s = request
+    parallel, graphs = inputs.parallel, inputs.graphs()
     iteration = _iteration_for(parallel, blind_options, graphs, None, freqs, lambda _s: None)[0]
     blind = _composers(
-        iteration, blind_options, max(freqs), static_power_w, parallel, settings, graphs[1]
+        iteration, blind_options, max(freqs), inputs.static_power_w, parallel, settings, graphs[1]
     )
     return blind_gain(
         blind["kareus"],
         aware,
-        policy,
+        pick.policy,
         baseline_time_s=blind["megatron"].fastest_choice().time_s,
         sweep_points=settings.sweep_points,
-        energy_budget_j=energy_budget_j,
-        deadline_s=deadline_s,
+        energy_budget_j=pick.energy_budget_j,
+        deadline_s=pick.deadline_s,
     )
 
 
@@ -262,19 +270,14 @@ def _iteration_for(
     )
 
 
-def _choose(
-    frontiers: dict[str, list[Solution]],
-    policy: str,
-    energy_budget_j: float | None,
-    deadline_s: float | None,
-) -> Solution:
-    """Return kareus's plan that ``policy`` picks (Megatron-LM's time is its baseline)."""
+def _choose(frontiers: dict[str, list[Solution]], pick: Pick) -> Solution:
+    """Return kareus's plan that ``pick`` picks (Megatron-LM's time is its baseline)."""
     chosen = select(
         frontiers["kareus"],  # type: ignore[arg-type]
-        policy,
+        pick.policy,
         baseline_time_s=frontiers["megatron"][0].time_s,
-        energy_budget_j=energy_budget_j,
-        deadline_s=deadline_s,
+        energy_budget_j=pick.energy_budget_j,
+        deadline_s=pick.deadline_s,
     )
     assert isinstance(chosen, Solution)
     return chosen
@@ -363,18 +366,14 @@ def _composers(
     }
     return {
         method: Composer(
-            iteration,
-            {g: [o for o in opts if keep(o)] for g, opts in options.items()},
-            static_power_w=static_power_w,
-            gpus=parallel.gpus,
-            gpus_per_stage=parallel.gpus_per_stage,
-            time_limit_s=settings.solver_time_limit_s,
-            workers=settings.solver_workers,
-            gap_limit=settings.solver_gap_limit,
-            search_max_instructions=settings.search_max_instructions,
-            dive_max_instructions=settings.dive_max_instructions,
-            flow_min_instructions=settings.flow_min_instructions,
-            switch=settings.switch,
+            Problem(
+                iteration,
+                {g: tuple(o for o in opts if keep(o)) for g, opts in options.items()},
+                static_power_w,
+                parallel.gpus,
+                parallel.gpus_per_stage,
+            ),
+            settings.solve_knobs(),
         )
         for method, keep in restrict.items()
     }
@@ -462,8 +461,10 @@ def plan_for_gpu(
     The emulator prices the options by default. ``data_parallel`` (a
     :class:`~kareus.planner.data_parallel.DataParallel`) with ``weights`` (each stage's
     :class:`~kareus.planner.data_parallel.StageWeights`) adds data-parallel traffic, priced
-    by the emulator on the GPU's NVLink or its network. Other keyword arguments are
-    :func:`plan_iteration`'s.
+    by the emulator on the GPU's NVLink or its network. ``policy``, ``energy_budget_j`` and
+    ``deadline_s`` make the :class:`~kareus.planner.select.Pick`; ``settings`` and
+    ``progress`` are :func:`plan_iteration`'s; the other keyword arguments are
+    :class:`IterationInputs`' fields.
     """
     settings = kwargs.pop("settings", None) or PlannerSettings()
     if settings.switch is None:
@@ -474,12 +475,14 @@ def plan_for_gpu(
     if layout is not None:
         share = settings.no_overlap_sm_share
         kwargs["data_parallel"] = data_parallel_planning(spec, local, layout, weights, share)
-    return plan_iteration(
-        psets,
-        local,
+    picked = {k: kwargs.pop(k) for k in ("policy", "energy_budget_j", "deadline_s") if k in kwargs}
+    pick = Pick(**picked)
+    progress = kwargs.pop("progress", None)
+    inputs = IterationInputs(
+        stages=psets,
         gpu=spec.name,
         clocks_mhz=spec.clocks_mhz(),
         static_power_w=spec.calibration.static_power_w,
-        settings=settings,
         **kwargs,
     )
+    return plan_iteration(inputs, local, settings=settings, pick=pick, progress=progress)

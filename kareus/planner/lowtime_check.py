@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kareus.planner.compose import Composer
+from kareus.planner.compose import Composer, Problem
 from kareus.planner.dag import Iteration, Option
 
 
@@ -75,9 +75,7 @@ def lowtime_frontier(
             dag.add_edge(i + 1, n + 1)
     dag.graph["source_node"] = 0
     dag.graph["sink_node"] = n + 1
-    composer = Composer(
-        iteration, options, static_power_w=static_power_w, gpus=gpus, gpus_per_stage=gpus_per_stage
-    )
+    composer = Composer(Problem(iteration, options, static_power_w, gpus, gpus_per_stage))
     by_freq = {g: {o.freq_mhz: o for o in opts} for g, opts in options.items()}
     points = []
     for k, _result in enumerate(PhillipsDessouky(dag).run()):

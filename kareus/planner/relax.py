@@ -56,9 +56,9 @@ from kareus.planner.dag import (
     Timing,
     group_profiles,
     makespan,
-    plan_cost,
     topology,
 )
+from kareus.planner.problem import Problem
 
 _log = logging.getLogger(__name__)
 
@@ -107,62 +107,35 @@ def lower_hull(options: Sequence[Option]) -> list[Option]:
 
 
 class Priced:
-    """What both relaxations are built from and price a plan with (their shared arguments)."""
+    """What both relaxations are built from and price a plan with: the :class:`Problem`."""
 
-    def __init__(
-        self,
-        iteration: Iteration,
-        options: Mapping[tuple[int, str], Sequence[Option]],
-        static_power_w: float,
-        gpus: int,
-        gpus_per_stage: int,
-        change_j: Sequence[float] = (),
-    ) -> None:
-        self.it = iteration
-        self.options = options
-        self._static_w, self._gpus, self._per_stage = static_power_w, gpus, gpus_per_stage
-        self._change_j = tuple(change_j)
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+        self.it = problem.iteration
+        self.options = problem.options
 
     def _energy(self, choices: Sequence[Option]) -> float:
         """Return a plan's energy, its clock changes priced as the relaxation prices them."""
-        return plan_cost(
-            self.it,
-            choices,
-            static_power_w=self._static_w,
-            gpus=self._gpus,
-            gpus_per_stage=self._per_stage,
-            change_j=self._change_j,
-        )[1]
+        return self.problem.cost(choices)[1]
 
 
 class Relaxation(Priced):
     """The relaxation of one composition, built once and solved at any time bound.
 
     Args:
-        iteration: the DAG.
-        options: each group's options (one or more profiles).
-        static_power_w: static power of one GPU.
-        gpus: GPUs of the iteration.
-        gpus_per_stage: GPUs that run each instruction.
+        problem: the iteration, its options (one or more profiles per group), and what a
+            plan is priced on, clock changes (``change_j``) included.
 
     Successive solves change only bounds (the time bound, the profiles fixed for rounding),
     so the simplex starts from the previous basis.
     """
 
-    def __init__(
-        self,
-        iteration: Iteration,
-        options: Mapping[tuple[int, str], Sequence[Option]],
-        *,
-        static_power_w: float,
-        gpus: int,
-        gpus_per_stage: int,
-        change_j: Sequence[float] = (),
-    ) -> None:
+    def __init__(self, problem: Problem) -> None:
         from ortools.linear_solver import pywraplp
 
-        super().__init__(iteration, options, static_power_w, gpus, gpus_per_stage, change_j)
-        priced = any(j > 0 for j in self._change_j)
+        super().__init__(problem)
+        iteration, options = problem.iteration, problem.options
+        priced = any(j > 0 for j in problem.change_j)
         lp = pywraplp.Solver.CreateSolver("GLOP")
         if lp is None:  # pragma: no cover - GLOP ships with every OR-Tools wheel
             raise KareusError("OR-Tools' GLOP linear solver is not available")
@@ -188,7 +161,7 @@ class Relaxation(Priced):
                 }
         objective = lp.Objective()
         self._t = lp.NumVar(0.0, infinity, "T")
-        objective.SetCoefficient(self._t, static_power_w * gpus / _MS)
+        objective.SetCoefficient(self._t, problem.static_power_w * problem.gpus / _MS)
         n = len(iteration.instructions)
         start = [lp.NumVar(0.0, infinity, f"s{i}") for i in range(n)]
         end = [lp.NumVar(0.0, infinity, f"e{i}") for i in range(n)]
@@ -238,7 +211,7 @@ class Relaxation(Priced):
                 v = lp.NumVar(0.0, 1.0, f"x{i}_{p}_{k}")
                 share.SetCoefficient(v, 1.0)
                 duration.SetCoefficient(v, -o.time_s * _MS)
-                objective.SetCoefficient(v, o.dynamic_energy_j * self._per_stage)
+                objective.SetCoefficient(v, o.dynamic_energy_j * self.problem.gpus_per_stage)
                 row.append((o, v))
         return row
 
@@ -257,7 +230,7 @@ class Relaxation(Priced):
             for o, v in row:
                 clocks[-1].setdefault(o.freq_mhz, []).append(v)
         for a, b in self.it.switch_pairs():
-            if self._change_j[b] <= 0:
+            if self.problem.change_j[b] <= 0:
                 continue
             for f, xs in sorted(clocks[a].items()):
                 u = lp.NumVar(0.0, 1.0, f"u{a}_{b}_{f:g}")  # u >= w_a(f) - w_b(f)
@@ -267,7 +240,7 @@ class Relaxation(Priced):
                     c.SetCoefficient(v, -1.0)
                 for v in clocks[b].get(f, ()):
                     c.SetCoefficient(v, 1.0)
-                objective.SetCoefficient(u, self._change_j[b])
+                objective.SetCoefficient(u, self.problem.change_j[b])
 
     def at(self, bound_s: float | None, gap_limit: float | None = None) -> Relaxed | None:
         """Solve within ``bound_s``; None when no mix meets the bound.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -18,6 +19,15 @@ class InfeasiblePlanError(KareusError, ValueError):
 class _Point(Protocol):
     time_s: float
     energy_j: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Pick:
+    """Which frontier point to plan with: a policy and its budget or deadline (:func:`select`)."""
+
+    policy: str = "iso_time"
+    energy_budget_j: float | None = None
+    deadline_s: float | None = None
 
 
 def select(

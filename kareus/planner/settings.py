@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from kareus.planner.dag import SwitchCost
+from kareus.planner.problem import SolveKnobs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -89,6 +90,18 @@ class PlannerSettings:
     dive_max_instructions: int | None = 256
     flow_min_instructions: int | None = 129
     switch: SwitchCost | None = None
+
+    def solve_knobs(self) -> SolveKnobs:
+        """Return how the composer solves under these settings."""
+        return SolveKnobs(
+            time_limit_s=self.solver_time_limit_s,
+            workers=self.solver_workers,
+            gap_limit=self.solver_gap_limit,
+            search_max_instructions=self.search_max_instructions,
+            dive_max_instructions=self.dive_max_instructions,
+            flow_min_instructions=self.flow_min_instructions,
+            switch=self.switch,
+        )
 
     def planned_clocks(self, supported_mhz: Sequence[int]) -> tuple[float, ...]:
         """Return the clocks planned first: ``clocks_mhz``, or a spread of ``supported_mhz``.

@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from kareus.planner.pareto import TIME_RESOLUTION_S, meets, pareto_front
-
-if TYPE_CHECKING:
-    from kareus.planner.compose import Composer, Solution
-
+from kareus.planner.problem import Solution, Solves
 
 REFINE_GAP = 0.005
 """A frontier point whose proven gap exceeds this fraction of its energy (or the solver's gap
@@ -32,7 +28,7 @@ def _time_energy(s: Solution) -> tuple[float, float]:
     return s.time_s, s.energy_j
 
 
-def sweep_frontier(c: Composer, points: int = 8, anchors: Sequence[float] = ()) -> list[Solution]:
+def sweep_frontier(c: Solves, points: int = 8, anchors: Sequence[float] = ()) -> list[Solution]:
     """Sweep the time bound from the fastest plan to the least-energy plan.
 
     ``anchors`` are further time bounds to solve at (the times other plans are compared
@@ -72,7 +68,7 @@ def sweep_frontier(c: Composer, points: int = 8, anchors: Sequence[float] = ()) 
     return prove(c, known)
 
 
-def prove(c: Composer, candidates: Sequence[Solution]) -> list[Solution]:
+def prove(c: Solves, candidates: Sequence[Solution]) -> list[Solution]:
     """Return the front of ``candidates``, each point with its proven lower bound.
 
     A point between two time bounds already solved (a uniform-clock plan, or another

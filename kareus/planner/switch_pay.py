@@ -10,27 +10,24 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from kareus.planner.dag import Option, Timing, makespan
 from kareus.planner.pareto import meets
-
-if TYPE_CHECKING:
-    from kareus.planner.compose import Composer, Solution
+from kareus.planner.problem import Problem, Solution
 
 
-def pay_for_switches(c: Composer, found: Solution) -> Solution:
+def pay_for_switches(c: Problem, found: Solution) -> Solution:
     """Undo each clock change whose saving does not pay for it (greedy, to a fixpoint).
 
     At each change, the instruction after it takes the clock before it, or the one
     before takes the clock after it (the same profile at that clock); a move is kept
     when it lowers the energy and keeps the bound.
     """
-    if c.switch is None:
+    if not c.change_j:  # changes are free
         return found
     choices = list(found.choices)
     best = (found.energy_j, found.time_s)
-    pairs = c.it.switch_pairs()
+    pairs = c.iteration.switch_pairs()
     around: dict[int, list[tuple[int, int]]] = {}  # the changes an instruction touches
     for a, b in pairs:
         around.setdefault(a, []).append((a, b))
@@ -40,7 +37,7 @@ def pay_for_switches(c: Composer, found: Solution) -> Solution:
     # DAG (a slower option lengthens only the paths through it; a faster one off every
     # longest path changes nothing), and the timing follows a kept move, or one priced
     # in full, only as far as it reaches.
-    timing = Timing(c.it, [c.time_s for c in choices])
+    timing = Timing(c.iteration, [c.time_s for c in choices])
     changed = True
     while changed:
         changed = False
@@ -48,7 +45,7 @@ def pay_for_switches(c: Composer, found: Solution) -> Solution:
             if choices[a].freq_mhz == choices[b].freq_mhz:
                 continue
             for i, j in ((b, a), (a, b)):
-                key = c.it.instructions[i].key
+                key = c.iteration.instructions[i].key
                 alt = c.option(key, choices[i].profile, choices[j].freq_mhz)
                 if alt is None:
                     continue
@@ -66,12 +63,12 @@ def pay_for_switches(c: Composer, found: Solution) -> Solution:
                 timing.set(i, choices[i].time_s)
     if best == (found.energy_j, found.time_s):
         return found
-    time_s, energy_j = c.evaluate(choices)  # summed afresh, as every plan is
+    time_s, energy_j = c.cost(choices)  # summed afresh, as every plan is
     return dataclasses.replace(found, choices=tuple(choices), energy_j=energy_j, time_s=time_s)
 
 
 def _trial(
-    c: Composer,
+    c: Problem,
     choices: Sequence[Option],
     i: int,
     alt: Option,
@@ -90,7 +87,7 @@ def _trial(
     # ``i`` is on every longest path and runs faster: the new time needs the DAG
     durations = list(timing.durations)
     durations[i] = alt.time_s
-    return _moved(c, choices, i, alt, pairs, now, room, new_time_s=makespan(c.it, durations))
+    return _moved(c, choices, i, alt, pairs, now, room, new_time_s=makespan(c.iteration, durations))
 
 
 def _pays(
@@ -101,7 +98,7 @@ def _pays(
 
 
 def _moved(
-    c: Composer,
+    c: Problem,
     choices: Sequence[Option],
     i: int,
     alt: Option,
@@ -124,8 +121,8 @@ def _moved(
     shortens = new_time_s is None and longer < 0 and room <= 1e-12  # in [T + longer, T]
     t = now[1] + max(0.0, longer - room) if longer > 0 else now[1]
     t = t if new_time_s is None else new_time_s
-    e = now[0] + (alt.dynamic_energy_j - old.dynamic_energy_j) * c.per_stage
-    e += c.static_w * c.gpus * ((t - now[1]) if not shortens else longer)
+    e = now[0] + (alt.dynamic_energy_j - old.dynamic_energy_j) * c.gpus_per_stage
+    e += c.static_power_w * c.gpus * ((t - now[1]) if not shortens else longer)
     for a, b in pairs:
         before = choices[a].freq_mhz != choices[b].freq_mhz
         fa = alt.freq_mhz if a == i else choices[a].freq_mhz
