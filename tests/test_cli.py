@@ -226,8 +226,15 @@ def test_version_and_help_show_what_a_user_needs(capsys):
     assert "(default: None)" not in shown and "directory for plan.json" in shown
 
 
-def test_replanning_from_saved_partitions_needs_the_same_workload(planned, tmp_path, capsys):
+def test_replanning_from_saved_partitions_needs_the_same_workload(
+    planned, tmp_path, capsys, monkeypatch
+):
     _rc, out = planned
+
+    def resolved_again(name, **_kw):
+        raise AssertionError(f"GPU {name!r} resolved a second time: the CLI resolves it once")
+
+    monkeypatch.setattr("kareus.jobs.workload.gpu", resolved_again)
     args = ["plan", *SMALL, "--cp", "2", "--pp", "2", "--microbatches", "2", "--quiet"]
     saved = ["--partitions", str(out / "partitions.json"), "--out", str(tmp_path)]
     assert main(["-v", *args, *saved, "--gpu", "h100", "--select", "min_energy"]) == EXIT_OK

@@ -120,7 +120,7 @@ def _plan(args: argparse.Namespace) -> int:
             progress.start("tracing", graphs * len(stage_kinds(work.stages)))
             planned = plan_workload(
                 work,
-                args.gpu,
+                spec,
                 policy=args.select,
                 settings=settings,
                 evaluator=evaluator,

@@ -86,7 +86,7 @@ def planning_steps(
 
 def plan_workload(
     work: Workload,
-    gpu_name: str,
+    gpu_name: str | GPUSpec,
     *,
     policy: str = "iso_time",
     settings: PlannerSettings | None = None,
@@ -103,7 +103,8 @@ def plan_workload(
 
     Args:
         work: model, parallel sizes, batch shape, dtype.
-        gpu_name: a GPU of :data:`kareus.hardware.GPUS` (aliases such as ``a100-40gb``).
+        gpu_name: a GPU of :data:`kareus.hardware.GPUS` (aliases such as ``a100-40gb``), or
+            its spec as :func:`kareus.hardware.gpu` resolved it (the CLI resolves it once).
         policy: how to pick the plan (:func:`kareus.planner.select`).
         energy_budget_j: the budget of policy ``energy_budget_j``.
         deadline_s: the deadline of policy ``deadline_s``.
@@ -123,7 +124,7 @@ def plan_workload(
         UnknownGPUError, ValueError: bad input. TraceError: tracing failed.
         InfeasiblePlanError: the policy's budget or deadline cannot be met.
     """
-    spec = gpu(gpu_name)
+    spec = gpu_name if isinstance(gpu_name, GPUSpec) else gpu(gpu_name)
     start = time.perf_counter()
     stages, originals, notes, cached = _partition_sets(
         work, partitions, layers=layers, cache=cache, evaluator=evaluator, progress=progress
