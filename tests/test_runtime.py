@@ -399,8 +399,8 @@ def test_close_lets_queued_switches_finish_before_restoring(tmp_path):
             time.sleep(0.3)
 
     runtime = ClockRuntime([Step("forward", 1005)], Recording())
-    runtime._current = 1005
-    runtime._enqueue(SlowEvent(), 1005)
+    runtime.hold.current = 1005
+    runtime.hold.enqueue(SlowEvent(), 1005)
     runtime.close()
     assert calls == [("set", 1005), ("reset", None)]
 
@@ -678,7 +678,7 @@ def test_switch_calls_and_the_workers_wait_are_measured_and_reported():
     clocks = EmulatedClocks()
     runtime = ClockRuntime([Step("forward", 1200), Step("backward", 1005)], clocks)
     runtime.switch(0, "forward")  # no CUDA: set at once, timed
-    runtime._enqueue(SlowGPU(), 1005)  # as a CUDA switch is: the worker waits, then sets
+    runtime.hold.enqueue(SlowGPU(), 1005)  # as a CUDA switch is: the worker waits, then sets
     runtime.close()
     assert runtime.switch_calls == 2 and runtime.switch_call_max_s > 0
     assert runtime.worker_cpu_s < 0.02  # a blocking wait, not a spinning one

@@ -1,15 +1,17 @@
 """The clock runtime's hold on the hardware: set a clock, journal it, restore the default.
 
-:class:`ClockSafety` is the half of :class:`~kareus.runtime.switcher.ClockRuntime` that
-touches the GPU and the journal: every controller call goes through :meth:`ClockSafety._set`
-(under one re-entrant lock), the first lock and each restore are journalled, a signal
-restores the default clock before the program ends, and a journal left by a crashed run is
-recovered at start. No method here takes the schedule's lock, runs user code, or waits for
-anything but a controller call in flight: a signal handler may run them.
+:class:`ClockHold` is the part of :class:`~kareus.runtime.switcher.ClockRuntime` that touches
+the GPU and the journal (the runtime holds one and never touches its locks): every
+controller call goes through :meth:`ClockHold.set` (under one re-entrant lock), the first
+lock and each restore are journalled, a signal restores the default clock before the
+program ends, and a journal left by a crashed run is recovered at start. No method here
+takes the schedule's lock, runs user code, or waits for anything but a controller call in
+flight: a signal handler may run them.
 """
 
 from __future__ import annotations
 
+import pathlib
 import queue
 import signal
 import threading
@@ -27,54 +29,71 @@ KEEP = 4096
 run must not grow the runtime)."""
 
 
-class ClockSafety:
-    """Setting and restoring one GPU's clock, journalled and signal-safe (a mixin).
+class ClockHold:
+    """One GPU's clock as a runtime holds it: set, journalled, restored however the run ends.
 
-    The runtime that mixes it in sets the attributes below in its constructor.
+    Args:
+        controller: sets the clock (Zeus, NVML, emulated, dry run).
+        journal: the clock journal's path (:mod:`kareus.runtime.journal`), or None.
+        notes: where what went wrong is said (the runtime's notes, shared).
+
+    Attributes:
+        enabled: False once the controller refused for want of permission.
+        current: the clock asked for last (None: the default, untouched).
+        closed: no more switches (``close`` or a signal).
+        switches: the last clocks the controller set (recorded once set).
+        switch_count, failed_switches: switches set, and failed.
+        switch_calls, switch_call_s, switch_call_max_s: the controller's set calls that
+            returned, and their wall time in all and at most (measured).
+        worker_cpu_s: CPU time the switch worker spent waiting on the GPU (measured).
     """
 
-    controller: ClockController
-    journal: Any
-    notes: list[str]
-    enabled: bool
-    switches: list[float]
-    switch_count: int
-    failed_switches: int
-    switch_calls: int
-    switch_call_s: float
-    switch_call_max_s: float
-    _current: float | None
-    _closed: bool
-    _restored: bool
-    _reset_done: bool
-    _locked: bool
-    _hw_lock: threading.RLock
-    _queue: queue.Queue[Any] | None
-    _worker_thread: threading.Thread | None
-    worker_cpu_s: float
+    def __init__(
+        self, controller: ClockController, journal: pathlib.Path | None, notes: list[str]
+    ) -> None:
+        self.controller = controller
+        self.journal = journal
+        self.notes = notes
+        self.enabled = True
+        self.current: float | None = None
+        self.closed = False
+        self.switches: list[float] = []
+        self.switch_count = 0
+        self.failed_switches = 0
+        self.switch_calls = 0
+        self.switch_call_s = 0.0
+        self.switch_call_max_s = 0.0
+        self.worker_cpu_s = 0.0
+        # serialises the controller's calls (switch worker, close, signal handler);
+        # re-entrant, so that a handler that interrupts a call on this thread can restore
+        self._hw_lock = threading.RLock()
+        self._restored = False  # no more clocks set: the default is (being) restored
+        self._reset_done = False  # the controller's reset ran (or failed and was reported)
+        self._locked = False  # this process locked the clock since it was last restored
+        self._queue: queue.Queue[Any] | None = None
+        self.worker: threading.Thread | None = None  # the switch worker, once started
 
-    def _apply(self, freq: float) -> None:
+    def apply(self, freq: float) -> None:
+        """Set ``freq`` when the GPU reaches this point (on CUDA, by the switch worker)."""
         waits = getattr(self.controller, "waits_for_gpu", True)
         if waits and torch.cuda.is_available() and torch.cuda.is_initialized():
             # blocking: the worker's synchronize() sleeps until the GPU gets there instead of
             # spinning a CPU core per rank
             event = torch.cuda.Event(blocking=True)
             event.record()
-            self._enqueue(event, freq)
+            self.enqueue(event, freq)
         else:
-            self._set(freq)
+            self.set(freq)
 
-    def _enqueue(self, event: Any, freq: float) -> None:
+    def enqueue(self, event: Any, freq: float) -> None:
         """Set ``freq`` once ``event`` (anything with ``synchronize()``) has happened."""
         if self._queue is None:
             self._queue = queue.Queue()
-            self._worker_thread = threading.Thread(
-                target=self._worker, daemon=True, name="kareus-clocks"
-            )
-            self._worker_thread.start()
+            self.worker = threading.Thread(target=self._work, daemon=True, name="kareus-clocks")
+            self.worker.start()
         self._queue.put((event, freq))
 
-    def _worker(self) -> None:
+    def _work(self) -> None:
         assert self._queue is not None
         while True:
             item = self._queue.get()
@@ -84,9 +103,15 @@ class ClockSafety:
             cpu = time.thread_time()
             event.synchronize()  # the GPU reached the switch point
             self.worker_cpu_s += time.thread_time() - cpu
-            self._set(freq)
+            self.set(freq)
 
-    def _recover(self) -> None:
+    def stop_worker(self) -> None:
+        """Let the switch worker set the clocks queued so far, then end it."""
+        if self._queue is not None and self.worker is not None:
+            self._queue.put(None)
+            self.worker.join(timeout=30)
+
+    def recover(self) -> None:
         """Restore clocks that crashed runs of this journal left locked, and say so."""
         assert self.journal is not None
         try:
@@ -98,7 +123,8 @@ class ClockSafety:
             self.notes.append(message)
             warnings.warn(f"kareus: {message}", RuntimeWarning, stacklevel=3)
 
-    def _set(self, freq: float) -> None:
+    def set(self, freq: float) -> None:
+        """Set ``freq`` now, unless the default clock is (being) restored."""
         with self._hw_lock:
             if self._restored:
                 return
@@ -144,7 +170,7 @@ class ClockSafety:
         Takes no lock a training thread may hold on this thread, runs no user code, and
         waits only for a controller call in flight on the switch worker.
         """
-        self._closed = True
+        self.closed = True
         self._restored = True
         with self._hw_lock:
             if not self._reset_done:
@@ -155,7 +181,7 @@ class ClockSafety:
         self._reset_done = True
 
     def _restore(self) -> None:
-        if self._current is None or not self.enabled:
+        if self.current is None or not self.enabled:
             return
         try:
             self.controller.reset()
@@ -163,13 +189,13 @@ class ClockSafety:
             gpu = {"gpu": self.controller.index, "uuid": getattr(self.controller, "uuid", None)}
             note = (
                 f"restoring {_journal.describe_gpu(gpu)}'s clock failed, it may still be "
-                f"locked at {self._current:g} MHz: {err}. Restore it with `kareus restore-clocks"
+                f"locked at {self.current:g} MHz: {err}. Restore it with `kareus restore-clocks"
                 + (f" --journal {self.journal}`" if self.journal else "`")
                 + f" or, as root, `{_journal.reset_command(gpu)}`"
             )
             self.notes.append(note)
             warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=2)
-            self._log("restore_failed", freq_mhz=self._current, error=str(err))
+            self._log("restore_failed", freq_mhz=self.current, error=str(err))
             return
         self._locked = False
         self._log("restore")
@@ -198,7 +224,8 @@ class ClockSafety:
         self.notes.append(note)
         warnings.warn(f"kareus: {note}", RuntimeWarning, stacklevel=3)
 
-    def _install_signal_handlers(self) -> None:
+    def install_signal_handlers(self) -> None:
+        """Restore the default clock on SIGTERM and SIGINT, after the program's own handler."""
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -34,11 +34,9 @@ from __future__ import annotations
 
 import atexit
 import collections
-import dataclasses
 import functools
 import itertools
 import pathlib
-import queue
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -51,7 +49,9 @@ from kareus.runtime.clocks import (
     ClockController,
     ClockError,
 )
-from kareus.runtime.safety import KEEP, ClockSafety
+from kareus.runtime.describe import describe
+from kareus.runtime.safety import KEEP, ClockHold
+from kareus.runtime.schedule import IterationEnergy, Step
 
 _KEEP = KEEP
 
@@ -106,34 +106,12 @@ def _watch_shape_runs() -> None:
             setattr(stage.PipelineStage, name, _not_an_instruction(fn))
 
 
-@dataclasses.dataclass(frozen=True)
-class Step:
-    """One instruction of the plan: kind, clock, modelled cost, stage and micro-batch."""
-
-    kind: str
-    freq_mhz: float
-    time_s: float = 0.0
-    dynamic_energy_j: float = 0.0
-    stage: int = 0
-    microbatch: int = 0
-
-    @property
-    def key(self) -> tuple[int, str, int]:
-        """The instruction's identity: (stage, kind, micro-batch)."""
-        return self.stage, self.kind, self.microbatch
+def _held(name: str) -> Any:
+    """Return a read-only view of the runtime's :class:`ClockHold` attribute ``name``."""
+    return property(lambda self: getattr(self.hold, name), doc=f"The clock hold's ``{name}``.")
 
 
-@dataclasses.dataclass(frozen=True)
-class IterationEnergy:
-    """Time and energy of one iteration on this GPU, and whether measured or modelled."""
-
-    iteration: int
-    time_s: float
-    energy_j: float
-    source: str
-
-
-class ClockRuntime(ClockSafety):
+class ClockRuntime:
     """Apply a schedule of clocks to one GPU during training.
 
     Args:
@@ -145,6 +123,18 @@ class ClockRuntime(ClockSafety):
         on_iteration: called with each finished iteration's :class:`IterationEnergy`.
         measure: read energy from Zeus's monitor (real GPUs) instead of the model.
     """
+
+    # what the hold on the GPU did, read through the runtime (:class:`ClockHold` owns it)
+    controller = _held("controller")
+    journal = _held("journal")
+    enabled = _held("enabled")
+    switches = _held("switches")
+    switch_count = _held("switch_count")
+    failed_switches = _held("failed_switches")
+    switch_calls = _held("switch_calls")
+    switch_call_s = _held("switch_call_s")
+    switch_call_max_s = _held("switch_call_max_s")
+    worker_cpu_s = _held("worker_cpu_s")
 
     def __init__(
         self,
@@ -164,21 +154,12 @@ class ClockRuntime(ClockSafety):
         self._counts: dict[tuple[int, str], int] = {}  # micro-batches per (stage, kind)
         self._step: Step | None = None  # the step after this GPU's last backward, if planned
         self.add(schedule)
-        self.controller = controller
-        self.journal = pathlib.Path(journal) if journal else None
         self.static_power_w = static_power_w
         self.iteration_time_s = iteration_time_s or sum(s.time_s for s in self.schedule)
         self.on_iteration = on_iteration
         self.notes: list[str] = []
         self.iterations: list[IterationEnergy] = []
-        self.switches: list[float] = []  # the last _KEEP clocks set
-        self.switch_count = 0
-        self.failed_switches = 0
-        self.switch_calls = 0  # controller.set calls that returned
-        self.switch_call_s = 0.0  # their wall time in all (measured)
-        self.switch_call_max_s = 0.0
-        self.worker_cpu_s = 0.0  # CPU time the switch worker spent waiting on events (measured)
-        self.enabled = True
+        self.hold = ClockHold(controller, pathlib.Path(journal) if journal else None, self.notes)
         self.applied: collections.deque[tuple[int, int, str, int, float]] = collections.deque(
             maxlen=_KEEP
         )
@@ -189,20 +170,10 @@ class ClockRuntime(ClockSafety):
         self._seen: set[tuple[int, tuple[int, str, int]]] = set()
         self._ended: dict[int, set[tuple[int, int]]] = {}  # (stage, region) last backwards
         self._step_iteration = -1  # the last iteration whose step started
-        self._current: float | None = None
         # _lock guards the schedule's counters only: no controller, journal, monitor or user
-        # callback runs under it, and no signal handler takes it.
+        # callback runs under it, and no signal handler takes it (the hold has its own).
         self._lock = threading.Lock()
-        # _hw_lock serialises the controller's calls (switch worker, close, signal handler);
-        # re-entrant, so that a handler that interrupts a call on this thread can restore.
-        self._hw_lock = threading.RLock()
-        self._closed = False  # no more switches
-        self._restored = False  # no more clocks set: the default is (being) restored
-        self._reset_done = False  # the controller's reset ran (or failed and was reported)
-        self._locked = False  # this process locked the clock since it was last restored
         self._finalised = False  # close() ran to its end
-        self._queue: queue.Queue[Any] | None = None
-        self._worker_thread: threading.Thread | None = None
         self._warned_closed = False
         key = getattr(controller, "device_key", None)
         if key is not None:
@@ -221,9 +192,9 @@ class ClockRuntime(ClockSafety):
         self.id = next(_IDS)
         _RUNTIMES[self.id] = self
         atexit.register(self.close)
-        self._install_signal_handlers()
-        if self.journal is not None:
-            self._recover()
+        self.hold.install_signal_handlers()
+        if self.hold.journal is not None:
+            self.hold.recover()
 
     # ---- the hot path ----------------------------------------------------------------------
 
@@ -239,7 +210,7 @@ class ClockRuntime(ClockSafety):
         """
         key = getattr(controller, "device_key", None) or controller
         runtime = _BY_DEVICE.get(key)
-        if runtime is None or runtime._closed:
+        if runtime is None or runtime.hold.closed:
             runtime = cls(schedule, controller, **options)
             _BY_DEVICE[key] = runtime
         else:
@@ -273,7 +244,7 @@ class ClockRuntime(ClockSafety):
 
     def switch(self, stage: int, kind: str, region: int = 0) -> None:
         """Start the next ``kind`` pass of ``stage`` (seen from ``region``): set its clock."""
-        if self._closed:
+        if self.hold.closed:
             if not self._warned_closed:
                 self._warned_closed = True
                 note = (
@@ -320,13 +291,13 @@ class ClockRuntime(ClockSafety):
         if finished:
             self._finish_iteration()
         if freq is not None:
-            self._apply(freq)
+            self.hold.apply(freq)
 
     def _take(self, freq: float) -> float | None:
         """Under the lock: ``freq`` is the clock from here; return it if it must be set."""
-        if not self.enabled or freq == self._current:
+        if not self.hold.enabled or freq == self.hold.current:
             return None
-        self._current = freq
+        self.hold.current = freq
         return freq
 
     def _after_backward(self, stage: int, region: int) -> None:
@@ -362,7 +333,7 @@ class ClockRuntime(ClockSafety):
             self.applied.append((iteration, step.stage, STEP, 0, step.freq_mhz))
             freq = self._take(step.freq_mhz)
         if freq is not None:
-            self._apply(freq)
+            self.hold.apply(freq)
 
     def count_unswitched(self, stage: int, kind: str, region: int, passes: int) -> None:
         """Count ``passes`` of ``kind`` that ``region`` ran before its switch existed.
@@ -420,11 +391,13 @@ class ClockRuntime(ClockSafety):
 
     def to_text(self) -> str:
         """Describe the schedule, what was applied and the iterations (for ``explain``)."""
-        from kareus.runtime.describe import describe
+        return describe(self.hold, self.schedule, self.iterations, self.notes)
 
-        return describe(self)
+    # ---- the hold on the GPU -------------------------------------------------------------------
 
-    # ---- safety --------------------------------------------------------------------------------
+    def restore_now(self) -> None:
+        """Stop switching and restore the default clock now (idempotent, signal-safe)."""
+        self.hold.restore_now()
 
     def close(self) -> None:
         """Let queued switches finish, then restore the default clock (idempotent).
@@ -434,8 +407,8 @@ class ClockRuntime(ClockSafety):
         if self._finalised:
             return
         self._finalised = True
-        already = self._closed  # a signal closed it: the clock is back already
-        self._closed = True
+        already = self.hold.closed  # a signal closed it: the clock is back already
+        self.hold.closed = True
         _RUNTIMES.pop(self.id, None)
         with self._lock:
             done = sum(1 for it, _key in self._seen if it == self._iteration)
@@ -444,13 +417,11 @@ class ClockRuntime(ClockSafety):
                 self._iteration += 1
         if last:
             self._finish_iteration()  # the last iteration ran every instruction
-        if self._queue is not None and self._worker_thread is not None:
-            self._queue.put(None)
-            self._worker_thread.join(timeout=30)
+        self.hold.stop_worker()
         try:
-            self.restore_now()
+            self.hold.restore_now()
         finally:
-            key = getattr(self.controller, "device_key", None)
+            key = getattr(self.hold.controller, "device_key", None)
             if key is not None:
                 _journal.release(key)  # only once the clock is back (or reported stuck)
 

@@ -41,9 +41,9 @@ def break_kareus(how: str | None = None) -> str:
         records_only.broken = True  # type: ignore[attr-defined]
         SplitNanobatches.run = records_only  # type: ignore[method-assign]
     elif how == "clocks":
-        from kareus.runtime.switcher import ClockRuntime
+        from kareus.runtime.safety import ClockHold
 
-        ClockRuntime._set = lambda self, freq: None  # type: ignore[method-assign,assignment]
+        ClockHold.set = lambda self, freq: None  # type: ignore[method-assign,assignment]
     elif how == "overlap":
         from kareus.passes import schedule_overlap
 
