@@ -59,7 +59,7 @@ def trace(args: argparse.Namespace) -> PartitionSet:
     import kareus
     from kareus.compiler.backend import find_backend
     from kareus.models import Llama
-    from kareus.models.llama import preset
+    from kareus.models.config import preset
 
     cfg = dataclasses.replace(preset(args.model), num_layers=args.layers)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.dp)

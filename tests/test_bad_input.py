@@ -292,7 +292,7 @@ def test_a_plan_that_does_not_fit_names_the_field_and_both_values(tiny_plan, fie
     ``kareus plan`` plan is refused at the first call with one line naming the field, both
     values and (for what ``kareus plan`` takes) the command that makes a fitting plan."""
     from kareus.models import Llama
-    from kareus.models.llama import preset
+    from kareus.models.config import preset
 
     shape = {k: v for k, v in change.items() if k not in ("dtype", "batch", "seq")}
     torch.manual_seed(0)
@@ -313,7 +313,7 @@ def test_a_plan_that_does_not_fit_names_the_field_and_both_values(tiny_plan, fie
 
 def test_a_plan_that_fits_is_applied(tiny_plan):
     from kareus.models import Llama
-    from kareus.models.llama import preset
+    from kareus.models.config import preset
 
     torch.manual_seed(0)
     compiled = kareus.compile(Llama(preset("tiny")), plan=tiny_plan)
@@ -336,7 +336,7 @@ def test_an_uncaught_plan_mismatch_ends_the_program_with_one_line(tiny_plan, tmp
     script.write_text(
         "import sys, torch, kareus\n"
         "from kareus.models import Llama\n"
-        "from kareus.models.llama import preset\n"
+        "from kareus.models.config import preset\n"
         "from kareus.testing import token_batches\n"
         "model = kareus.compile(Llama(preset('tiny')).to(torch.bfloat16), plan=sys.argv[1])\n"
         "ids, labels = token_batches(1, 4, 16, 128)[0]\n"

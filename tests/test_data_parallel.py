@@ -479,7 +479,8 @@ def test_simplefsdp_is_traced_into_the_graphs_each_collective_priced_by_the_node
     data-parallel group of its fake world and gathers it in the graph; with 2 GPUs a node,
     the tensor-parallel pair stays within one and the data-parallel group spans two."""
     from kareus.jobs.trace import fake_world, trace_stage
-    from kareus.models.llama import Llama, LlamaConfig
+    from kareus.models.config import LlamaConfig
+    from kareus.models.llama import Llama
 
     cfg = LlamaConfig(hidden_size=64, num_layers=2, intermediate_size=128, vocab_size=256)
     work = Workload(model=cfg, tp=2, microbatch_size=4, seq_len=32, dp=2, gpus_per_node=2)

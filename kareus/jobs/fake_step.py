@@ -8,22 +8,17 @@ source's own build (:mod:`kareus.models.sources`), compiled with the analysis pa
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kareus.compiler.config import GRAPHS
+from kareus.jobs.workload_spec import DTYPES, Workload
 from kareus.models.llama import Llama
 from kareus.models.moe import set_planned_load
 from kareus.models.parallel import gather_in_graph
 from kareus.models.sources import FactoryModel, HFModel, StepInputs, step_loss
 from kareus.passes.blocks import BlockSet
-
-if TYPE_CHECKING:
-    from kareus.jobs.trace import Workload
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-"""Training dtypes by name."""
 
 
 def run_stage(

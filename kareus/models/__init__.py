@@ -1,5 +1,6 @@
 """Reference models: a Llama/Qwen3-style decoder family used by tests, examples and planning."""
 
-from kareus.models.llama import PRESETS, Llama, LlamaConfig, cp_shard, preset
+from kareus.models.config import PRESETS, LlamaConfig, preset
+from kareus.models.llama import Llama, cp_shard
 
 __all__ = ["PRESETS", "Llama", "LlamaConfig", "cp_shard", "preset"]

@@ -23,13 +23,13 @@ the graphs priced are those of the rank that sets the step's pace.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kareus._torch_internals import grouped_mm
+from kareus.models.config import LlamaConfig
 from kareus.models.parallel import (
     Group,
     all_to_all,
@@ -38,9 +38,6 @@ from kareus.models.parallel import (
     group_size,
     reduce_from_tp,
 )
-
-if TYPE_CHECKING:
-    from kareus.models.llama import LlamaConfig
 
 
 def planned_load(tokens: int, experts: int, top_k: int, skew: float = 1.0) -> tuple[int, ...]:

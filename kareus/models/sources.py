@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from kareus.errors import SourceError
-from kareus.models.llama import LlamaConfig
+from kareus.models.config import LlamaConfig
 
 _UNSUPPORTED = (
     "pipeline and context parallelism and data parallelism in the graphs are planned for "
