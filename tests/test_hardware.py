@@ -521,6 +521,16 @@ def test_a_new_gpu_is_one_data_entry(monkeypatch):
     ratio = 0.5 / specs.GPUS["a100-sxm4-40gb"].gemm_ceiling
     assert got.calibration.eff_gemm == pytest.approx(a100.calibration.eff_gemm * ratio)
     assert "borrowed from the A100 calibration" in got.calibration_source
+    # and it plans: named, priced on its own spec (half the A100's static power)
+    from kareus.planner import PlannerSettings, plan_for_gpu
+    from kareus.testing import megatron_partition_set
+
+    pset = megatron_partition_set(
+        hidden=512, ffn=2048, heads=8, seq=512, microbatch=4, layers=1, tp=2
+    )
+    settings = PlannerSettings(clocks_mhz=(1410, 1005), sweep_points=2)
+    plan = plan_for_gpu(pset, specs.gpu("toy"), settings=settings).plan
+    assert plan.gpu == "TOY-1" and plan.static_power_w == got.calibration.static_power_w
 
 
 @pytest.mark.parametrize(
