@@ -3,11 +3,12 @@
 Each break keeps kareus's own records and loses one effect (``kareus.testing.breaks``,
 ``KAREUS_BREAK``): ``split`` (the split pass records its split, the graph stays whole),
 ``overlap`` (the schedule decisions stay, the graph's order does not change), ``clocks`` (the
-runtime records each switch, no clock is set). The break reaches the test's own process and
-every rank ``run_ranks`` starts. For each, the test files that claim that effect run under
-the break; the break is caught when at least one fails, and it is reported apart for the
-multi-rank tests (marked ``distributed``), which must catch each break too. The suite also
-runs a sample of this (``tests/test_effects.py``).
+runtime records each switch, no clock is set), ``serial`` (the rewritten graphs stay, the
+python codegen waits on each collective right after its launch). The break reaches the
+test's own process and every rank ``run_ranks`` starts. For each, the test files that claim
+that effect run under the break; the break is caught when at least one fails, and it is
+reported apart for the multi-rank tests (marked ``distributed``), which must catch each
+break too. The suite also runs a sample of this (``tests/test_effects.py``).
 
 Run: python benchmarks/break_kareus.py [--files tests/test_x.py ...]   (about 10 minutes)
 """
@@ -37,6 +38,7 @@ CLAIMS = {
         "tests/test_effects.py", "tests/test_runtime.py", "tests/test_bad_input.py",
         "tests/test_api.py", *MULTI_RANK,
     ],
+    "serial": ["tests/test_effects.py", "tests/test_tensor_parallel.py"],
 }  # fmt: skip
 
 

@@ -22,7 +22,13 @@ from kareus.compiler.backend import find_backend
 from kareus.models import Llama, LlamaConfig
 from kareus.passes.schedule_overlap import decision_for
 from kareus.runtime.clocks import EmulatedClocks
-from kareus.testing import blocks_run, clocks_on_device, overlapped_collectives, token_batches
+from kareus.testing import (
+    blocks_run,
+    clocks_on_device,
+    flying_when_run,
+    overlapped_collectives,
+    token_batches,
+)
 
 CFG = LlamaConfig(num_layers=2, hidden_size=64, intermediate_size=128)
 
@@ -66,6 +72,7 @@ def test_split_overlap_and_clocks_are_there_in_what_runs():
         assert blocks_run(region).split == ["layers.0", "layers.1"]
         # overlap: the plan's overlapped partitions' collectives fly over the other copy
         pset, decisions = region.findings.partitions, region.inputs.decisions
+        planned = {}
         for kind in ("forward", "backward"):
             wanted = sum(
                 1
@@ -74,9 +81,20 @@ def test_split_overlap_and_clocks_are_there_in_what_runs():
                 and p.collective
                 and decision_for(decisions, p.type_key).launch_slot is not None
             )
+            planned[kind] = wanted
             flying = overlapped_collectives(region, kind)
             assert wanted and len(flying) >= wanted, (
                 f"{kind}: {len(flying)} collectives fly over the other nanobatch, {wanted} planned"
+            )
+        # and as it runs: ops between each launch and its wait, in the order the ops ran
+        # (a runner that waited at once would run the same graph with nothing in flight)
+        ran = {}
+        ran["forward"] = flying_when_run(lambda: ran.setdefault("loss", model(ids, labels)))
+        ran["backward"] = flying_when_run(lambda: ran["loss"].backward())
+        for kind in ("forward", "backward"):
+            assert len(ran[kind]) >= planned[kind], (
+                f"{kind}: {len(ran[kind])} collectives fly over other ops as run, "
+                f"{planned[kind]} planned"
             )
         # clocks: set on the device, as the runtime says
         runtime = find_backend(model).runtime
@@ -95,6 +113,7 @@ def test_split_overlap_and_clocks_are_there_in_what_runs():
         # CI's sample breaks the overlap; the split and clock breaks run in the full set
         pytest.param("split", "the graph that runs splits", marks=pytest.mark.slow),
         ("overlap", "collectives fly over the other nanobatch"),
+        ("serial", "collectives fly over other ops as run"),
         pytest.param("clocks", "clocks set on the device", marks=pytest.mark.slow),
     ],
 )

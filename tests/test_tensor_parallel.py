@@ -12,6 +12,7 @@ from kareus.testing import (
     assert_same_history,
     blocks_run,
     compare_training,
+    flying_when_run,
     run_ranks,
     token_batches,
 )
@@ -50,12 +51,18 @@ def _train_tp(rank, decisions):
         holder["c"] = kareus.compile(m, strict=True, decisions=decisions)
         return holder["c"]
 
-    ref, got = compare_training(make, comp, token_batches(2, 6, 16, 128), resync=True)
+    batches = token_batches(2, 6, 16, 128)
+    ref, got = compare_training(make, comp, batches, resync=True)
     region = kareus.explain(holder["c"]).regions[0]
     pset = region.findings.partitions
     orders = {k: [n.name for n in gm.graph.nodes] for k, gm in grab.gms.items()}
     code = {k: gm.code for k, gm in grab.gms.items()}
-    return ref, got, pset.to_json(), orders, code, kareus.explain(holder["c"]).summary()
+    # one step more, read as it runs: which all-reduces flew over other ops
+    ran: dict = {}
+    ran["forward"] = flying_when_run(lambda: ran.setdefault("loss", holder["c"](*batches[0])))
+    ran["backward"] = flying_when_run(lambda: ran.pop("loss").backward())
+    summary = kareus.explain(holder["c"]).summary()
+    return ref, got, pset.to_json(), orders, code, summary, ran
 
 
 def _check_order(pset, orders, decisions):
@@ -109,7 +116,7 @@ def tp_run():
 def test_partition_types_and_counts(tp_run):
     from kareus.ir.partitions import PartitionSet
 
-    _ref, _got, pset_json, _orders, _code, summary = tp_run[0]
+    _ref, _got, pset_json, _orders, _code, summary, _ran = tp_run[0]
     pset = PartitionSet.from_json(pset_json)
     for instr in ("forward", "backward"):
         parts = [p for p in pset.partitions if p.instruction == instr]
@@ -127,8 +134,17 @@ def test_partition_types_and_counts(tp_run):
 def test_decisions_place_issue_and_wait_and_keep_results(tp_run):
     from kareus.ir.partitions import PartitionSet
 
-    for ref, got, pset_json, orders, code, summary in tp_run:
-        checked = _check_order(PartitionSet.from_json(pset_json), orders, DECISIONS)
+    for ref, got, pset_json, orders, code, summary, ran in tp_run:
+        pset = PartitionSet.from_json(pset_json)
+        checked = _check_order(pset, orders, DECISIONS)
+        # and as each rank ran it: every overlapped all-reduce had ops run while it flew
+        for kind in ("forward", "backward"):
+            overlapped = [
+                p for p in pset.partitions
+                if p.instruction == kind and p.collective
+                and DECISIONS.get(p.type_key, Decision()).launch_slot is not None
+            ]  # fmt: skip
+            assert len(ran[kind]) >= len(overlapped) > 0, (kind, ran[kind], len(overlapped))
         assert checked == {"default", "none", "slot", "clamped"}
         assert_same_history(ref, got)
         # The SM share picked a group of the pool (gloo: recorded as having no effect).

@@ -151,6 +151,14 @@ def is_wait_of(qualified: str) -> bool:
     return qualified.endswith("::wait_tensor")
 
 
+def wait_now(value: Any) -> None:
+    """Wait on the functional collective whose result is ``value`` (a tensor or a list)."""
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    for t in value if isinstance(value, (list, tuple)) else (value,):
+        if isinstance(t, torch.Tensor):
+            wait(t)
+
+
 def _live(node: fx.Node) -> bool:
     users = list(node.users)
     for user in users:

@@ -167,6 +167,37 @@ def overlapped_collectives(region: Any, kind: str = "forward") -> list[str]:
     return flying
 
 
+def flying_when_run(step: Any) -> list[str]:
+    """Run ``step()``; return the collectives that flew over other ops as the ops ran.
+
+    Read from what executes, not from any graph: PyTorch's profiler records every op
+    ``step`` runs, in every thread (the backward's too), and a collective counts when an
+    ATen op started after its launch returned and before the first wait after it (the ops
+    the collective runs inside itself do not count). A runner that waits on each
+    collective at once (whatever the graph's order) shows none. (A dispatch mode would not
+    do: Dynamo's guards see it and run another graph.)
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    ran = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.name.startswith("aten::") or collective_kind_of(e.name) or is_wait_of(e.name)
+    )
+    flying = []
+    for i, (_start, launched, name) in enumerate(ran):
+        kind = collective_kind_of(name)
+        if kind is None:
+            continue
+        later = [(t, n) for t, _end, n in ran[i + 1 :] if t >= launched]  # not its own ops
+        waited = next((t for t, n in later if is_wait_of(n)), None)
+        if any(n.startswith("aten::") and (waited is None or t < waited) for t, n in later):
+            flying.append(f"{kind}#{i}")
+    return flying
+
+
 def _nanobatch_of(node: torch.fx.Node) -> int | None:
     """Return the nanobatch of the nearest tagged ops ``node`` reads (collectives have none)."""
     from kareus.passes.tags import get_tag
