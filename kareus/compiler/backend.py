@@ -34,6 +34,7 @@ from kareus.compiler.lowering import (
     Specialised,
     copy_module,
     lower_with_aot,
+    reads_scalar_inputs,
     symbols,
 )
 from kareus.compiler.module_hooks import BatchMarks, add_orig_prefix, strip_orig_prefix
@@ -214,8 +215,10 @@ class KareusBackend:
         captured = gm
         gm = self._run_graph_passes(region, "dynamo", gm, example_inputs)
         lower = functools.partial(self._lower_or_captured, region, gm, captured)
-        if len(symbols(example_inputs)) > 1:
-            return lower(example_inputs)  # sizes besides the batch vary: lower symbolically
+        if len(symbols(example_inputs)) > 1 or reads_scalar_inputs(captured):
+            # sizes besides the batch vary, or a value does (a float Dynamo left unspecialised,
+            # read by .item(): dynamic=True): lower symbolically, once for all
+            return lower(example_inputs)
         blockset = region.findings.blocks
         batch_at = next(
             (i for i, v in enumerate(example_inputs) if isinstance(v, torch.SymInt)), None

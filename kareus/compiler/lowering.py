@@ -259,6 +259,20 @@ def specialise_ints(gm: fx.GraphModule, inputs: Sequence[Any]) -> fx.GraphModule
     return work
 
 
+def reads_scalar_inputs(gm: fx.GraphModule) -> bool:
+    """Return whether ``gm`` reads the value of an input tensor as a Python number.
+
+    Under ``dynamic=True`` Dynamo passes a module's float attribute (a norm's ``eps``) as a
+    0-d tensor input read by ``.item()``: a value that may change between calls, which a
+    lowering for concrete sizes alone (:class:`Specialised`) cannot read (fake tensors hold
+    no values).
+    """
+    return any(
+        node.op == "call_method" and node.target == "item" and node.args[0].op == "placeholder"
+        for node in gm.graph.nodes
+    )
+
+
 def symbols(values: Sequence[Any]) -> set[Any]:
     """Return the free symbols of the sizes of ``values`` (tensors, SymInts, SymFloats)."""
     found: set[Any] = set()
