@@ -112,7 +112,6 @@ class Composer:
             if switch is None
             else self.problem
         )
-        self.search_options = self._search.options
         self.solves: list[Solution] = []  # every solve since the last frontier() began
         self.searches = 0  # of which CP-SAT searched (the relaxation had not proven them)
         self._relaxation: Relaxation | None = None  # built at its first solve, then kept
@@ -224,8 +223,8 @@ class Composer:
         first: Relaxed | None = None
         if flows:
             if self._flow is None:  # (the flow leaves clock changes out)
-                free = dataclasses.replace(self.problem, change_j=())
-                self._flow = FlowRelaxation(dataclasses.replace(free, options=self.model_options))
+                free = dataclasses.replace(self.problem, options=self.model_options, change_j=())
+                self._flow = FlowRelaxation(free)
             first = self._flow.at(bound_s, self.gap_limit)
             if first is None or not dives or self._proven(first):
                 return first
@@ -266,7 +265,7 @@ class Composer:
         """
         self.searches += 1
         search = CpSatSearch(self._search, self.knobs)
-        opts = [self.search_options[i.key] for i in self.it.instructions]
+        opts = [self._search.options[i.key] for i in self.it.instructions]
         bound_us = None if bound_s is None else math.floor(bound_s * 1e6)
         # each energy term of the objective is rounded to the nearest microjoule
         rounding_j = 0.5e-6 * (len(opts) + len(self.it.switch_pairs()))

@@ -94,8 +94,9 @@ class IterationInputs:
     skip_reasons: Sequence[str] = ()
     workload: Mapping[str, Any] | None = None
 
+    @functools.cached_property
     def graphs(self) -> tuple[list[PartitionSet], list[PartitionSet] | None]:
-        """Return the split and the original graphs' sets, one per pipeline stage."""
+        """The split and the original graphs' sets, one per pipeline stage."""
         stages = self.parallel.stages
         originals = None if self.original is None else _per_stage(self.original, stages)
         return _per_stage(self.stages, stages), originals
@@ -125,7 +126,7 @@ def plan_iteration(
     """
     parallel, data_parallel = inputs.parallel, inputs.data_parallel
     _check_schedule(parallel)
-    graphs = inputs.graphs()
+    graphs = inputs.graphs
     ev = CountingEvaluator(evaluator)
     note = progress or (lambda _step: None)
 
@@ -163,7 +164,7 @@ def _one_pass(
     freqs: tuple[float, ...],
 ) -> _Planned:
     """Evaluate, compose and solve the frontiers on one clock grid."""
-    graphs = inputs.graphs()
+    graphs = inputs.graphs
     stages, originals = graphs
     static_power_w, parallel = inputs.static_power_w, inputs.parallel
     evaluated = evaluate_options(stages, ev, freqs, static_power_w, settings, note, originals)
@@ -229,7 +230,7 @@ def _seeing_data_parallel(
     ``blind_options``: the options before the traffic was added.
     """
     note("planning blind to the data-parallel traffic, to price what seeing it gained")
-    parallel, graphs = inputs.parallel, inputs.graphs()
+    parallel, graphs = inputs.parallel, inputs.graphs
     iteration = _iteration_for(parallel, blind_options, graphs, None, freqs, lambda _s: None)[0]
     blind = _composers(
         iteration, blind_options, max(freqs), inputs.static_power_w, parallel, settings, graphs[1]
