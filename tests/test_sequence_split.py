@@ -37,14 +37,20 @@ LAYERS = ["layers.0", "layers.1"]
 
 
 def _compiled_beside_eager(model, batches, **options):
-    """Train ``model`` eager and compiled; return both histories and the compiled model."""
+    """Train ``model`` eager and compiled; return both histories and the compiled model.
+
+    Each step starts both from the eager weights (``resync``): the split sums in another
+    order, and AdamW's first step moves a weight by about its learning rate whatever the
+    size of its gradient, so a rounding difference in a near-zero gradient would otherwise
+    move one weight by up to twice the learning rate before the next step is compared.
+    """
     holder = {}
 
     def comp(m):
         holder["c"] = kareus.compile(m, split_when="communicates", **options)
         return holder["c"]
 
-    ref, got = compare_training(lambda: copy.deepcopy(model), comp, batches)
+    ref, got = compare_training(lambda: copy.deepcopy(model), comp, batches, resync=True)
     return ref, got, holder["c"]
 
 
@@ -73,9 +79,8 @@ def test_a_batch_too_small_to_halve_is_split_along_the_sequence(one_rank, batch,
     model = Llama(cfg, tp_group=one_rank)
     batches = token_batches(2, batch, seq, CFG.vocab_size)
     ref, got, compiled = _compiled_beside_eager(model, batches, codegen=codegen)
-    # fp32 rounding: the second half's attention sums its keys in another order, and the
-    # second step starts from weights AdamW moved by the first step's gradients
-    assert_same_history(ref, got, bitwise_loss=False, rtol=1e-4, atol=1e-5)
+    # fp32 rounding: the second half's attention sums its keys in another order
+    assert_same_history(ref, got, bitwise_loss=False, rtol=1e-5, atol=1e-6)
     split, along, summary = _along(compiled)
     assert split == LAYERS and along == {"sequence"}, summary
     assert "along the sequence" in summary.splitlines()[1]
