@@ -53,6 +53,7 @@ from kareus.passes.links import collectives_of, why_nothing_to_hide
 from kareus.passes.op_effects import draws_random, op_name, writes_in_place
 from kareus.passes.per_sample import why_not_per_sample
 from kareus.passes.sequence_halves import attend_to_earlier, in_positions
+from kareus.passes.subgraphs import own_bodies
 from kareus.passes.tags import NodeTag, set_tag
 
 _SDPA = "scaled_dot_product_attention"
@@ -449,6 +450,7 @@ def rewrite_split(
                     set_tag(part, NodeTag(block, nb))
                     _named(graph, part, f"{node.name}_{part.name}_nb{nb}")
             set_tag(new, NodeTag(block, nb))
+            own_bodies(new, f"nb{nb}", functools.partial(set_tag, tag=NodeTag(block, nb)))
             cursor = env[node] = _named(graph, new, f"{node.name}_nb{nb}")
         copies.append(env)
     made += _join_outputs(graph, plan, by_name, copies, set(nodes), (cursor, joined))

@@ -7,6 +7,8 @@ graph copy the compiler and the outlining make.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch.fx as fx
 
 
@@ -22,6 +24,27 @@ def bodies(node: fx.Node) -> list[tuple[fx.Node, fx.GraphModule]]:
             if isinstance(sub, fx.GraphModule):
                 out.append((arg, sub))
     return out
+
+
+def own_bodies(node: fx.Node, suffix: str, mark: Callable[[fx.Node], None]) -> None:
+    """Give ``node`` copies of the bodies it calls (``<body>_<suffix>``), ``mark`` on each node.
+
+    Two copies of a higher-order op (a checkpointed layer in each nanobatch) share their
+    bodies as Dynamo made them: AOTAutograd carries each body node's metadata onto the ops
+    it inlines from it, so a body of its own is what lets each copy's ops say which copy
+    they belong to.
+    """
+    owner = node.graph.owning_module
+    if owner is None:
+        return
+    for arg, sub in bodies(node):
+        name = f"{arg.target}_{suffix}"
+        body = fx.GraphModule(sub, copy_graph(sub.graph))
+        for inner in body.graph.nodes:
+            mark(inner)
+        owner.add_submodule(name, body)
+        with node.graph.inserting_before(node):
+            node.replace_input_with(arg, node.graph.get_attr(name))
 
 
 def copy_graph(graph: fx.Graph) -> fx.Graph:

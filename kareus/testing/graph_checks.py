@@ -62,19 +62,15 @@ def split_blocks(region: Any, kind: str | None = None) -> list[str]:
     the split pass recorded: a block is split when its compute ops appear tagged with
     nanobatch 0 and with nanobatch 1, every op of the first copy in the second (which holds
     more where the block is split along the sequence: the second half's attention joins
-    the first half's keys and values under a mask). In graph order. For a
-    block whose tags AOTAutograd dropped (an activation-checkpointed body), the rewritten
-    Dynamo graph it was traced from is read instead. ``region``: one of
+    the first half's keys and values under a mask). In graph order. An
+    activation-checkpointed layer's ops are there too: each nanobatch's copy calls a body of
+    its own, whose tags AOTAutograd carries onto the ops it inlines. ``region``: one of
     ``kareus.explain(model).regions``.
     """
     gm = _running_graph(region, kind)
     if gm is None:
         return []
     copies = _nanobatch_copies(gm)
-    dynamo = region.graphs.get("dynamo")
-    if kind is None and dynamo is not None and dynamo.final is not None:
-        for block, pair in _nanobatch_copies(dynamo.final).items():
-            copies.setdefault(block, pair)  # a block whose tags AOTAutograd dropped
     return [b for b, (first, second) in copies.items() if first and not first - second]
 
 
