@@ -199,3 +199,51 @@ def test_kareus_compile_runs_expert_parallelism_as_eager_and_says_it_split_nothi
             verdict[1]
             == "overlapped: no, 8 collectives overlap no compute (no block split around them)"
         ), verdict
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_hf_moe_layers_split_under_transformers_batched_experts(kind):
+    """transformers' batched experts (``model.set_experts_implementation("batched_mm")``)
+    copy each token once per expert it picks (``repeat_interleave`` by k), look up each
+    copy's expert weights by its expert id, and sum each token's copies: no size depends on
+    the routing, every op is per token, and kareus splits every MoE layer. Trained beside
+    eager with the load-balancing loss in the loss (``output_router_logits``): losses,
+    gradients and that loss's statistics (the router's logits) equal eager's."""
+    import kareus
+    from kareus.testing import (
+        assert_same_history,
+        blocks_run,
+        compare_training,
+        hf_tiny,
+        token_batches,
+    )
+
+    def make():
+        torch.manual_seed(1)
+        model = hf_tiny(kind)
+        model.set_experts_implementation("batched_mm")
+        model.config.output_router_logits = True
+        return model
+
+    holder = {}
+
+    def compile_and_keep(m):
+        holder["c"] = kareus.compile(m, nanobatches=2, strict=True, codegen="python")
+        return holder["c"]
+
+    batches = [{"input_ids": i, "labels": t} for i, t in token_batches(2, 4, 16, 128)]
+    ref, got = compare_training(
+        make, compile_and_keep, batches, loss_fn=lambda o, b: o.loss, resync=True
+    )
+    assert_same_history(ref, got, bitwise_loss=False, rtol=1e-5, atol=1e-6)
+    blocks = blocks_run(kareus.explain(holder["c"]).regions[0])
+    assert [b.rsplit(".", 2)[-2:] for b in blocks.split] == [["layers", "0"], ["layers", "1"]], (
+        blocks.skipped
+    )
+    eager = make()
+    eager.load_state_dict(holder["c"].state_dict())
+    want, out = eager(**batches[0]), holder["c"](**batches[0])
+    assert want.aux_loss is not None and want.aux_loss > 0
+    torch.testing.assert_close(out.aux_loss, want.aux_loss, rtol=1e-6, atol=0)
+    for a, b in zip(out.router_logits, want.router_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -51,6 +51,28 @@ def rows_per_sample(size: Any, sym: Any) -> int | None:
     return int(ratio) if getattr(ratio, "is_Integer", False) and int(ratio) > 0 else None
 
 
+def times_batch(value: torch.SymInt, sym: Any) -> int | None:
+    """Return k where ``value`` is k times the batch size ``sym`` (None: not such a size).
+
+    Dynamo computes a size once, where a block first needs it (``16 * s0``: the tokens of
+    a batch of sequences of 16), and the next blocks read it: in each nanobatch copy it is
+    k times the nanobatch's size, and the whole batch's is the two copies' sum.
+    """
+    ratio = value.node.expr / sym
+    return int(ratio) if getattr(ratio, "is_Integer", False) and int(ratio) > 0 else None
+
+
+def rows_dim(value: torch.Tensor, sym: Any) -> int | None:
+    """Return the dimension of k x the batch's rows (k per sample, in order) to join on.
+
+    An output such as a router's logits, one row per token (``[16 * s0, experts]``), holds
+    each sample's rows together (the per-sample rule checked the views that made it): the
+    two copies' rows, one after the other, are the whole batch's.
+    """
+    dim = batch_dim_of(value, sym)
+    return dim if isinstance(dim, int) else None
+
+
 def rank_blocks_reason(
     node: fx.Node, name: str, carrying: list[tuple[fx.Node, Any]], sym: Any, label: str
 ) -> str | None:

@@ -332,7 +332,7 @@ def why_not_per_sample(node: fx.Node, sym: Any, *, sequence: bool = False) -> st
         return f"{label} moves elements of different samples into one row"
     if sequence and name == "scaled_dot_product_attention":
         return causal_attention_reason(node, sym, label)
-    if _gathers_rows(node, name, carrying):
+    if _gathers_rows(node, name, carrying) or _repeats_rows(node, name, carrying):
         return ""
     if name in _ALONG:
         return _aligned_reason(node, name, carrying, sym, label) or _along_reason(
@@ -520,6 +520,30 @@ def _gathers_rows(node: fx.Node, name: str, carrying: Sequence[tuple[fx.Node, An
     index = arg_value(node, 2, "index") if name == "gather" else arg_value(node, 1, "indices")
     return (
         isinstance(index, fx.Node) and source is not index and [i for i, _d in carrying] == [index]
+    )
+
+
+def _repeats_rows(node: fx.Node, name: str, carrying: Sequence[tuple[fx.Node, Any]]) -> bool:
+    """Whether ``repeat_interleave`` repeats each row of the batch dimension a fixed count.
+
+    ``x.repeat_interleave(k, dim=d)`` with ``d`` the batch dimension and ``k`` a number puts
+    ``k`` copies of each row beside it: a sample's rows stay together, ``k`` times as many
+    (each token once per expert it picks, as Hugging Face's batched experts copy them). A
+    tensor of counts (each row its own count) is not such a repeat.
+    """
+    if name != "repeat_interleave" or len(carrying) != 1:
+        return False
+    source, dim = carrying[0]
+    repeats, along = arg_value(node, 1, "repeats"), arg_value(node, 2, "dim")
+    ndim = source.meta["example_value"].dim()
+    if isinstance(repeats, fx.Node):
+        repeats = repeats.meta.get("example_value")
+    fixed = isinstance(repeats, (int, torch.SymInt)) and not isinstance(repeats, bool)
+    return (
+        source is (node.args[0] if node.args else node.kwargs.get("input"))
+        and fixed
+        and isinstance(along, int)
+        and along % ndim == dim
     )
 
 

@@ -47,7 +47,14 @@ import torch
 import torch.fx as fx
 
 from kareus.passes.base import GraphPass, PassContext, PassResult
-from kareus.passes.batch_dims import MIN_NANOBATCH, BatchInfo, fixed_batch_reason, split_info
+from kareus.passes.batch_dims import (
+    MIN_NANOBATCH,
+    BatchInfo,
+    fixed_batch_reason,
+    rows_dim,
+    split_info,
+    times_batch,
+)
 from kareus.passes.census import census
 from kareus.passes.links import collectives_of, why_nothing_to_hide
 from kareus.passes.op_effects import draws_random, op_name, writes_in_place
@@ -71,8 +78,9 @@ class SplitPlan:
     """How one block is split: which inputs are cut where, and which outputs are joined."""
 
     batch_inputs: tuple[tuple[str, int], ...]  # (node name, batch dim)
-    batch_sizes: tuple[str, ...]  # SymInt nodes equal to the batch size
-    outputs: tuple[tuple[str, int | None], ...]  # (node name, batch dim; None: batch-free)
+    batch_sizes: tuple[tuple[str, int], ...]  # (SymInt node, k): it is k x the batch size
+    outputs: tuple[tuple[str, int | str | None], ...]
+    """(node name, batch dim): None for a batch-free output, "size" for k x the batch size."""
     along: str = "batch"  # or "sequence": the nanobatches are halves of each sequence
     attention: tuple[str, ...] = ()  # (sequence) causal attentions given earlier halves' keys
 
@@ -219,7 +227,7 @@ def _find_split(
     nodes = [by_name[n] for n in names]
     inside = set(nodes)
     batch_inputs: dict[fx.Node, int] = {}
-    batch_sizes: list[fx.Node] = []
+    batch_sizes: dict[fx.Node, int] = {}
     for node in nodes:
         for inp in node.all_input_nodes:
             if inp in inside or inp in batch_inputs or inp in batch_sizes:
@@ -232,12 +240,13 @@ def _find_split(
                 elif _mentions(value.shape, sym):
                     return f"input {inp.name} has the batch merged into another dimension"
             elif isinstance(value, torch.SymInt) and _mentions((value,), sym):
-                if value.node.expr != sym:
+                times = times_batch(value, sym)
+                if times is None:
                     return (
                         f"it uses {inp.name} = {value.node.expr}, a size derived from the batch "
                         "outside the block"
                     )
-                batch_sizes.append(inp)
+                batch_sizes[inp] = times
     if not batch_inputs:
         return "no input of the block carries the batch dimension"
     reason = _unsafe_op(nodes, inside, sym, allow_random, sequence)
@@ -250,15 +259,17 @@ def _find_split(
         if not outside_users:
             continue
         value = node.meta.get("example_value")
-        dim = _batch_dim(value, sym) if isinstance(value, torch.Tensor) else None
-        if dim is None and not _batch_free(node, inside, set(batch_inputs) | set(batch_sizes)):
+        joined: int | str | None = rows_dim(value, sym) if isinstance(value, torch.Tensor) else None
+        if isinstance(value, torch.SymInt) and times_batch(value, sym) is not None:
+            joined = "size"  # a size the next block reads (Dynamo computes it once): k x B
+        if joined is None and not _batch_free(node, inside, set(batch_inputs) | set(batch_sizes)):
             return f"output {node.name} of the block has no batch dimension to join halves on"
         if any(order[u] < last for u in outside_users):
             return f"block code is interleaved with other code (output {node.name} used early)"
-        outputs.append((node.name, dim))
+        outputs.append((node.name, joined))
     return SplitPlan(
         tuple((n.name, d) for n, d in batch_inputs.items()),
-        tuple(n.name for n in batch_sizes),
+        tuple((n.name, k) for n, k in batch_sizes.items()),
         tuple(outputs),
         batch.along,
         tuple(n.name for n in nodes if sequence and op_name(n) == _SDPA),
@@ -423,7 +434,15 @@ def rewrite_split(
         cursor = once[node] = _named(graph, new, f"{node.name}_shared")
     copies: list[dict[fx.Node, Any]] = []
     for nb, (start, length) in enumerate(bounds):
-        env: dict[fx.Node, Any] = {by_name[n]: length for n in plan.batch_sizes}
+        env: dict[fx.Node, Any] = {}
+        for name, times in plan.batch_sizes:
+            if times == 1 or not isinstance(length, fx.Node):
+                env[by_name[name]] = length if times == 1 else length * times
+                continue
+            with graph.inserting_after(cursor):
+                cursor = graph.call_function(operator.mul, (length, times))
+            env[by_name[name]] = _named(graph, cursor, f"{name}_nb{nb}")
+            made.append(cursor)
         env |= once
         for name, dim in plan.batch_inputs:
             source = by_name[name]
@@ -481,14 +500,14 @@ def _join_outputs(
                 user.replace_input_with(out, copies[0][out])
             joined[name] = copies[0][out]
             continue
+        halves = [copies[0][out], copies[1][out]]
         with graph.inserting_after(cursor):
-            cursor = _named(
-                graph,
-                graph.call_function(
-                    torch.cat, ([copies[0][out], copies[1][out]],), {"dim": out_dim}
-                ),
-                f"{name}_joined",
+            join = (
+                graph.call_function(operator.add, tuple(halves))  # k x b0 + k x b1 = k x B
+                if out_dim == "size"
+                else graph.call_function(torch.cat, (halves,), {"dim": out_dim})
             )
+            cursor = _named(graph, join, f"{name}_joined")
         cursor.meta["example_value"] = out.meta.get("example_value")  # same shape as before
         for user in [u for u in out.users if u not in inside]:
             user.replace_input_with(out, cursor)
@@ -504,7 +523,7 @@ def shared_nodes(
 
     Those computed from nothing that carries the batch (:func:`_batch_free`).
     """
-    batch = {by_name[n] for n, _d in plan.batch_inputs} | {by_name[n] for n in plan.batch_sizes}
+    batch = {by_name[n] for n, _d in plan.batch_inputs} | {by_name[n] for n, _k in plan.batch_sizes}
     inside = set(nodes)
     return [n for n in nodes if _batch_free(n, inside, batch)]
 

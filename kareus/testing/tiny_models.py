@@ -16,7 +16,7 @@ _GPT2: dict[str, Any] = dict(
     n_positions=64, attn_implementation="sdpa", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
 )
 
-HF_KINDS = ("llama", "qwen3", "mistral", "gemma", "gpt2", "gpt_neox", "mixtral")
+HF_KINDS = ("llama", "qwen3", "mistral", "gemma", "gpt2", "gpt_neox", "mixtral", "qwen3_moe")
 """The tiny Hugging Face causal LMs :func:`hf_tiny` builds (transformers' own model code)."""
 
 
@@ -57,6 +57,11 @@ def hf_tiny(kind: str) -> nn.Module:
         "gpt_neox": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**gqa)),
         "mixtral": lambda: transformers.MixtralForCausalLM(
             transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
+        ),
+        "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(
+            transformers.Qwen3MoeConfig(
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **common
+            )
         ),
     }
     if kind not in builders:
