@@ -112,9 +112,12 @@ class MoE(nn.Module):
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         flat = chosen.flatten()
-        order = flat.argsort(stable=True)  # the token copies, grouped by expert
+        keys, order = flat.sort(stable=True)  # the token copies, grouped by expert
         routed = tokens.index_select(0, order // self.top_k)
-        out = self._experts(routed, self._counts(flat))
+        if self.ep_group is None and self.planned is None:
+            out = self._local(routed, keys)
+        else:
+            out = self._experts(routed, self._counts(flat))
         out = out * weights.flatten().index_select(0, order).to(out.dtype).unsqueeze(-1)
         y = torch.zeros_like(tokens).index_add(0, order // self.top_k, out)
         if self.shared is not None:
@@ -159,6 +162,28 @@ class MoE(nn.Module):
         done = dict(zip(by_expert, out.split([received[s][e] for s, e in by_expert]), strict=True))
         back = torch.cat([done[(src, e)] for src in range(self.ep) for e in range(local)])
         return all_to_all(back, send, recv, self.ep_group)
+
+    def _local(self, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Run the copies ``x`` (sorted by expert: ``keys``) through experts all on this rank.
+
+        Nothing is read back to Python, so one graph holds the whole layer (and kareus can
+        split it: :mod:`kareus.passes.routing`). In bf16: one grouped GEMM per projection,
+        segmented by the counts per expert. In another dtype (the grouped GEMMs take bf16
+        only): every expert on every row, each row keeping its own expert's result, which
+        costs ``experts`` times the FLOPs (for tests and small runs).
+        """
+        mm = grouped_mm() if x.dtype == torch.bfloat16 else None
+        if mm is not None:
+            # histc, not bincount: its size is the experts', never the data's (one graph)
+            counts = torch.histc(keys.float(), bins=self.experts, min=0, max=self.experts - 1)
+            offsets = counts.cumsum(0).to(torch.int32)
+            gate, up = mm(x, self.w_gate, offs=offsets), mm(x, self.w_up, offs=offsets)
+            return mm(F.silu(gate) * up, self.w_down, offs=offsets)
+        out = x.new_zeros(x.shape[0], self.w_down.shape[-1])
+        for e in range(self.experts):
+            y = (F.silu(x @ self.w_gate[e]) * (x @ self.w_up[e])) @ self.w_down[e]
+            out = torch.where((keys == e).unsqueeze(-1), y, out)
+        return out
 
     def _grouped(self, x: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
         """SwiGLU of the local experts over ``x``'s rows, ``per_expert`` rows each in turn."""

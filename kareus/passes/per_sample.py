@@ -332,7 +332,11 @@ def why_not_per_sample(node: fx.Node, sym: Any, *, sequence: bool = False) -> st
         return f"{label} moves elements of different samples into one row"
     if sequence and name == "scaled_dot_product_attention":
         return causal_attention_reason(node, sym, label)
-    if _gathers_rows(node, name, carrying) or _repeats_rows(node, name, carrying):
+    if (
+        _gathers_rows(node, name, carrying)
+        or _repeats_rows(node, name, carrying)
+        or _rows_times_weight(node, name, carrying)
+    ):
         return ""
     if name in _ALONG:
         return _aligned_reason(node, name, carrying, sym, label) or _along_reason(
@@ -545,6 +549,21 @@ def _repeats_rows(node: fx.Node, name: str, carrying: Sequence[tuple[fx.Node, An
         and isinstance(along, int)
         and along % ndim == dim
     )
+
+
+def _rows_times_weight(
+    node: fx.Node, name: str, carrying: Sequence[tuple[fx.Node, Any]]
+) -> bool:
+    """Whether ``x @ w`` multiplies rows of ``x`` by a ``w`` that carries no batch.
+
+    With the batch not in ``x``'s last dimension, each output row is its own row's
+    (``x[n, h] @ w[h, i]``, an expert's weight indexed out of a stack), as ``linear``'s is.
+    """
+    if name not in ("matmul", "mm") or len(carrying) != 1:
+        return False
+    source, dim = carrying[0]
+    ndim = source.meta["example_value"].dim()
+    return bool(node.args) and source is node.args[0] and 0 <= dim < ndim - 1
 
 
 def _hint(size: Any) -> int:

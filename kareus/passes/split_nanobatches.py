@@ -59,6 +59,7 @@ from kareus.passes.census import census
 from kareus.passes.links import collectives_of, why_nothing_to_hide
 from kareus.passes.op_effects import draws_random, op_name, writes_in_place
 from kareus.passes.per_sample import why_not_per_sample
+from kareus.passes.routing import route
 from kareus.passes.sequence_halves import attend_to_earlier, in_positions
 from kareus.passes.subgraphs import own_bodies
 from kareus.passes.tags import NodeTag, set_tag
@@ -317,7 +318,14 @@ def _mentions(sizes: Sequence[Any], sym: Any) -> bool:
 def _unsafe_op(
     nodes: list[fx.Node], inside: set[fx.Node], sym: Any, allow_random: bool, sequence: bool
 ) -> str:
-    """Return why an op of the block makes splitting unsafe, or ''."""
+    """Return why an op of the block makes splitting unsafe, or ''.
+
+    A token routing (:mod:`kareus.passes.routing`) is judged as a whole: its sort, gathers,
+    counts and grouped GEMMs are per token together, not one by one.
+    """
+    routing = route(nodes, sym)
+    if routing.reason:
+        return routing.reason
     for node in nodes:
         name = op_name(node)
         if name in _BATCH_NORMS:
@@ -333,7 +341,7 @@ def _unsafe_op(
                 return (
                     f"{node.name} ({name}) mutates {target.name}, from outside the block, in place"
                 )
-        reason = why_not_per_sample(node, sym, sequence=sequence)
+        reason = "" if node in routing.proven else why_not_per_sample(node, sym, sequence=sequence)
         if reason:
             return reason
     return ""
