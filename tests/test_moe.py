@@ -247,3 +247,144 @@ def test_hf_moe_layers_split_under_transformers_batched_experts(kind):
     torch.testing.assert_close(out.aux_loss, want.aux_loss, rtol=1e-6, atol=0)
     for a, b in zip(out.router_logits, want.router_logits, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _moe_beside_eager(model, batches, **options):
+    """Train ``model`` eager and kareus-compiled, each step from the same weights."""
+    import copy
+
+    import kareus
+    from kareus.testing import compare_training
+
+    holder = {}
+
+    def comp(m):
+        holder["c"] = kareus.compile(m, split_when="communicates", **options)
+        return holder["c"]
+
+    ref, got = compare_training(lambda: copy.deepcopy(model), comp, batches, resync=True)
+    return ref, got, kareus.explain(holder["c"]).regions[0]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "codegen"),
+    [(torch.float32, "python"), (torch.bfloat16, "inductor")],
+    ids=["fp32-every-expert-python", "bf16-grouped-gemms-inductor"],
+)
+def test_moe_layers_split_each_nanobatch_routing_its_own_tokens(one_rank, dtype, codegen):
+    """kareus's MoE under tensor parallelism (a group of one: every collective in the graph):
+    each nanobatch sorts its own tokens' copies by expert, runs the experts on them and puts
+    them back (kareus.passes.routing proves the sort, the gathers, the grouped GEMMs'
+    offsets and the put-back per token), and one half's all-reduce flies over the other
+    half's compute. Losses and gradients as eager's: within fp32 rounding (every expert on
+    every row), within bf16's for the grouped GEMMs on Inductor (which fuses in bf16)."""
+    from kareus.testing import assert_same_history, blocks_run, overlapped_collectives
+    from kareus.testing.training import token_batches
+
+    torch.manual_seed(0)
+    model = Llama(CFG, tp_group=one_rank).to(dtype)
+    batches = token_batches(2, 4, 16, CFG.vocab_size)
+    ref, got, region = _moe_beside_eager(model, batches, codegen=codegen)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-3}
+    assert_same_history(ref, got, bitwise_loss=False, **tol)
+    assert blocks_run(region).split == ["layers.0", "layers.1"], blocks_run(region).skipped
+    for side in ("forward", "backward"):
+        flying = overlapped_collectives(region, side)
+        assert flying and all("all_reduce" in c for c in flying), (side, flying)
+
+
+class _CapacityMoE(torch.nn.Module):
+    """Top-1 routing that drops the copies past each expert's capacity, counted in token
+    order (a cumsum over the batch's tokens): which tokens an expert keeps depends on the
+    whole batch."""
+
+    def __init__(self, hidden=16, experts=4, capacity=3):
+        super().__init__()
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.w = torch.nn.Parameter(torch.randn(experts, hidden, hidden) / hidden**0.5)
+        self.capacity = capacity
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        _weights, chosen = self.router(tokens).topk(1, dim=-1)
+        onehot = F.one_hot(chosen.squeeze(-1), self.w.shape[0])
+        kept = ((onehot.cumsum(0) * onehot).sum(-1) <= self.capacity).unsqueeze(-1)
+        out = torch.einsum("th,thk->tk", tokens, self.w[chosen.squeeze(-1)])
+        return (tokens + torch.where(kept, out, 0.0)).view(x.shape)
+
+
+class _CapacityStack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_CapacityMoE() for _ in range(2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_a_router_that_drops_tokens_past_a_capacity_stays_whole_and_says_why():
+    """Bad input: capacity-factor dropping depends on the whole batch; kept whole, the cumsum
+    named, and the numbers those of eager."""
+    import kareus
+    from kareus.testing import assert_same_history, blocks_run, compare_training
+
+    holder = {}
+
+    def comp(m):
+        holder["c"] = kareus.compile(m, nanobatches=2, codegen="python")
+        return holder["c"]
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(4, 8, 16),) for _ in range(2)]
+    ref, got = compare_training(_CapacityStack, comp, batches)
+    assert_same_history(ref, got)
+    blocks = blocks_run(kareus.explain(holder["c"]).regions[0])
+    assert blocks.split == [] and set(blocks.skipped) == {"layers.0", "layers.1"}
+    assert all("cumsum" in why for why in blocks.skipped.values()), blocks.skipped
+
+
+def test_hf_mixtral_grouped_experts_split_once_their_fallback_op_is_declared(monkeypatch):
+    """transformers' default experts (``grouped_mm``) sort the copies by expert; in fp32
+    under torch.compile they run ``transformers::grouped_mm_fallback``, a custom op kareus
+    cannot read: the layers stay whole and say how to declare it. Declared as a grouped
+    GEMM (``kareus.passes.routing.declare_grouped_mm``), every layer is split, and the loss
+    with its load-balancing term, the gradients and the router's logits equal eager's."""
+    import kareus
+    import kareus.passes.routing as routing
+    from kareus.testing import assert_same_history, blocks_run, compare_training, hf_tiny
+    from kareus.testing.training import token_batches
+
+    def make():
+        torch.manual_seed(1)
+        model = hf_tiny("mixtral")
+        model.config.output_router_logits = True
+        return model
+
+    holder = {}
+
+    def comp(m):
+        holder["c"] = kareus.compile(m, nanobatches=2, codegen="python")
+        return holder["c"]
+
+    batches = [{"input_ids": i, "labels": t} for i, t in token_batches(2, 4, 16, 128)]
+    monkeypatch.setattr(routing, "_GROUPED", set(routing._GROUPED))
+    ref, got = compare_training(make, comp, batches, loss_fn=lambda o, b: o.loss, resync=True)
+    assert_same_history(ref, got)
+    whole = blocks_run(kareus.explain(holder["c"]).regions[0])
+    assert whole.split == [] and all(
+        "declare_grouped_mm" in why for why in whole.skipped.values()
+    ), whole.skipped
+
+    routing.declare_grouped_mm(torch.ops.transformers.grouped_mm_fallback)
+    ref, got = compare_training(make, comp, batches, loss_fn=lambda o, b: o.loss, resync=True)
+    assert_same_history(ref, got, bitwise_loss=False, rtol=1e-5, atol=1e-6)
+    split = blocks_run(kareus.explain(holder["c"]).regions[0])
+    assert len(split.split) == 2, split.skipped
+    eager = make()
+    eager.load_state_dict(holder["c"].state_dict())
+    want, out = eager(**batches[0]), holder["c"](**batches[0])
+    torch.testing.assert_close(out.aux_loss, want.aux_loss, rtol=1e-6, atol=0)
+    for a, b in zip(out.router_logits, want.router_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -107,23 +107,6 @@ def test_hf_models_split_match_eager(kind):
     assert bs.split == [f"{layers}.0", f"{layers}.1"], bs.skipped
 
 
-def test_a_mixtral_block_stays_whole_and_says_why():
-    """Mixtral's sparse MoE sorts the micro-batch's tokens by expert and runs each expert on
-    those routed to it: its layers share one op sequence (sizes Dynamo computes once, in
-    the first layer, are not ops of the layer; each copy of a split layer reads its own), and
-    each stays whole with its reason: the sort across the batch. (Under transformers'
-    batched experts every op is per token, and the layers split: tests/test_moe.py.)"""
-    torch.manual_seed(1)
-    compiled = kareus.compile(hf_tiny("mixtral"), nanobatches=2)
-    ids, labels = MIXED[0]
-    compiled(input_ids=ids, labels=labels).loss.backward()
-    bs = blocks_of(compiled)
-    assert bs.split == []
-    assert set(bs.skipped) == {"model.layers.0", "model.layers.1"}
-    for layer in ("model.layers.0", "model.layers.1"):
-        assert "(sort) acts along the batch dimension" in bs.skipped[layer], bs.skipped
-
-
 class Grab(GraphPass):
     name = "grab"
     graphs = frozenset({"dynamo", "forward", "backward"})

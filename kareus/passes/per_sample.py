@@ -90,11 +90,12 @@ _METADATA = _names(
 _PERMUTE = _names(
     """
     permute transpose t movedim moveaxis swapaxes swapdims squeeze unsqueeze expand expand_as
-    view_as_complex view_as_real
+    view_as_complex view_as_real one_hot
     """
 )
 """Ops that reorder, add or drop dimensions (or broadcast size-1 ones; a complex view pairs
-or unpairs the trailing size-2 dimension): a sample's elements stay at its own batch index."""
+or unpairs the trailing size-2 dimension; ``one_hot`` spells each element out along a new
+last dimension): a sample's elements stay at its own batch index."""
 
 _RESHAPE = _names("view reshape view_as reshape_as flatten unflatten")
 """Ops that regroup elements in row-major order; checked by :func:`_keeps_samples`."""
@@ -551,9 +552,7 @@ def _repeats_rows(node: fx.Node, name: str, carrying: Sequence[tuple[fx.Node, An
     )
 
 
-def _rows_times_weight(
-    node: fx.Node, name: str, carrying: Sequence[tuple[fx.Node, Any]]
-) -> bool:
+def _rows_times_weight(node: fx.Node, name: str, carrying: Sequence[tuple[fx.Node, Any]]) -> bool:
     """Whether ``x @ w`` multiplies rows of ``x`` by a ``w`` that carries no batch.
 
     With the batch not in ``x``'s last dimension, each output row is its own row's

@@ -167,6 +167,13 @@ def _label(
         return _Label(kinds.pop(), sort)
     if _grouped(node, name):
         return _grouped_rows(node, ins, sort, experts)
+    if "offs" in node.kwargs and ins.get(node.kwargs["offs"]) == _Label("offsets", sort):
+        return (
+            f"{node.name} ({name}) takes the counts of {sort.name}'s experts as offsets, as a "
+            "grouped GEMM does, but kareus does not know the op: if it computes "
+            "torch._grouped_mm(input, weight, offs=offs), declare it with "
+            "kareus.passes.routing.declare_grouped_mm"
+        )
     if kinds <= {"rows", "keys"}:
         return _row_wise(node, name, set(ins), sort, sym)
     return _refuse(node, name, sort)
