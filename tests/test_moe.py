@@ -126,7 +126,7 @@ def test_tracing_at_scale_prices_the_all_to_all_and_the_grouped_gemms_at_the_pla
     grouped = [o for o in ops if o.name.startswith("_grouped_mm")]
     assert len(grouped) == 18  # gate, up, down in each layer; twice each in the backward
     assert {o.flops for o in grouped} == {2 * copies * CFG.hidden_size * CFG.intermediate_size}
-    assert any("mixture-of-experts blocks are planned whole" in n for n in notes), notes
+    assert any("under expert parallelism are planned whole" in n for n in notes), notes
     traffic = stage_traffic(pset, gpu("h100"), 132)
     assert traffic.by_kind["all_to_all"][0] == 8 and traffic.by_kind["all_to_all"][1] > 0
     assert "all-to-all x8" in traffic.describe()
@@ -141,6 +141,21 @@ def test_tracing_at_scale_prices_the_all_to_all_and_the_grouped_gemms_at_the_pla
     assert received > copies  # the traced rank receives more than it sends: priced so
     assert {c.nodes for c in colls} == {2}
     assert {c.bytes for c in colls} == {received * CFG.hidden_size * 2}
+
+
+def test_without_expert_parallelism_tracing_splits_the_moe_layers_as_the_run_would():
+    """Every expert on each rank (EP 1, TP 2): the layers keep their counts as tensors, their
+    routing is proven per token, and the planner gets each layer split in both directions,
+    each half's all-reduce beside the other half's experts (modelled at any load: a grouped
+    GEMM's FLOPs are its copies')."""
+    work = Workload(model="tiny-moe", tp=2, microbatch_size=4, seq_len=16)
+    pset, notes = _stage(work)
+    assert {(p.block, p.instruction) for p in pset.partitions} == {
+        (f"layers.{i}", kind) for i in range(2) for kind in ("forward", "backward")
+    }
+    assert not any("planned whole" in n for n in notes), notes
+    _ops, colls = stage_work(pset)
+    assert colls and {c.kind for c in colls} == {"all_reduce"}
 
 
 @pytest.mark.parametrize(

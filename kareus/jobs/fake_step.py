@@ -83,8 +83,12 @@ def _build_stage(
         model = Llama(cfg, tp_group, cp_group, stage=(stage, work.stages), ep_group=ep_group)
     finally:
         torch.set_default_dtype(default)
-    # fake tensors carry no routing: the experts' counts are the expected load's
-    set_planned_load(model, work.microbatch_size * local_seq, work.expert_skew)
+    # Fake tensors carry no routing. Under expert parallelism the all-to-alls' sizes are the
+    # expected load's (planned); with every expert on each rank the layer keeps its counts as
+    # tensors (its grouped GEMMs' FLOPs are the copies', whatever the load), and its routing
+    # can be proven per token, so its blocks can be split as the run would split them.
+    if work.ep > 1:
+        set_planned_load(model, work.microbatch_size * local_seq, work.expert_skew)
     if dp_group is not None:
         gather_in_graph(model, dp_group)
     shape = (work.microbatch_size, local_seq)
@@ -99,12 +103,12 @@ def block_notes(blocks: BlockSet, work: Workload, stage: int) -> list[str]:
     notes = []
     if blocks.skipped:
         why = next(iter(blocks.skipped.values()))
-        if work.shape is not None and work.shape.num_experts:
+        if work.shape is not None and work.shape.num_experts and work.ep > 1:
             why = (
-                "mixture-of-experts blocks are planned whole (the experts' token counts are the "
-                "planned load's constants; splitting a block whose routing sorts the "
-                "micro-batch's tokens together is not built): clocks and each all-to-all are "
-                "planned, as Perseus would"
+                "mixture-of-experts blocks under expert parallelism are planned whole (the "
+                "all-to-alls' sizes are the planned load's constants; proving a routing "
+                "across an all-to-all is not built): clocks and each all-to-all are planned, "
+                "as Perseus would"
             )
         notes.append(
             f"stage {stage}: {len(blocks.skipped)} of {len(blocks.blocks)} blocks left whole: {why}"
