@@ -28,11 +28,11 @@ MULTI_RANK = ["tests/test_tensor_parallel.py", "tests/test_stacks.py", "tests/te
 CLAIMS = {
     "split": [
         "tests/test_effects.py", "tests/test_split_nanobatches.py", "tests/test_per_sample.py",
-        "tests/test_outline.py", "tests/test_inductor.py", *MULTI_RANK,
+        "tests/test_outline.py", "tests/test_inductor.py", "tests/test_moe.py", *MULTI_RANK,
     ],
     "overlap": [
         "tests/test_effects.py", "tests/test_inductor.py", "tests/test_collectives.py",
-        *MULTI_RANK,
+        "tests/test_moe.py", *MULTI_RANK,
     ],
     "clocks": [
         "tests/test_effects.py", "tests/test_runtime.py", "tests/test_bad_input.py",

@@ -403,3 +403,43 @@ def test_hf_mixtral_grouped_experts_split_once_their_fallback_op_is_declared(mon
     torch.testing.assert_close(out.aux_loss, want.aux_loss, rtol=1e-6, atol=0)
     for a, b in zip(out.router_logits, want.router_logits, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _tp2_moe(rank):
+    """kareus's MoE Llama at TP 2 over gloo (expert TP = TP), compiled beside eager."""
+    import kareus
+    from kareus.testing import blocks_run, compare_training, overlapped_collectives
+    from kareus.testing.training import token_batches
+
+    torch.manual_seed(0)
+    holder = {}
+
+    def comp(m):
+        holder["c"] = kareus.compile(m, codegen="python", split_when="communicates")
+        return holder["c"]
+
+    ref, got = compare_training(
+        lambda: Llama(CFG, tp_group=dist.group.WORLD),
+        comp,
+        token_batches(2, 4, 16, CFG.vocab_size, seed=rank),
+        resync=True,
+    )
+    region = kareus.explain(holder["c"]).regions[0]
+    flying = [overlapped_collectives(region, side) for side in ("forward", "backward")]
+    return ref, got, blocks_run(region).split, flying
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_moe_layers_split_under_tensor_parallelism_over_two_gloo_ranks():
+    """Two real ranks: each routes its nanobatches' tokens alike (the router is replicated),
+    each expert's intermediate dimension is split over the ranks, and one nanobatch's
+    all-reduce flies over the other's experts, forward and backward; both ranks train as
+    eager within fp32 rounding."""
+    from kareus.testing import assert_same_history
+
+    for ref, got, split, flying in run_ranks(_tp2_moe, timeout_s=240):
+        assert_same_history(ref, got, bitwise_loss=False, rtol=1e-5, atol=1e-6)
+        assert split == ["layers.0", "layers.1"], split
+        for side in flying:
+            assert side and all("all_reduce" in c for c in side), flying
