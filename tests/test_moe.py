@@ -363,11 +363,12 @@ def test_a_router_that_drops_tokens_past_a_capacity_stays_whole_and_says_why():
 def test_hf_mixtral_grouped_experts_split_once_their_fallback_op_is_declared(monkeypatch):
     """transformers' default experts (``grouped_mm``) sort the copies by expert; in fp32
     under torch.compile they run ``transformers::grouped_mm_fallback``, a custom op kareus
-    cannot read: the layers stay whole and say how to declare it. Declared as a grouped
-    GEMM (``kareus.passes.routing.declare_grouped_mm``), every layer is split, and the loss
-    with its load-balancing term, the gradients and the router's logits equal eager's."""
+    cannot read: the layers stay whole and say how to declare it. Declared alike to
+    ``torch._grouped_mm`` (``kareus.passes.op_effects.declare_alike``), every layer is
+    split, and the loss with its load-balancing term, the gradients and the router's logits
+    equal eager's."""
     import kareus
-    import kareus.passes.routing as routing
+    import kareus.passes.op_effects as op_effects
     from kareus.testing import assert_same_history, blocks_run, compare_training, hf_tiny
     from kareus.testing.training import token_batches
 
@@ -384,15 +385,15 @@ def test_hf_mixtral_grouped_experts_split_once_their_fallback_op_is_declared(mon
         return holder["c"]
 
     batches = [{"input_ids": i, "labels": t} for i, t in token_batches(2, 4, 16, 128)]
-    monkeypatch.setattr(routing, "_GROUPED", set(routing._GROUPED))
+    monkeypatch.setattr(op_effects, "_ALIKE", dict(op_effects._ALIKE))
     ref, got = compare_training(make, comp, batches, loss_fn=lambda o, b: o.loss, resync=True)
     assert_same_history(ref, got)
     whole = blocks_run(kareus.explain(holder["c"]).regions[0])
     assert whole.split == [] and all(
-        "declare_grouped_mm" in why for why in whole.skipped.values()
+        "declare_alike" in why for why in whole.skipped.values()
     ), whole.skipped
 
-    routing.declare_grouped_mm(torch.ops.transformers.grouped_mm_fallback)
+    op_effects.declare_alike(torch.ops.transformers.grouped_mm_fallback, torch._grouped_mm)
     ref, got = compare_training(make, comp, batches, loss_fn=lambda o, b: o.loss, resync=True)
     assert_same_history(ref, got, bitwise_loss=False, rtol=1e-5, atol=1e-6)
     split = blocks_run(kareus.explain(holder["c"]).regions[0])

@@ -206,3 +206,89 @@ def test_torchtitans_own_per_block_compile_with_the_kareus_backend_is_split():
         assert_same_history(ref, got, bitwise_loss=False, rtol=1e-4, atol=1e-5)
         assert [b[0] for b in blocks] == [["Llama3TransformerBlock.0"]] * 2, blocks
         assert all(b[1] == ["all_gather_into_tensor"] for b in blocks), blocks
+
+
+def _qwen3_moe():
+    """torchtitan's Qwen3 MoE debugmodel (2 layers, SDPA, bf16), no parallelism."""
+    import torch
+
+    _without_triton()
+    import torchtitan.tools.utils as titan_utils
+
+    titan_utils.device_type = "cpu"  # read from CUDA at import
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3 import model_registry
+
+    config = model_registry("debugmodel_moe").model
+    config.layers = config.layers[:2]
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    torch.manual_seed(0)
+    model = config.build()
+    model.init_weights(buffer_device=torch.device("cpu"))
+    return model.to(torch.bfloat16)
+
+
+def test_torchtitan_qwen3_moe_layers_split_once_its_scatter_add_op_is_declared(monkeypatch):
+    """torchtitan's own MoE (token-choice top-k router, argsort dispatch, grouped GEMMs whose
+    offsets are a one-hot of the ids summed over the tokens, ``tokens_per_expert`` statistics
+    accumulated in place, combine by ``torchtitan::deterministic_scatter_add``): whole, the
+    custom op named with how to declare it; declared alike to ``scatter_add``, every MoE
+    layer is split, each nanobatch routing its own tokens and adding its own counts to the
+    statistics. Losses and gradients within bf16 rounding of eager; the statistics (what
+    torchtitan's load-balancing hook updates the router's bias from) exactly equal."""
+    import torch
+
+    import kareus
+    import kareus.passes.op_effects as op_effects
+    from kareus.testing import compare_training
+
+    monkeypatch.setattr(op_effects, "_ALIKE", dict(op_effects._ALIKE))
+    monkeypatch.setattr(op_effects, "_ADAPT", dict(op_effects._ADAPT))
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 2048, (4, 32), generator=gen),) for _ in range(2)]
+    holder = {}
+
+    def comp(m):
+        holder["c"] = kareus.compile(m, nanobatches=2, codegen="python")
+        return holder["c"]
+
+    def loss(logits, _batch):
+        return logits.float().pow(2).mean()
+
+    def run():
+        ref, got = compare_training(_qwen3_moe, comp, batches, loss_fn=loss, resync=True)
+        return ref, got, blocks_run(kareus.explain(holder["c"]).regions[0])
+
+    model = comp(_qwen3_moe())
+    loss(model(batches[0][0]), None).backward()
+    whole = blocks_run(kareus.explain(model).regions[0])
+    assert whole.split == [] and all(
+        "torchtitan::deterministic_scatter_add" in why and "declare_alike" in why
+        for why in whole.skipped.values()
+    ), whole.skipped
+
+    op_effects.declare_alike(
+        torch.ops.torchtitan.deterministic_scatter_add,
+        torch.scatter_add,
+        args=lambda out, index, src: ((out, 0, index, src), {}),
+    )
+    ref, got, split = run()
+    assert_same_history(ref, got, bitwise_loss=False, rtol=2e-2, atol=2e-3)
+    assert len(split.split) == 2, split.skipped
+    compiled, eager = holder["c"], _qwen3_moe()
+    eager.load_state_dict(compiled.state_dict())  # the same weights, statistics zeroed
+    for module in (eager, compiled):
+        for name, buffer in module.named_buffers():
+            if "tokens_per_expert" in name:
+                buffer.zero_()
+        for (tokens,) in batches:
+            module(tokens)
+    stats, want = (
+        {n.removeprefix("_orig_mod."): b for n, b in m.named_buffers() if "tokens_per" in n}
+        for m in (compiled, eager)
+    )
+    assert stats.keys() == want.keys() and len(stats) == 2
+    for name, buffer in stats.items():
+        assert buffer.sum() > 0, name
+        torch.testing.assert_close(buffer, want[name], rtol=0, atol=0, msg=name)

@@ -73,6 +73,41 @@ def rows_dim(value: torch.Tensor, sym: Any) -> int | None:
     return dim if isinstance(dim, int) else None
 
 
+_NO_SEQUENCE = (
+    "nor is it split along the sequence, whose length is not symbolic in the graph "
+    "(kareus.compile marks the dimension beside the batch dynamic where the batch is too "
+    "small; it stays a constant where the block meets it in an op of fixed size, as a "
+    "weight of that size: then that dimension is not a sequence)"
+)
+
+
+def size_reason(graph: fx.Graph, batch: BatchInfo) -> str | None:
+    """Say why the size the region is split along cannot be halved (None: it can)."""
+    sym, hint = batch.symbol, batch.hint
+    sequence = batch.along == "sequence"
+    small = hint is not None and hint // 2 < MIN_NANOBATCH
+    if small and not sequence:
+        return (
+            f"batch {hint} is too small: a nanobatch of size {(hint or 0) // 2} would "
+            f"specialise and recompile each step; use a batch of at least {2 * MIN_NANOBATCH}"
+            + (f"; {_NO_SEQUENCE}" if batch.tried_sequence else "")
+        )
+    if sym is None:
+        if sequence:
+            return _NO_SEQUENCE
+        return (
+            f"the batch dimension ({batch.source}) is static: compile the block with "
+            "kareus.compile, which marks it dynamic at each call (under FSDP2's hooks too); "
+            "under torch.compile(..., backend='kareus') or module.compile(backend='kareus'), "
+            f'name it in torch.compiler.config.dynamic_sources ("{batch.dynamo_source}:'
+            f'{batch.dim}"), or call torch._dynamo.mark_dynamic on the input before the '
+            "call where no hook replaces it"
+        )
+    if small:
+        return f"a sequence of {hint} is too short to split in two halves of 2 or more"
+    return fixed_batch_reason(graph, batch)
+
+
 def rank_blocks_reason(
     node: fx.Node, name: str, carrying: list[tuple[fx.Node, Any]], sym: Any, label: str
 ) -> str | None:

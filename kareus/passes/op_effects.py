@@ -8,6 +8,7 @@ writes an argument in place (no split, no outlining across it) or draws random n
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,14 +19,75 @@ from kareus.passes.census import qualified_name
 
 
 def arg_value(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
-    """Return the value ``node`` passes as argument ``index`` or keyword ``name``."""
-    if name in node.kwargs:
-        return node.kwargs[name]
-    return node.args[index] if len(node.args) > index else default
+    """Return the value ``node`` passes as argument ``index`` or keyword ``name``.
+
+    Of a custom op declared alike to a known one with its own arguments
+    (:func:`declare_alike`'s ``args``), the known op's argument.
+    """
+    args, kwargs = call_args(node)
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else default
+
+
+def call_args(node: fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Return ``node``'s arguments, as the known op takes them where declared alike to one."""
+    adapt = _ADAPT.get(qualified_name(node.target) or "") if _ADAPT else None
+    if adapt is None:
+        return tuple(node.args), dict(node.kwargs)
+    return adapt(*node.args, **node.kwargs)
+
+
+_ALIKE: dict[str, str] = {}
+"""Custom ops declared to compute what a known op computes: qualified name -> its name."""
+
+_ADAPT: dict[str, Callable[..., tuple[tuple[Any, ...], dict[str, Any]]]] = {}
+"""Of those, the ones that take other arguments: how to read them as the known op's."""
+
+
+def declare_alike(
+    op: Any,
+    known: Any,
+    args: Callable[..., tuple[tuple[Any, ...], dict[str, Any]]] | None = None,
+) -> None:
+    """Declare that custom op ``op`` computes what the known op ``known`` computes.
+
+    Every pass then reads ``op`` as ``known`` (its name in the allow-lists and the rules): a
+    library's fallback or deterministic variant of an op kareus knows, such as
+    ``declare_alike(torch.ops.transformers.grouped_mm_fallback, torch._grouped_mm)`` or
+    ``declare_alike(torch.ops.torchtitan.deterministic_scatter_add, torch.scatter_add)``.
+    Where its arguments are not the known op's, in its order, ``args`` maps them
+    (``lambda out, index, src: ((out, 0, index, src), {})`` for a scatter-add along
+    dimension 0 that takes no ``dim``).
+
+    Args:
+        op: the custom op (``torch.ops.ns.name`` or an overload) or its qualified name.
+        known: a torch function, method or ``aten`` op, or its name (``"scatter_add"``).
+        args: maps the op's positional and keyword arguments to the known op's
+            ``(args, kwargs)``.
+    """
+    name = (op if isinstance(op, str) else qualified_name(op) or str(op)).split(".")[0]
+    alias = known if isinstance(known, str) else getattr(known, "__name__", str(known))
+    _ALIKE[name] = alias.split(".")[-1]
+    if args is not None:
+        _ADAPT[name] = args
+
+
+def alike(node: fx.Node) -> str | None:
+    """Return the known op's name ``node``'s custom op was declared alike to (else None)."""
+    if not _ALIKE or node.op != "call_function":
+        return None
+    qualified = qualified_name(node.target)
+    return _ALIKE.get(qualified) if qualified else None
 
 
 def op_name(node: fx.Node) -> str:
-    """Return the short name of ``node``'s op (``linear``, ``flip``, ``add``...)."""
+    """Return the short name of ``node``'s op (``linear``, ``flip``, ``add``...).
+
+    A custom op declared alike to a known one (:func:`declare_alike`) has the known one's.
+    """
+    if (known := alike(node)) is not None:
+        return known
     target = node.target
     if node.op == "call_module":
         owner = node.graph.owning_module
@@ -93,6 +155,17 @@ def _writes(overload: Any) -> bool:
     return any(
         a.alias_info is not None and a.alias_info.is_write for a in overload._schema.arguments
     )
+
+
+_MODE_SWITCHES = frozenset(
+    {"_set_grad_enabled", "_enter_autocast", "_exit_autocast", "set_grad_enabled"}
+)
+"""Calls that switch a mode every later op runs under (``torch.no_grad()`` in a graph)."""
+
+
+def switches_mode(node: fx.Node) -> bool:
+    """Return whether ``node`` switches a global mode (grad, autocast) for the ops after it."""
+    return node.op == "call_function" and op_name(node) in _MODE_SWITCHES
 
 
 def draws_random(node: fx.Node) -> bool:

@@ -35,7 +35,8 @@ import torch.fx as fx
 
 from kareus.passes.batch_dims import batch_dim_of, rank_blocks_reason, rows_per_sample
 from kareus.passes.census import COLLECTIVE_NAMESPACES, is_wait, priced_kind, qualified_name
-from kareus.passes.op_effects import arg_value, op_name
+from kareus.passes.op_effects import alike, arg_value, op_name
+from kareus.passes.row_rules import keeps_rows, looks_up
 from kareus.passes.sequence_halves import causal_attention_reason
 from kareus.passes.subgraphs import bodies
 
@@ -162,11 +163,11 @@ _ALONG: dict[str, Callable[[fx.Node, int], Any]] = {
     "index_select": _dimsarg(1, "dim"),
     "gather": _dimsarg(1, "dim"),
     "take_along_dim": _dimsarg(2, "dim"),
-    "scatter": _dimsarg(1, "dim"),
-    "scatter_add": _dimsarg(1, "dim"),
-    "index_add": _dimsarg(1, "dim"),
-    "index_copy": _dimsarg(1, "dim"),
-    "index_fill": _dimsarg(1, "dim"),
+    **{
+        name + inplace: _dimsarg(1, "dim")
+        for name in ("scatter", "scatter_add", "index_add", "index_copy", "index_fill")
+        for inplace in ("", "_")
+    },
     "repeat_interleave": _dimsarg(2, "dim"),
     "flip": _var_dims,
     "roll": _dimsarg(2, "dims"),
@@ -253,7 +254,7 @@ def _foreign(node: fx.Node) -> str | None:
     if node.op != "call_function":
         return None
     qualified = qualified_name(node.target)
-    if not qualified or qualified.split("::")[0] in KNOWN_NAMESPACES:
+    if not qualified or qualified.split("::")[0] in KNOWN_NAMESPACES or alike(node):
         return None
     return qualified
 
@@ -333,11 +334,7 @@ def why_not_per_sample(node: fx.Node, sym: Any, *, sequence: bool = False) -> st
         return f"{label} moves elements of different samples into one row"
     if sequence and name == "scaled_dot_product_attention":
         return causal_attention_reason(node, sym, label)
-    if (
-        _gathers_rows(node, name, carrying)
-        or _repeats_rows(node, name, carrying)
-        or _rows_times_weight(node, name, carrying)
-    ):
+    if keeps_rows(node, name, carrying):
         return ""
     if name in _ALONG:
         return _aligned_reason(node, name, carrying, sym, label) or _along_reason(
@@ -390,11 +387,15 @@ def _dtensor_reason(
 
 
 _ALIGNED = {
-    "scatter": (("index", 2), ("src", 3)),
-    "scatter_add": (("index", 2), ("src", 3)),
-    "scatter_reduce": (("index", 2), ("src", 3)),
-    "index_add": (("source", 3),),
-    "index_copy": (("source", 3),),
+    name + inplace: args
+    for name, args in {
+        "scatter": (("index", 2), ("src", 3)),
+        "scatter_add": (("index", 2), ("src", 3)),
+        "scatter_reduce": (("index", 2), ("src", 3)),
+        "index_add": (("source", 3),),
+        "index_copy": (("source", 3),),
+    }.items()
+    for inplace in ("", "_")
 }
 """Ops that write rows of one tensor argument into ``self`` by position: those arguments
 must carry the batch where ``self`` does, or each nanobatch would get the first rows."""
@@ -472,7 +473,7 @@ def _broadcast_reason(
 def _index_reason(node: fx.Node, carrying: Sequence[tuple[fx.Node, Any]], label: str) -> str:
     source, dim = carrying[0]
     if node.args[0] is not source:
-        if _looks_up(node, carrying):
+        if looks_up(node, carrying):
             return ""
         return f"{label} indexes with a batch-carrying tensor"
     index = node.args[1]
@@ -493,76 +494,6 @@ def _index_reason(node: fx.Node, carrying: Sequence[tuple[fx.Node, Any]], label:
     if entry != slice(None, None, None):
         return f"{label} indexes the batch dimension ({entry}), selecting samples"
     return ""
-
-
-def _looks_up(node: fx.Node, carrying: Sequence[tuple[fx.Node, Any]]) -> bool:
-    """Whether ``table[index]`` looks up rows of a table that carries no batch.
-
-    Each sample's own indices pick rows of a table every sample shares (a rotary cache
-    indexed by positions, as torchtitan does at a batch of one): the sample's output
-    depends on its indices alone, as an embedding's does.
-    """
-    index = node.args[1]
-    index = index[0] if isinstance(index, tuple) and len(index) == 1 else index
-    return (
-        isinstance(index, fx.Node)
-        and len(carrying) == 1
-        and carrying[0][0] is index
-        and isinstance(node.args[0], fx.Node)
-    )
-
-
-def _gathers_rows(node: fx.Node, name: str, carrying: Sequence[tuple[fx.Node, Any]]) -> bool:
-    """Whether a ``gather`` reads a source that carries no batch by batch-carrying indices.
-
-    ``torch.gather(table, dim, index)`` with only ``index`` carrying the batch: each
-    output element is the table's element at its own index (a lookup, as
-    :func:`_looks_up`).
-    """
-    if name not in ("gather", "take_along_dim"):
-        return False
-    source = node.args[0] if node.args else node.kwargs.get("input")
-    index = arg_value(node, 2, "index") if name == "gather" else arg_value(node, 1, "indices")
-    return (
-        isinstance(index, fx.Node) and source is not index and [i for i, _d in carrying] == [index]
-    )
-
-
-def _repeats_rows(node: fx.Node, name: str, carrying: Sequence[tuple[fx.Node, Any]]) -> bool:
-    """Whether ``repeat_interleave`` repeats each row of the batch dimension a fixed count.
-
-    ``x.repeat_interleave(k, dim=d)`` with ``d`` the batch dimension and ``k`` a number puts
-    ``k`` copies of each row beside it: a sample's rows stay together, ``k`` times as many
-    (each token once per expert it picks, as Hugging Face's batched experts copy them). A
-    tensor of counts (each row its own count) is not such a repeat.
-    """
-    if name != "repeat_interleave" or len(carrying) != 1:
-        return False
-    source, dim = carrying[0]
-    repeats, along = arg_value(node, 1, "repeats"), arg_value(node, 2, "dim")
-    ndim = source.meta["example_value"].dim()
-    if isinstance(repeats, fx.Node):
-        repeats = repeats.meta.get("example_value")
-    fixed = isinstance(repeats, (int, torch.SymInt)) and not isinstance(repeats, bool)
-    return (
-        source is (node.args[0] if node.args else node.kwargs.get("input"))
-        and fixed
-        and isinstance(along, int)
-        and along % ndim == dim
-    )
-
-
-def _rows_times_weight(node: fx.Node, name: str, carrying: Sequence[tuple[fx.Node, Any]]) -> bool:
-    """Whether ``x @ w`` multiplies rows of ``x`` by a ``w`` that carries no batch.
-
-    With the batch not in ``x``'s last dimension, each output row is its own row's
-    (``x[n, h] @ w[h, i]``, an expert's weight indexed out of a stack), as ``linear``'s is.
-    """
-    if name not in ("matmul", "mm") or len(carrying) != 1:
-        return False
-    source, dim = carrying[0]
-    ndim = source.meta["example_value"].dim()
-    return bool(node.args) and source is node.args[0] and 0 <= dim < ndim - 1
 
 
 def _hint(size: Any) -> int:

@@ -22,7 +22,8 @@ What is proven, from the ops' semantics (never from names of modules or librarie
 - **segments**: the count of copies per expert (``bincount`` with ``minlength=E``, or
   ``histc`` with ``E`` bins over ``0 .. E-1``) of the sorted or unsorted ids, summed up
   (``cumsum``), is used only as the offsets of a grouped GEMM (``torch._grouped_mm``,
-  ``F.grouped_mm``, an op declared with :func:`declare_grouped_mm`) whose weights hold
+  ``F.grouped_mm``, a custom op declared alike with
+  :func:`kareus.passes.op_effects.declare_alike`) whose weights hold
   ``E`` experts and carry no batch: row ``r`` then meets expert ``ids[r]``, its own;
 - **put back**: rows in the sort's order leave it only by the inverse permutation (``x[inv]``
   with ``inv[p] = arange(n)``, or ``argsort(p)``) or by an ``index_add`` / ``index_copy``
@@ -49,20 +50,8 @@ from kareus.passes.per_sample import why_not_per_sample
 
 _CASTS = frozenset({"to", "float", "int", "long", "type", "contiguous", "clone", "detach"})
 _VIEWS = _CASTS | {"view", "reshape", "flatten"}
-_GROUPED: set[str] = {"_grouped_mm", "grouped_mm"}
-"""Ops with ``torch._grouped_mm``'s semantics: bare names of aten's, qualified ones declared."""
-
-
-def declare_grouped_mm(*ops: Any) -> None:
-    """Declare custom ops that compute ``torch._grouped_mm(input, weight, offs=offs)``.
-
-    Such as a library's fallback for dtypes or devices the grouped GEMM kernels lack
-    (``torch.ops.transformers.grouped_mm_fallback``): rows ``offs[g-1] .. offs[g]-1`` of
-    ``input`` times ``weight[g]``. A token routing through them can then be proven
-    (:mod:`kareus.passes.routing`).
-    """
-    for op in ops:
-        _GROUPED.add(op if isinstance(op, str) else qualified_name(op) or str(op))
+_GROUPED = frozenset({"_grouped_mm", "grouped_mm"})
+"""Ops with ``torch._grouped_mm``'s semantics (a custom one: ``op_effects.declare_alike``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +74,10 @@ class Routing:
 def route(nodes: Sequence[fx.Node], sym: Any) -> Routing:
     """Prove the token routings among ``nodes`` (a block, in graph order); see the module."""
     labels: dict[fx.Node, _Label] = {}
-    experts: dict[fx.Node, int] = {}
     back: set[fx.Node] = set()
+    sorts = {n: found for n in nodes if (found := _sorted_ids(n, sym)) is not None}
     for node in nodes:
-        reason = _step(node, labels, experts, back, sym)
+        reason = _step(node, labels, sorts, back, sym)
         if reason:
             return Routing(reason=reason)
     inside = set(nodes)
@@ -101,7 +90,7 @@ def route(nodes: Sequence[fx.Node], sym: Any) -> Routing:
 def _step(
     node: fx.Node,
     labels: dict[fx.Node, _Label],
-    experts: dict[fx.Node, int],
+    sorts: dict[fx.Node, tuple[fx.Node, int]],
     back: set[fx.Node],
     sym: Any,
 ) -> str:
@@ -109,17 +98,18 @@ def _step(
     name = op_name(node)
     ins = [(i, labels[i]) for i in node.all_input_nodes if i in labels]
     if not ins:
-        if name in ("sort", "argsort") and (e := _sorts_expert_ids(node, sym)) is not None:
-            experts[node] = e
+        if node in sorts:
             labels[node] = _Label("sort" if name == "sort" else "perm", node)
+        elif name == "sum" and (sort := _counted(node, sorts)) is not None:
+            labels[node] = _Label("counts", sort)  # a one-hot of the ids summed over tokens
         return ""
-    sorts = {label.sort for _i, label in ins}
-    if len(sorts) > 1:
-        both = sorted(s.name for s in sorts)
+    read = {label.sort for _i, label in ins}
+    if len(read) > 1:
+        both = sorted(s.name for s in read)
         return f"{node.name} ({name}) reads the orders of two sorts: {both}"
-    sort = sorts.pop()
+    sort = read.pop()
     kinds = {i: label for i, label in ins}
-    label = _label(node, name, kinds, sort, experts[sort], sym, back)
+    label = _label(node, name, kinds, sort, sorts[sort][1], sym, back)
     if isinstance(label, str):
         return label
     if label is not None:
@@ -153,8 +143,19 @@ def _label(
     index = node.args[1] if name == "getitem" else arg_value(node, 2, "index")
     if name in ("getitem", "index_select") and index in ins:  # rows picked by an index
         return _gather(node, name, ins, sort, copies, sym, back)
-    if name in ("index_add", "index_add_", "index_copy", "index_copy_"):
+    if name in (
+        "index_add",
+        "index_add_",
+        "index_copy",
+        "index_copy_",
+        "scatter_add",
+        "scatter_add_",
+    ):
         return _put_back(node, ins, sort, copies, sym, back)
+    if kinds in ({"perm"}, {"column"}) and name in ("view", "reshape", "unsqueeze", "expand"):
+        return _columns(node, ins[first], copies)
+    if name in ("add_", "iadd") and kinds == {"counts"} and len(node.args) > 1:
+        return _accumulate(node, ins, sort, back)
     if name in ("empty_like", "zeros_like") and kinds == {"perm"}:
         return _Label("buffer", sort)
     if name == "setitem":
@@ -165,14 +166,14 @@ def _label(
         return _Label("offsets", sort)
     if kinds <= {"counts", "offsets", "keys"} and len(kinds) == 1 and name in _CASTS:
         return _Label(kinds.pop(), sort)
-    if _grouped(node, name):
+    if name in _GROUPED:
         return _grouped_rows(node, ins, sort, experts)
     if "offs" in node.kwargs and ins.get(node.kwargs["offs"]) == _Label("offsets", sort):
         return (
             f"{node.name} ({name}) takes the counts of {sort.name}'s experts as offsets, as a "
             "grouped GEMM does, but kareus does not know the op: if it computes "
-            "torch._grouped_mm(input, weight, offs=offs), declare it with "
-            "kareus.passes.routing.declare_grouped_mm"
+            "torch._grouped_mm(input, weight, offs=offs), declare it so with "
+            "kareus.passes.op_effects.declare_alike(op, torch._grouped_mm)"
         )
     if kinds <= {"rows", "keys"}:
         return _row_wise(node, name, set(ins), sort, sym)
@@ -203,9 +204,18 @@ def _gather(
 
 
 def _refuse(node: fx.Node, name: str, sort: fx.Node) -> str:
+    qualified = qualified_name(node.target) if node.op == "call_function" else ""
+    custom = qualified and not qualified.startswith(("aten::", "prims::"))
     return (
-        f"{node.name} ({name}) reads the order of {sort.name} (a sort of the tokens' copies by "
-        "expert) other than to gather rows, run each expert on its own rows and put them back"
+        f"{node.name} ({qualified if custom else name}) reads the order of {sort.name} (a sort "
+        "of the tokens' copies by expert) other than to gather rows, run each expert on its "
+        "own rows and put them back"
+        + (
+            "; if the op computes one kareus knows (a scatter-add, a grouped GEMM), declare it "
+            "with kareus.passes.op_effects.declare_alike"
+            if custom
+            else ""
+        )
     )
 
 
@@ -218,8 +228,10 @@ def _rows(node: Any, sym: Any) -> Any:
     return size.node.expr if isinstance(size, torch.SymInt) else size
 
 
-def _sorts_expert_ids(node: fx.Node, sym: Any) -> int | None:
-    """Return the number of experts where ``node`` sorts expert ids ascending (else None)."""
+def _sorted_ids(node: fx.Node, sym: Any) -> tuple[fx.Node, int] | None:
+    """Return (topk's ids, experts) where ``node`` sorts expert ids ascending (else None)."""
+    if op_name(node) not in ("sort", "argsort"):
+        return None
     key = node.args[0] if node.args else None
     value = key.meta.get("example_value") if isinstance(key, fx.Node) else None
     if not isinstance(value, torch.Tensor) or value.dim() != 1 or _rows(key, sym) is None:
@@ -238,7 +250,44 @@ def _sorts_expert_ids(node: fx.Node, sym: Any) -> int | None:
     if not isinstance(scores, torch.Tensor) or not isinstance(dim, int):
         return None
     size = scores.shape[dim]
-    return size if isinstance(size, int) else None
+    return (key, size) if isinstance(size, int) else None
+
+
+def _counted(node: fx.Node, sorts: dict[fx.Node, tuple[fx.Node, int]]) -> fx.Node | None:
+    """Return the sort whose ids ``node`` counts: a one-hot of them summed over the tokens.
+
+    The one-hot: ``F.one_hot(ids, E)``, or ``True`` (1) scattered into zeros along the last
+    dimension (``zeros_like(scores, dtype=bool).scatter_(-1, ids, True)``); summed over every
+    dimension but its last, it is each expert's count of copies.
+    """
+    onehot = node.args[0] if node.args else None
+    value = onehot.meta.get("example_value") if isinstance(onehot, fx.Node) else None
+    if not isinstance(onehot, fx.Node) or not isinstance(value, torch.Tensor):
+        return None
+    dims = arg_value(node, 1, "dim")
+    dims = dims if isinstance(dims, (list, tuple)) else (dims,)
+    if {d % value.dim() for d in dims if isinstance(d, int)} != set(range(value.dim() - 1)):
+        return None
+    name = op_name(onehot)
+    if name == "one_hot":
+        ids, classes = onehot.args[0], arg_value(onehot, 1, "num_classes", -1)
+    elif name in ("scatter", "scatter_"):
+        base, ids = onehot.args[0], arg_value(onehot, 2, "index")
+        fill = arg_value(onehot, 3, "value", arg_value(onehot, 3, "src"))
+        zeros = isinstance(base, fx.Node) and op_name(base) in ("zeros_like", "zeros", "new_zeros")
+        if (
+            not zeros
+            or fill not in (True, 1)
+            or arg_value(onehot, 1, "dim") not in (-1, value.dim() - 1)
+        ):
+            return None
+        classes = value.shape[-1]
+    else:
+        return None
+    for sort, (sorted_ids, experts) in sorts.items():
+        if ids is sorted_ids and classes == experts:
+            return sort
+    return None
 
 
 def _put_back(
@@ -249,20 +298,67 @@ def _put_back(
     sym: Any,
     back: set[fx.Node],
 ) -> str | None:
-    """``base.index_add(0, p // k, rows)``: each copy's row added to its token's (or copied)."""
-    base, dim = node.args[0], arg_value(node, 1, "dim")
-    index, source = arg_value(node, 2, "index"), arg_value(node, 3, "source")
+    """``base.index_add(0, p // k, rows)``: each copy's row added to its token's (or copied).
+
+    Or ``base.scatter_add(0, idx, rows)`` with ``idx[r, c] = p[r] // k`` in every column
+    (``(p // k).view(-1, 1).expand(-1, d)``): the same sum, row by row.
+    """
+    base, dim = arg_value(node, 0, "input"), arg_value(node, 1, "dim")
+    scatter = op_name(node).startswith("scatter")
+    index = arg_value(node, 2, "index")
+    source = arg_value(node, 3, "src" if scatter else "source")
     index_label, source_label = ins.get(index), ins.get(source)
     rows = _rows(base, sym)
     if (
         dim == 0
         and base not in ins
         and index_label is not None
-        and index_label.kind == "perm"
+        and index_label.kind == ("columns" if scatter else "perm")
+        and (not scatter or _same_shape(index, source))
         and source_label is not None
         and source_label.kind in ("rows", "keys")
         and rows is not None
         and rows * index_label.divisor == copies
+    ):
+        back.add(node)
+        return None
+    return _refuse(node, op_name(node), sort)
+
+
+def _columns(node: fx.Node, perm: _Label, copies: Any) -> _Label | str:
+    """``p.view(-1, 1)`` (a column) and its ``expand(-1, d)``: ``p[r]`` in each column of row r."""
+    value = node.meta.get("example_value")
+    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ()
+    first = shape[0].node.expr if shape and isinstance(shape[0], torch.SymInt) else None
+    column = perm.kind == "perm" and len(shape) == 2 and shape[1] == 1
+    spread = perm.kind == "column" and op_name(node) == "expand" and len(shape) == 2
+    if first == copies and (column or spread):
+        return _Label("column" if column else "columns", perm.sort, perm.divisor)
+    return _refuse(node, op_name(node), perm.sort)
+
+
+def _same_shape(a: Any, b: Any) -> bool:
+    values = [n.meta.get("example_value") if isinstance(n, fx.Node) else None for n in (a, b)]
+    return all(isinstance(v, torch.Tensor) for v in values) and (
+        tuple(values[0].shape) == tuple(values[1].shape)  # type: ignore[union-attr]
+    )
+
+
+def _accumulate(
+    node: fx.Node, ins: dict[Any, _Label], sort: fx.Node, back: set[fx.Node]
+) -> str | None:
+    """``stats.add_(counts)``: each nanobatch adds its own counts, the two adding up to all.
+
+    Counts are whole numbers, so the two additions sum exactly to the one; the statistic
+    (torchtitan's ``tokens_per_expert``, which a router's bias update reads after the step)
+    must be read by nothing else in the block, between the two.
+    """
+    stats, counts = node.args[0], node.args[1]
+    if (
+        isinstance(stats, fx.Node)
+        and stats not in ins
+        and ins.get(counts, _Label("", sort)).kind == "counts"
+        and len(stats.users) == 1
     ):
         back.add(node)
         return None
@@ -311,13 +407,6 @@ def _counts(
         bins, low = arg_value(node, 1, "bins", 100), arg_value(node, 2, "min", 0)
         ok = bins == experts and low == 0 and arg_value(node, 3, "max", 0) == experts - 1
     return _Label("counts", sort) if ok else _refuse(node, name, sort)
-
-
-def _grouped(node: fx.Node, name: str) -> bool:
-    qualified = qualified_name(node.target) if node.op == "call_function" else None
-    if qualified and qualified.split("::")[0] not in ("aten",):
-        return qualified in _GROUPED
-    return name in _GROUPED
 
 
 def _grouped_rows(

@@ -48,16 +48,15 @@ import torch.fx as fx
 
 from kareus.passes.base import GraphPass, PassContext, PassResult
 from kareus.passes.batch_dims import (
-    MIN_NANOBATCH,
     BatchInfo,
-    fixed_batch_reason,
     rows_dim,
+    size_reason,
     split_info,
     times_batch,
 )
 from kareus.passes.census import census
 from kareus.passes.links import collectives_of, why_nothing_to_hide
-from kareus.passes.op_effects import draws_random, op_name, writes_in_place
+from kareus.passes.op_effects import draws_random, op_name, switches_mode, writes_in_place
 from kareus.passes.per_sample import why_not_per_sample
 from kareus.passes.routing import route
 from kareus.passes.sequence_halves import attend_to_earlier, in_positions
@@ -65,12 +64,6 @@ from kareus.passes.subgraphs import own_bodies
 from kareus.passes.tags import NodeTag, set_tag
 
 _SDPA = "scaled_dot_product_attention"
-_NO_SEQUENCE = (
-    "nor is it split along the sequence, whose length is not symbolic in the graph "
-    "(kareus.compile marks the dimension beside the batch dynamic where the batch is too "
-    "small; it stays a constant where the block meets it in an op of fixed size, as a "
-    "weight of that size: then that dimension is not a sequence)"
-)
 _BATCH_NORMS = frozenset({"batch_norm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d"})
 
 
@@ -219,7 +212,7 @@ def find_split(
 def _find_split(
     graph: fx.Graph, names: Sequence[str], batch: BatchInfo, allow_random: bool
 ) -> SplitPlan | str:
-    reason = _size_reason(graph, batch)
+    reason = size_reason(graph, batch)
     if reason is not None:
         return reason
     sym, sequence = batch.symbol, batch.along == "sequence"
@@ -277,33 +270,6 @@ def _find_split(
     )
 
 
-def _size_reason(graph: fx.Graph, batch: BatchInfo) -> str | None:
-    """Say why the size the region is split along cannot be halved (None: it can)."""
-    sym, hint = batch.symbol, batch.hint
-    sequence = batch.along == "sequence"
-    small = hint is not None and hint // 2 < MIN_NANOBATCH
-    if small and not sequence:
-        return (
-            f"batch {hint} is too small: a nanobatch of size {(hint or 0) // 2} would "
-            f"specialise and recompile each step; use a batch of at least {2 * MIN_NANOBATCH}"
-            + (f"; {_NO_SEQUENCE}" if batch.tried_sequence else "")
-        )
-    if sym is None:
-        if sequence:
-            return _NO_SEQUENCE
-        return (
-            f"the batch dimension ({batch.source}) is static: compile the block with "
-            "kareus.compile, which marks it dynamic at each call (under FSDP2's hooks too); "
-            "under torch.compile(..., backend='kareus') or module.compile(backend='kareus'), "
-            f'name it in torch.compiler.config.dynamic_sources ("{batch.dynamo_source}:'
-            f'{batch.dim}"), or call torch._dynamo.mark_dynamic on the input before the '
-            "call where no hook replaces it"
-        )
-    if small:
-        return f"a sequence of {hint} is too short to split in two halves of 2 or more"
-    return fixed_batch_reason(graph, batch)
-
-
 def _batch_dim(value: torch.Tensor, sym: Any) -> int | None:
     dims = [
         i for i, s in enumerate(value.shape) if isinstance(s, torch.SymInt) and s.node.expr == sym
@@ -335,7 +301,8 @@ def _unsafe_op(
                 f"{node.name} ({name}) draws random numbers, whose stream would change; set "
                 "Config(allow_random_split=True) to split anyway, or disable dropout"
             )
-        if writes_in_place(node):
+        if writes_in_place(node) and node not in routing.proven:  # (a routing's counts
+            # added to a statistic outside: each copy adds its own, summing to the whole)
             target = node.args[0] if node.args else None
             if isinstance(target, fx.Node) and target not in inside:
                 return (
@@ -442,15 +409,7 @@ def rewrite_split(
         cursor = once[node] = _named(graph, new, f"{node.name}_shared")
     copies: list[dict[fx.Node, Any]] = []
     for nb, (start, length) in enumerate(bounds):
-        env: dict[fx.Node, Any] = {}
-        for name, times in plan.batch_sizes:
-            if times == 1 or not isinstance(length, fx.Node):
-                env[by_name[name]] = length if times == 1 else length * times
-                continue
-            with graph.inserting_after(cursor):
-                cursor = graph.call_function(operator.mul, (length, times))
-            env[by_name[name]] = _named(graph, cursor, f"{name}_nb{nb}")
-            made.append(cursor)
+        env, cursor = _sizes(graph, plan, by_name, (nb, length), (cursor, made))
         env |= once
         for name, dim in plan.batch_inputs:
             source = by_name[name]
@@ -484,6 +443,31 @@ def rewrite_split(
     for node in reversed(nodes):
         graph.erase_node(node)
     return made
+
+
+def _sizes(
+    graph: fx.Graph,
+    plan: SplitPlan,
+    by_name: dict[str, fx.Node],
+    copy: tuple[int, Any],
+    at: tuple[fx.Node, list[fx.Node]],
+) -> tuple[dict[fx.Node, Any], fx.Node]:
+    """Map the block's batch sizes (k x the batch) to nanobatch ``copy``'s (k x its length).
+
+    Nodes computing them go after ``at[0]`` and into ``at[1]``; returns the map and the
+    last node inserted (else ``at[0]``).
+    """
+    (nb, length), (cursor, made) = copy, at
+    env: dict[fx.Node, Any] = {}
+    for name, times in plan.batch_sizes:
+        if times == 1 or not isinstance(length, fx.Node):
+            env[by_name[name]] = length if times == 1 else length * times
+            continue
+        with graph.inserting_after(cursor):
+            cursor = graph.call_function(operator.mul, (length, times))
+        env[by_name[name]] = _named(graph, cursor, f"{name}_nb{nb}")
+        made.append(cursor)
+    return env, cursor
 
 
 def _join_outputs(
@@ -550,8 +534,8 @@ def _batch_free(node: fx.Node, inside: set[fx.Node], batch: set[fx.Node]) -> boo
         if n in seen:
             continue
         seen.add(n)
-        if n in batch or (n in inside and draws_random(n)):
-            return False
+        if n in batch or (n in inside and (draws_random(n) or switches_mode(n))):
+            return False  # (a mode switch stays in each copy, in order: not hoisted)
         todo.extend(i for i in n.all_input_nodes if i in inside or i in batch)
     return True
 
