@@ -328,10 +328,29 @@ class _CapacityMoE(torch.nn.Module):
         return (tokens + torch.where(kept, out, 0.0)).view(x.shape)
 
 
-class _CapacityStack(torch.nn.Module):
-    def __init__(self):
+class _SwappedMoE(torch.nn.Module):
+    """A routing that swaps neighbouring rows in the experts' order before putting them back
+    (a view of [copies, h] as [copies / 2, 2, h], flipped): fine in token order, where a
+    sample's rows are neighbours; in the sort's order they are other tokens'."""
+
+    def __init__(self, hidden=16, experts=4):
         super().__init__()
-        self.layers = torch.nn.ModuleList([_CapacityMoE() for _ in range(2)])
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.w = torch.nn.Parameter(torch.randn(hidden, hidden) / hidden**0.5)
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        _weights, chosen = self.router(tokens).topk(2, dim=-1)
+        order = chosen.flatten().argsort(stable=True)
+        rows = tokens[order // 2] @ self.w
+        swapped = rows.view(-1, 2, rows.shape[-1]).flip(1).reshape(rows.shape)
+        return torch.zeros_like(tokens).index_add(0, order // 2, swapped).view(x.shape)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([layer() for _ in range(2)])
 
     def forward(self, x):
         for layer in self.layers:
@@ -339,9 +358,15 @@ class _CapacityStack(torch.nn.Module):
         return x.square().mean()
 
 
-def test_a_router_that_drops_tokens_past_a_capacity_stays_whole_and_says_why():
-    """Bad input: capacity-factor dropping depends on the whole batch; kept whole, the cumsum
-    named, and the numbers those of eager."""
+@pytest.mark.parametrize(
+    ("layer", "named"),
+    [(_CapacityMoE, "cumsum"), (_SwappedMoE, "regroups the rows")],
+    ids=["capacity-dropping", "rows-swapped-in-expert-order"],
+)
+def test_routings_that_mix_tokens_stay_whole_and_say_why(layer, named):
+    """Bad input: capacity-factor dropping (which copies an expert keeps depends on the whole
+    batch) and a routing that mixes neighbouring copies in the experts' order: kept whole,
+    the op named, and the numbers those of eager."""
     import kareus
     from kareus.testing import assert_same_history, blocks_run, compare_training
 
@@ -353,11 +378,11 @@ def test_a_router_that_drops_tokens_past_a_capacity_stays_whole_and_says_why():
 
     torch.manual_seed(0)
     batches = [(torch.randn(4, 8, 16),) for _ in range(2)]
-    ref, got = compare_training(_CapacityStack, comp, batches)
+    ref, got = compare_training(lambda: _Stack(layer), comp, batches)
     assert_same_history(ref, got)
     blocks = blocks_run(kareus.explain(holder["c"]).regions[0])
     assert blocks.split == [] and set(blocks.skipped) == {"layers.0", "layers.1"}
-    assert all("cumsum" in why for why in blocks.skipped.values()), blocks.skipped
+    assert all(named in why for why in blocks.skipped.values()), blocks.skipped
 
 
 def test_hf_mixtral_grouped_experts_split_once_their_fallback_op_is_declared(monkeypatch):

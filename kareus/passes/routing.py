@@ -167,7 +167,7 @@ def _label(
     if kinds <= {"counts", "offsets", "keys"} and len(kinds) == 1 and name in _CASTS:
         return _Label(kinds.pop(), sort)
     if name in _GROUPED:
-        return _grouped_rows(node, ins, sort, experts)
+        return _grouped_rows(node, ins, sort, experts, sym)
     if "offs" in node.kwargs and ins.get(node.kwargs["offs"]) == _Label("offsets", sort):
         return (
             f"{node.name} ({name}) takes the counts of {sort.name}'s experts as offsets, as a "
@@ -176,7 +176,7 @@ def _label(
             "kareus.passes.op_effects.declare_alike(op, torch._grouped_mm)"
         )
     if kinds <= {"rows", "keys"}:
-        return _row_wise(node, name, set(ins), sort, sym)
+        return _row_wise(node, name, set(ins), sort, (copies, sym))
     return _refuse(node, name, sort)
 
 
@@ -217,6 +217,10 @@ def _refuse(node: fx.Node, name: str, sort: fx.Node) -> str:
             else ""
         )
     )
+
+
+def _expr(size: Any) -> Any:
+    return size.node.expr if isinstance(size, torch.SymInt) else size
 
 
 def _rows(node: Any, sym: Any) -> Any:
@@ -410,7 +414,7 @@ def _counts(
 
 
 def _grouped_rows(
-    node: fx.Node, ins: dict[Any, _Label], sort: fx.Node, experts: int
+    node: fx.Node, ins: dict[Any, _Label], sort: fx.Node, experts: int, sym: Any
 ) -> _Label | str:
     """Label a grouped GEMM of rows in the sort's order, segmented by the sort's counts."""
     rows, weight = node.args[0], node.args[1] if len(node.args) > 1 else None
@@ -420,6 +424,7 @@ def _grouped_rows(
         ins.get(rows, _Label("", sort)).kind in ("rows", "keys")
         and weight not in ins
         and isinstance(value, torch.Tensor)
+        and batch_dim_of(value, sym) is None
         and value.dim() == 3
         and value.shape[0] == experts
         and ins.get(offs) == _Label("offsets", sort)
@@ -433,9 +438,25 @@ def _grouped_rows(
 
 
 def _row_wise(
-    node: fx.Node, name: str, routed: set[fx.Node], sort: fx.Node, sym: Any
+    node: fx.Node, name: str, routed: set[fx.Node], sort: fx.Node, size: tuple[Any, Any]
 ) -> _Label | str:
-    """Label an op on rows in the sort's order, row by row, with no row in token order."""
+    """Label an op on rows in the sort's order, row by row, with no row in token order.
+
+    Its inputs and outputs keep one row per copy at dimension 0: in the sort's order,
+    neighbouring rows are other tokens' copies, so a view that groups rows (fine in token
+    order, where a sample's rows are neighbours) would mix tokens.
+    """
+    copies, sym = size
+    outputs = node.meta.get("example_value")
+    outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+    for value in [*(i.meta.get("example_value") for i in routed), *outputs]:
+        if isinstance(value, torch.Tensor) and (
+            value.dim() == 0 or batch_dim_of(value, sym) != 0 or _expr(value.shape[0]) != copies
+        ):
+            return (
+                f"{node.name} ({name}) regroups the rows of {sort.name}'s order (a sort of the "
+                "tokens' copies by expert), where neighbouring rows are other tokens'"
+            )
     for inp in node.all_input_nodes:
         value = inp.meta.get("example_value")
         tensor = inp.op != "get_attr" and isinstance(value, torch.Tensor)
