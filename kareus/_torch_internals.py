@@ -34,6 +34,8 @@ class TracedFrame:
     qualname: str | None
     graph_break: bool | None
     piece: bool = False
+    break_reason: str = ""
+    """Where and why Dynamo broke the graph ("moe.py:177: Dynamic shape operator"), if it did."""
 
     @property
     def whole_call(self) -> bool:
@@ -50,18 +52,34 @@ def traced_frame() -> TracedFrame:
     context = torch._guards.TracingContext.try_get()
     codes = getattr(context, "traced_code", None) or ()
     qualname = getattr(codes[0], "co_qualname", None) if codes else None
-    graph_break = None
+    graph_break, why = None, ""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         tx = InstructionTranslator.current_tx()
         reason = getattr(getattr(tx, "output", None), "compile_subgraph_reason", None)
         graph_break = getattr(reason, "graph_break", None)
+        if graph_break is True:
+            why = _break_reason(reason)
     except (ImportError, AttributeError, AssertionError, IndexError):
         graph_break = None
     return TracedFrame(
-        qualname, graph_break if isinstance(graph_break, bool) else None, ddp_piece()
+        qualname, graph_break if isinstance(graph_break, bool) else None, ddp_piece(), why
     )
+
+
+def _break_reason(reason: Any) -> str:
+    """Say where and why a graph break happened: ``file.py:line: first line of the reason``."""
+    text = str(getattr(reason, "reason", "") or "").strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    first = next((ln for ln in lines if not ln.lower().startswith("graph break")), "")
+    stack = getattr(reason, "user_stack", None) or []
+    at = ""
+    if stack:
+        frame = stack[-1]
+        name = str(getattr(frame, "filename", "")).rsplit("/", 1)[-1]
+        at = f"{name}:{getattr(frame, 'lineno', '')}"
+    return ": ".join(p for p in (at, first) if p)
 
 
 def ddp_piece() -> bool:

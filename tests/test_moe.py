@@ -209,11 +209,40 @@ def test_kareus_compile_runs_expert_parallelism_as_eager_and_says_it_split_nothi
         for g, r in zip(got[1], ref[1], strict=True):
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
         assert verdict[0].startswith("split: no, 0 of"), verdict
+        # the split sizes are read to Python (.tolist()): the verdict says where it broke
+        assert "Dynamo broke the model's graph at moe.py:" in verdict[0], verdict
         # dispatch and combine, forward and backward, in each of the 2 layers
         assert (
             verdict[1]
             == "overlapped: no, 8 collectives overlap no compute (no block split around them)"
         ), verdict
+
+
+def test_hf_eager_experts_loop_over_the_experts_hit_and_stay_whole_naming_the_break():
+    """Bad input: transformers' eager experts loop in Python over the experts the batch hit
+    (``nonzero``), one shape per expert: Dynamo breaks the graph there; the model trains as
+    eager and the verdict names the break, not a piece's reason alone."""
+    import kareus
+    from kareus.testing import assert_same_history, compare_training, hf_tiny
+    from kareus.testing.training import token_batches
+
+    def make():
+        torch.manual_seed(1)
+        model = hf_tiny("mixtral")
+        model.set_experts_implementation("eager")
+        return model
+
+    holder = {}
+
+    def comp(m):
+        holder["c"] = kareus.compile(m, nanobatches=2, codegen="python")
+        return holder["c"]
+
+    batches = [{"input_ids": i, "labels": t} for i, t in token_batches(1, 4, 16, 128)]
+    ref, got = compare_training(make, comp, batches, loss_fn=lambda o, b: o.loss)
+    assert_same_history(ref, got)
+    verdict = kareus.explain(holder["c"]).verdict()[0]
+    assert verdict.startswith("split: no") and "modeling_mixtral.py:" in verdict, verdict
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])

@@ -196,6 +196,7 @@ class KareusBackend:
         frame = traced_frame()
         if frame.piece or any(r.compile_id == region.compile_id for r in self.regions):
             region.notes.append(_PIECES)
+        region.graph_break = frame.break_reason
         self.regions.append(region)
         if self.decisions and dist.is_available() and dist.is_initialized():
             self._pool = job_pool()

@@ -92,7 +92,14 @@ def _split_line(regions: tuple[Region, ...]) -> str:
         why = next((bs.why_none for _r, bs in found if bs.why_none), "no repeated layers found")
         return f"split: no, no block to split: {why}"
     if not split:
-        return f"split: no, 0 of {total} blocks: {reasons[0] if reasons else 'no reason kept'}"
+        why = reasons[0] if reasons else "no reason kept"
+        broken = next((r.graph_break for r in regions if r.graph_break), "")
+        if broken:  # the first reason is then a piece's: say first what cut the layers
+            why = (
+                f"Dynamo broke the model's graph at {broken}, and a layer cut by a graph break "
+                f"has no graph of its own to split (in the first piece: {why})"
+            )
+        return f"split: no, 0 of {total} blocks: {why}"
     line = f"split: yes, {split} of {total} blocks into nanobatches"
     along = {a for _r, bs in found for a in bs.split_along.values()}
     line += {"sequence": " along the sequence", "batch": ""}.get(

@@ -69,6 +69,8 @@ class Region:
     inputs: RegionInputs = dataclasses.field(default_factory=RegionInputs)
     codegen: str = ""
     """Which codegen ran the rewritten graphs (``inductor`` or ``python``; "": not lowered)."""
+    graph_break: str = ""
+    """Where and why Dynamo ended this graph at a graph break ("": it did not, or unknown)."""
     split_prices: dict[str, tuple[bool, str]] = dataclasses.field(default_factory=dict)
     """Per block whose split was priced: whether it pays, and what was predicted
     (:mod:`kareus.compiler.split_pricing`)."""
