@@ -443,9 +443,9 @@ def test_hf_mixtral_grouped_experts_split_once_their_fallback_op_is_declared(mon
     ref, got = compare_training(make, comp, batches, loss_fn=lambda o, b: o.loss, resync=True)
     assert_same_history(ref, got)
     whole = blocks_run(kareus.explain(holder["c"]).regions[0])
-    assert whole.split == [] and all(
-        "declare_alike" in why for why in whole.skipped.values()
-    ), whole.skipped
+    assert whole.split == [] and all("declare_alike" in why for why in whole.skipped.values()), (
+        whole.skipped
+    )
 
     op_effects.declare_alike(torch.ops.transformers.grouped_mm_fallback, torch._grouped_mm)
     ref, got = compare_training(make, comp, batches, loss_fn=lambda o, b: o.loss, resync=True)
