@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch import nn
+from torch import Tensor, nn
 
 from kareus._torch_internals import current_compile_id, dynamo_context, traced_frame
 from kareus.compiler import apply_plan
@@ -185,18 +185,16 @@ class KareusBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         """Compile one Dynamo graph (called by Dynamo, once per graph and recompile)."""
-        compile_id = current_compile_id()
-        device = next((v.device.type for v in example_inputs if isinstance(v, torch.Tensor)), "")
+        compile_id, frame = current_compile_id(), traced_frame()
         region = Region(
             index=len(self.regions),
             compile_id=str(compile_id),
-            device=device,
+            device=next((v.device.type for v in example_inputs if isinstance(v, Tensor)), ""),
             parameters=frozenset(id(v) for v in example_inputs if isinstance(v, nn.Parameter)),
+            graph_break=frame.break_reason,
         )
-        frame = traced_frame()
         if frame.piece or any(r.compile_id == region.compile_id for r in self.regions):
             region.notes.append(_PIECES)
-        region.graph_break = frame.break_reason
         self.regions.append(region)
         if self.decisions and dist.is_available() and dist.is_initialized():
             self._pool = job_pool()
@@ -211,7 +209,7 @@ class KareusBackend:
             clock_runtime=self.runtime,
             clock_stage=self.stage,
             communicator_pool=self._pool if self.decisions else None,
-            pricing=pricing_device(self.config, device) if self._priced else None,
+            pricing=pricing_device(self.config, region.device) if self._priced else None,
         )
         captured = gm
         gm = self._run_graph_passes(region, "dynamo", gm, example_inputs)
