@@ -2,6 +2,7 @@
 one rank, and tracing at scale pricing the all-to-all and the grouped GEMMs at the planned load."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -218,30 +219,66 @@ def test_kareus_compile_runs_expert_parallelism_as_eager_and_says_it_split_nothi
         ), verdict
 
 
+class _Compiles:
+    """``kareus.compile`` with ``options`` for compare_training; keeps what it compiled."""
+
+    def __init__(self, **options):
+        self.options, self.model = options, None
+
+    def __call__(self, model):
+        import kareus
+
+        self.model = kareus.compile(model, **self.options)
+        return self.model
+
+    def blocks(self):
+        import kareus
+        from kareus.testing import blocks_run
+
+        return blocks_run(kareus.explain(self.model).regions[0])
+
+
+def _hf_moe(kind, experts=None, router_logits=False):
+    """A tiny HF MoE model (seeded), with transformers' ``experts`` implementation."""
+    from kareus.testing import hf_tiny
+
+    torch.manual_seed(1)
+    model = hf_tiny(kind)
+    if experts is not None:
+        model.set_experts_implementation(experts)
+    model.config.output_router_logits = router_logits
+    return model
+
+
+def _hf_batches(count):
+    from kareus.testing.training import token_batches
+
+    return [{"input_ids": i, "labels": t} for i, t in token_batches(count, 4, 16, 128)]
+
+
+def _same_router_statistics(make, compiled, batch):
+    """The load-balancing loss and the router's logits of ``compiled``, as eager's."""
+    eager = make()
+    eager.load_state_dict(compiled.state_dict())
+    want, out = eager(**batch), compiled(**batch)
+    assert want.aux_loss is not None and want.aux_loss > 0
+    torch.testing.assert_close(out.aux_loss, want.aux_loss, rtol=1e-6, atol=0)
+    for a, b in zip(out.router_logits, want.router_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_hf_eager_experts_loop_over_the_experts_hit_and_stay_whole_naming_the_break():
     """Bad input: transformers' eager experts loop in Python over the experts the batch hit
     (``nonzero``), one shape per expert: Dynamo breaks the graph there; the model trains as
     eager and the verdict names the break, not a piece's reason alone."""
     import kareus
-    from kareus.testing import assert_same_history, compare_training, hf_tiny
-    from kareus.testing.training import token_batches
+    from kareus.testing import assert_same_history, compare_training
 
-    def make():
-        torch.manual_seed(1)
-        model = hf_tiny("mixtral")
-        model.set_experts_implementation("eager")
-        return model
-
-    holder = {}
-
-    def comp(m):
-        holder["c"] = kareus.compile(m, nanobatches=2, codegen="python")
-        return holder["c"]
-
-    batches = [{"input_ids": i, "labels": t} for i, t in token_batches(1, 4, 16, 128)]
-    ref, got = compare_training(make, comp, batches, loss_fn=lambda o, b: o.loss)
+    comp = _Compiles(nanobatches=2, codegen="python")
+    make = functools.partial(_hf_moe, "mixtral", "eager")
+    ref, got = compare_training(make, comp, _hf_batches(1), loss_fn=lambda o, b: o.loss)
     assert_same_history(ref, got)
-    verdict = kareus.explain(holder["c"]).verdict()[0]
+    verdict = kareus.explain(comp.model).verdict()[0]
     assert verdict.startswith("split: no") and "modeling_mixtral.py:" in verdict, verdict
 
 
@@ -253,44 +290,18 @@ def test_hf_moe_layers_split_under_transformers_batched_experts(kind):
     the routing, every op is per token, and kareus splits every MoE layer. Trained beside
     eager with the load-balancing loss in the loss (``output_router_logits``): losses,
     gradients and that loss's statistics (the router's logits) equal eager's."""
-    import kareus
-    from kareus.testing import (
-        assert_same_history,
-        blocks_run,
-        compare_training,
-        hf_tiny,
-        token_batches,
-    )
+    from kareus.testing import assert_same_history, compare_training
 
-    def make():
-        torch.manual_seed(1)
-        model = hf_tiny(kind)
-        model.set_experts_implementation("batched_mm")
-        model.config.output_router_logits = True
-        return model
-
-    holder = {}
-
-    def compile_and_keep(m):
-        holder["c"] = kareus.compile(m, nanobatches=2, strict=True, codegen="python")
-        return holder["c"]
-
-    batches = [{"input_ids": i, "labels": t} for i, t in token_batches(2, 4, 16, 128)]
-    ref, got = compare_training(
-        make, compile_and_keep, batches, loss_fn=lambda o, b: o.loss, resync=True
-    )
+    comp = _Compiles(nanobatches=2, strict=True, codegen="python")
+    make = functools.partial(_hf_moe, kind, "batched_mm", router_logits=True)
+    batches = _hf_batches(2)
+    ref, got = compare_training(make, comp, batches, loss_fn=lambda o, b: o.loss, resync=True)
     assert_same_history(ref, got, bitwise_loss=False, rtol=1e-5, atol=1e-6)
-    blocks = blocks_run(kareus.explain(holder["c"]).regions[0])
+    blocks = comp.blocks()
     assert [b.rsplit(".", 2)[-2:] for b in blocks.split] == [["layers", "0"], ["layers", "1"]], (
         blocks.skipped
     )
-    eager = make()
-    eager.load_state_dict(holder["c"].state_dict())
-    want, out = eager(**batches[0]), holder["c"](**batches[0])
-    assert want.aux_loss is not None and want.aux_loss > 0
-    torch.testing.assert_close(out.aux_loss, want.aux_loss, rtol=1e-6, atol=0)
-    for a, b in zip(out.router_logits, want.router_logits, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    _same_router_statistics(make, comp.model, batches[0])
 
 
 def _moe_beside_eager(model, batches, **options):
@@ -300,14 +311,9 @@ def _moe_beside_eager(model, batches, **options):
     import kareus
     from kareus.testing import compare_training
 
-    holder = {}
-
-    def comp(m):
-        holder["c"] = kareus.compile(m, split_when="communicates", **options)
-        return holder["c"]
-
+    comp = _Compiles(split_when="communicates", **options)
     ref, got = compare_training(lambda: copy.deepcopy(model), comp, batches, resync=True)
-    return ref, got, kareus.explain(holder["c"]).regions[0]
+    return ref, got, kareus.explain(comp.model).regions[0]
 
 
 @pytest.mark.parametrize(
@@ -396,20 +402,14 @@ def test_routings_that_mix_tokens_stay_whole_and_say_why(layer, named):
     """Bad input: capacity-factor dropping (which copies an expert keeps depends on the whole
     batch) and a routing that mixes neighbouring copies in the experts' order: kept whole,
     the op named, and the numbers those of eager."""
-    import kareus
-    from kareus.testing import assert_same_history, blocks_run, compare_training
+    from kareus.testing import assert_same_history, compare_training
 
-    holder = {}
-
-    def comp(m):
-        holder["c"] = kareus.compile(m, nanobatches=2, codegen="python")
-        return holder["c"]
-
+    comp = _Compiles(nanobatches=2, codegen="python")
     torch.manual_seed(0)
     batches = [(torch.randn(4, 8, 16),) for _ in range(2)]
     ref, got = compare_training(lambda: _Stack(layer), comp, batches)
     assert_same_history(ref, got)
-    blocks = blocks_run(kareus.explain(holder["c"]).regions[0])
+    blocks = comp.blocks()
     assert blocks.split == [] and set(blocks.skipped) == {"layers.0", "layers.1"}
     assert all(named in why for why in blocks.skipped.values()), blocks.skipped
 
@@ -421,28 +421,16 @@ def test_hf_mixtral_grouped_experts_split_once_their_fallback_op_is_declared(mon
     ``torch._grouped_mm`` (``kareus.passes.op_effects.declare_alike``), every layer is
     split, and the loss with its load-balancing term, the gradients and the router's logits
     equal eager's."""
-    import kareus
     import kareus.passes.op_effects as op_effects
-    from kareus.testing import assert_same_history, blocks_run, compare_training, hf_tiny
-    from kareus.testing.training import token_batches
+    from kareus.testing import assert_same_history, compare_training
 
-    def make():
-        torch.manual_seed(1)
-        model = hf_tiny("mixtral")
-        model.config.output_router_logits = True
-        return model
-
-    holder = {}
-
-    def comp(m):
-        holder["c"] = kareus.compile(m, nanobatches=2, codegen="python")
-        return holder["c"]
-
-    batches = [{"input_ids": i, "labels": t} for i, t in token_batches(2, 4, 16, 128)]
+    comp = _Compiles(nanobatches=2, codegen="python")
+    make = functools.partial(_hf_moe, "mixtral", router_logits=True)
+    batches = _hf_batches(2)
     monkeypatch.setattr(op_effects, "_ALIKE", dict(op_effects._ALIKE))
     ref, got = compare_training(make, comp, batches, loss_fn=lambda o, b: o.loss, resync=True)
     assert_same_history(ref, got)
-    whole = blocks_run(kareus.explain(holder["c"]).regions[0])
+    whole = comp.blocks()
     assert whole.split == [] and all("declare_alike" in why for why in whole.skipped.values()), (
         whole.skipped
     )
@@ -450,14 +438,9 @@ def test_hf_mixtral_grouped_experts_split_once_their_fallback_op_is_declared(mon
     op_effects.declare_alike(torch.ops.transformers.grouped_mm_fallback, torch._grouped_mm)
     ref, got = compare_training(make, comp, batches, loss_fn=lambda o, b: o.loss, resync=True)
     assert_same_history(ref, got, bitwise_loss=False, rtol=1e-5, atol=1e-6)
-    split = blocks_run(kareus.explain(holder["c"]).regions[0])
+    split = comp.blocks()
     assert len(split.split) == 2, split.skipped
-    eager = make()
-    eager.load_state_dict(holder["c"].state_dict())
-    want, out = eager(**batches[0]), holder["c"](**batches[0])
-    torch.testing.assert_close(out.aux_loss, want.aux_loss, rtol=1e-6, atol=0)
-    for a, b in zip(out.router_logits, want.router_logits, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    _same_router_statistics(make, comp.model, batches[0])
 
 
 def _tp2_moe(rank):
@@ -467,11 +450,7 @@ def _tp2_moe(rank):
     from kareus.testing.training import token_batches
 
     torch.manual_seed(0)
-    holder = {}
-
-    def comp(m):
-        holder["c"] = kareus.compile(m, codegen="python", split_when="communicates")
-        return holder["c"]
+    comp = _Compiles(codegen="python", split_when="communicates")
 
     ref, got = compare_training(
         lambda: Llama(CFG, tp_group=dist.group.WORLD),
@@ -479,7 +458,7 @@ def _tp2_moe(rank):
         token_batches(2, 4, 16, CFG.vocab_size, seed=rank),
         resync=True,
     )
-    region = kareus.explain(holder["c"]).regions[0]
+    region = kareus.explain(comp.model).regions[0]
     flying = [overlapped_collectives(region, side) for side in ("forward", "backward")]
     return ref, got, blocks_run(region).split, flying
 

@@ -52,29 +52,42 @@ def _without_triton() -> None:
     sys.modules[_KERNELS] = _Kernels(_KERNELS)
 
 
-def _llama3(sp: bool):
-    """torchtitan's llama3 debugmodel (2 layers, SDPA) parallelized over TP 2; its context."""
-    import torch
+def _titan_config(family: str, name: str):
+    """torchtitan's ``family`` model ``name``'s config: 2 layers, SDPA, on a CPU."""
+    import importlib
 
     _without_triton()
     import torchtitan.tools.utils as titan_utils
 
     titan_utils.device_type = "cpu"  # read from CUDA at import
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed.utils import get_spmd_context
     from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3 import model_registry
-    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
-    config = model_registry("debugmodel").model
+    config = importlib.import_module(f"torchtitan.models.{family}").model_registry(name).model
     config.layers = config.layers[:2]
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    set_llama3_sharding_config(config, enable_sp=sp)
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2)
+    return config
+
+
+def _built(config):
+    import torch
+
     torch.manual_seed(0)
     model = config.build()
     model.init_weights(buffer_device=torch.device("cpu"))
+    return model
+
+
+def _llama3(sp: bool):
+    """torchtitan's llama3 debugmodel (2 layers, SDPA) parallelized over TP 2; its context."""
+    config = _titan_config("llama3", "debugmodel")  # first: it sets torchtitan's device
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.utils import get_spmd_context
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    set_llama3_sharding_config(config, enable_sp=sp)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2)
+    model = _built(config)
     model.parallelize(dims)
     return model, dims, get_spmd_context(parallel_dims=dims)
 
@@ -212,21 +225,7 @@ def _qwen3_moe():
     """torchtitan's Qwen3 MoE debugmodel (2 layers, SDPA, bf16), no parallelism."""
     import torch
 
-    _without_triton()
-    import torchtitan.tools.utils as titan_utils
-
-    titan_utils.device_type = "cpu"  # read from CUDA at import
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.qwen3 import model_registry
-
-    config = model_registry("debugmodel_moe").model
-    config.layers = config.layers[:2]
-    for layer in config.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    torch.manual_seed(0)
-    model = config.build()
-    model.init_weights(buffer_device=torch.device("cpu"))
-    return model.to(torch.bfloat16)
+    return _built(_titan_config("qwen3", "debugmodel_moe")).to(torch.bfloat16)
 
 
 def test_torchtitan_qwen3_moe_layers_split_once_its_scatter_add_op_is_declared(monkeypatch):

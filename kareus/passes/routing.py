@@ -64,6 +64,17 @@ class _Label:
 
 
 @dataclasses.dataclass(frozen=True)
+class _At:
+    """The routing a node is judged in: its sort, experts, copies, batch symbol, put-backs."""
+
+    sort: fx.Node
+    experts: int
+    copies: Any  # the symbolic count of the sorted copies
+    sym: Any
+    back: set[fx.Node]  # the nodes that put rows back in token order, proven
+
+
+@dataclasses.dataclass(frozen=True)
 class Routing:
     """The nodes of a block's proven token routings, or why one is not proven."""
 
@@ -109,7 +120,8 @@ def _step(
         return f"{node.name} ({name}) reads the orders of two sorts: {both}"
     sort = read.pop()
     kinds = {i: label for i, label in ins}
-    label = _label(node, name, kinds, sort, sorts[sort][1], sym, back)
+    at = _At(sort, sorts[sort][1], _rows(sort.args[0], sym), sym, back)
+    label = _label(node, name, kinds, at)
     if isinstance(label, str):
         return label
     if label is not None:
@@ -119,19 +131,11 @@ def _step(
     return ""
 
 
-def _label(
-    node: fx.Node,
-    name: str,
-    ins: dict[Any, _Label],
-    sort: fx.Node,
-    experts: int,
-    sym: Any,
-    back: set[fx.Node],
-) -> _Label | str | None:
+def _label(node: fx.Node, name: str, ins: dict[Any, _Label], at: _At) -> _Label | str | None:
     """Return ``node``'s label, None where it puts rows back in token order, or a reason."""
     first: Any = node.args[0] if node.args else None
     kinds = {label.kind for label in ins.values()}
-    copies = _rows(sort.args[0], sym)
+    sort = at.sort
     if name == "getitem" and kinds == {"sort"}:  # values (the sorted ids), indices
         return _Label("keys" if node.args[1] == 0 else "perm", sort)
     if kinds == {"perm"} and name in ("floordiv", "floor_divide") and first in ins:
@@ -142,7 +146,7 @@ def _label(
         return _Label("inverse", sort)  # the inverse of a permutation
     index = node.args[1] if name == "getitem" else arg_value(node, 2, "index")
     if name in ("getitem", "index_select") and index in ins:  # rows picked by an index
-        return _gather(node, name, ins, sort, copies, sym, back)
+        return _gather(node, name, ins, at)
     if name in (
         "index_add",
         "index_add_",
@@ -151,23 +155,23 @@ def _label(
         "scatter_add",
         "scatter_add_",
     ):
-        return _put_back(node, ins, sort, copies, sym, back)
+        return _put_back(node, ins, at)
     if kinds in ({"perm"}, {"column"}) and name in ("view", "reshape", "unsqueeze", "expand"):
-        return _columns(node, ins[first], copies)
+        return _columns(node, ins[first], at.copies)
     if name in ("add_", "iadd") and kinds == {"counts"} and len(node.args) > 1:
-        return _accumulate(node, ins, sort, back)
+        return _accumulate(node, ins, at)
     if name in ("empty_like", "zeros_like") and kinds == {"perm"}:
         return _Label("buffer", sort)
     if name == "setitem":
-        return _inverse(node, ins, sort, copies, sym, back)
+        return _inverse(node, ins, at)
     if name in ("bincount", "histc"):
-        return _counts(node, name, ins, sort, experts)
+        return _counts(node, name, ins, at)
     if name == "cumsum" and kinds == {"counts"} and arg_value(node, 1, "dim") in (0, -1):
         return _Label("offsets", sort)
     if kinds <= {"counts", "offsets", "keys"} and len(kinds) == 1 and name in _CASTS:
         return _Label(kinds.pop(), sort)
     if name in _GROUPED:
-        return _grouped_rows(node, ins, sort, experts, sym)
+        return _grouped_rows(node, ins, at)
     if "offs" in node.kwargs and ins.get(node.kwargs["offs"]) == _Label("offsets", sort):
         return (
             f"{node.name} ({name}) takes the counts of {sort.name}'s experts as offsets, as a "
@@ -176,20 +180,13 @@ def _label(
             "kareus.passes.op_effects.declare_alike(op, torch._grouped_mm)"
         )
     if kinds <= {"rows", "keys"}:
-        return _row_wise(node, name, set(ins), sort, (copies, sym))
+        return _row_wise(node, name, set(ins), at)
     return _refuse(node, name, sort)
 
 
-def _gather(
-    node: fx.Node,
-    name: str,
-    ins: dict[Any, _Label],
-    sort: fx.Node,
-    copies: Any,
-    sym: Any,
-    back: set[fx.Node],
-) -> _Label | str | None:
+def _gather(node: fx.Node, name: str, ins: dict[Any, _Label], at: _At) -> _Label | str | None:
     """``x[p // k]`` gathers rows in the sort's order; ``rows[inv]`` puts them back."""
+    sort, copies, sym, back = at.sort, at.copies, at.sym, at.back
     source, index = node.args[0], ins[node.args[1] if name == "getitem" else node.args[2]]
     if name == "index_select" and arg_value(node, 1, "dim") != 0:
         return _refuse(node, name, sort)
@@ -294,19 +291,13 @@ def _counted(node: fx.Node, sorts: dict[fx.Node, tuple[fx.Node, int]]) -> fx.Nod
     return None
 
 
-def _put_back(
-    node: fx.Node,
-    ins: dict[Any, _Label],
-    sort: fx.Node,
-    copies: Any,
-    sym: Any,
-    back: set[fx.Node],
-) -> str | None:
+def _put_back(node: fx.Node, ins: dict[Any, _Label], at: _At) -> str | None:
     """``base.index_add(0, p // k, rows)``: each copy's row added to its token's (or copied).
 
     Or ``base.scatter_add(0, idx, rows)`` with ``idx[r, c] = p[r] // k`` in every column
     (``(p // k).view(-1, 1).expand(-1, d)``): the same sum, row by row.
     """
+    sort, copies, sym, back = at.sort, at.copies, at.sym, at.back
     base, dim = arg_value(node, 0, "input"), arg_value(node, 1, "dim")
     scatter = op_name(node).startswith("scatter")
     index = arg_value(node, 2, "index")
@@ -348,15 +339,14 @@ def _same_shape(a: Any, b: Any) -> bool:
     )
 
 
-def _accumulate(
-    node: fx.Node, ins: dict[Any, _Label], sort: fx.Node, back: set[fx.Node]
-) -> str | None:
+def _accumulate(node: fx.Node, ins: dict[Any, _Label], at: _At) -> str | None:
     """``stats.add_(counts)``: each nanobatch adds its own counts, the two adding up to all.
 
     Counts are whole numbers, so the two additions sum exactly to the one; the statistic
     (torchtitan's ``tokens_per_expert``, which a router's bias update reads after the step)
     must be read by nothing else in the block, between the two.
     """
+    sort, back = at.sort, at.back
     stats, counts = node.args[0], node.args[1]
     if (
         isinstance(stats, fx.Node)
@@ -369,15 +359,9 @@ def _accumulate(
     return _refuse(node, op_name(node), sort)
 
 
-def _inverse(
-    node: fx.Node,
-    ins: dict[Any, _Label],
-    sort: fx.Node,
-    copies: Any,
-    sym: Any,
-    back: set[fx.Node],
-) -> str | None:
+def _inverse(node: fx.Node, ins: dict[Any, _Label], at: _At) -> str | None:
     """``inv[p] = arange(n)``: the buffer becomes the inverse permutation of ``p``."""
+    sort, copies, sym, back = at.sort, at.copies, at.sym, at.back
     buffer, index, value = node.args[0], node.args[1], node.args[2]
     if not (
         isinstance(buffer, fx.Node)
@@ -391,17 +375,16 @@ def _inverse(
     ):
         return _refuse(node, "setitem", sort)
     order = list(node.graph.nodes)
-    at = order.index(node)
-    if any(order.index(u) < at for u in buffer.users if u is not node):
+    here = order.index(node)
+    if any(order.index(u) < here for u in buffer.users if u is not node):
         return _refuse(node, "setitem", sort)  # the buffer read before it is filled
     back.update((node, value))
     return None
 
 
-def _counts(
-    node: fx.Node, name: str, ins: dict[Any, _Label], sort: fx.Node, experts: int
-) -> _Label | str:
+def _counts(node: fx.Node, name: str, ins: dict[Any, _Label], at: _At) -> _Label | str:
     """Label copies per expert, of the sorted (or unsorted) ids: one count per expert."""
+    sort, experts = at.sort, at.experts
     ids = node.args[0]
     if ins.get(ids) != _Label("keys", sort) and ids is not sort.args[0]:
         return _refuse(node, name, sort)
@@ -413,10 +396,9 @@ def _counts(
     return _Label("counts", sort) if ok else _refuse(node, name, sort)
 
 
-def _grouped_rows(
-    node: fx.Node, ins: dict[Any, _Label], sort: fx.Node, experts: int, sym: Any
-) -> _Label | str:
+def _grouped_rows(node: fx.Node, ins: dict[Any, _Label], at: _At) -> _Label | str:
     """Label a grouped GEMM of rows in the sort's order, segmented by the sort's counts."""
+    sort, experts, sym = at.sort, at.experts, at.sym
     rows, weight = node.args[0], node.args[1] if len(node.args) > 1 else None
     offs = arg_value(node, 2, "offs")
     value = weight.meta.get("example_value") if isinstance(weight, fx.Node) else None
@@ -437,16 +419,14 @@ def _grouped_rows(
     return _refuse(node, op_name(node), sort)
 
 
-def _row_wise(
-    node: fx.Node, name: str, routed: set[fx.Node], sort: fx.Node, size: tuple[Any, Any]
-) -> _Label | str:
+def _row_wise(node: fx.Node, name: str, routed: set[fx.Node], at: _At) -> _Label | str:
     """Label an op on rows in the sort's order, row by row, with no row in token order.
 
     Its inputs and outputs keep one row per copy at dimension 0: in the sort's order,
     neighbouring rows are other tokens' copies, so a view that groups rows (fine in token
     order, where a sample's rows are neighbours) would mix tokens.
     """
-    copies, sym = size
+    sort, copies, sym = at.sort, at.copies, at.sym
     outputs = node.meta.get("example_value")
     outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
     for value in [*(i.meta.get("example_value") for i in routed), *outputs]:
