@@ -45,20 +45,14 @@ def batch_dim_of(value: Any, sym: Any) -> int | str | None:
 
 
 def rows_per_sample(size: Any, sym: Any) -> int | None:
-    """Return a batch dimension's size over the batch (rows per sample), if a whole number."""
+    """Return a batch dimension's size over the batch (rows per sample), if a whole number.
+
+    Also k for a size ``k * B`` that Dynamo computes once, where a block first needs it
+    (``16 * s0``: the tokens of a batch of sequences of 16), and the next blocks read: in
+    each nanobatch copy it is k times the nanobatch's size, the whole one the copies' sum.
+    """
     expr = size.node.expr if isinstance(size, torch.SymInt) else size
     ratio = expr / sym
-    return int(ratio) if getattr(ratio, "is_Integer", False) and int(ratio) > 0 else None
-
-
-def times_batch(value: torch.SymInt, sym: Any) -> int | None:
-    """Return k where ``value`` is k times the batch size ``sym`` (None: not such a size).
-
-    Dynamo computes a size once, where a block first needs it (``16 * s0``: the tokens of
-    a batch of sequences of 16), and the next blocks read it: in each nanobatch copy it is
-    k times the nanobatch's size, and the whole batch's is the two copies' sum.
-    """
-    ratio = value.node.expr / sym
     return int(ratio) if getattr(ratio, "is_Integer", False) and int(ratio) > 0 else None
 
 

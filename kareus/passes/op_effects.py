@@ -34,7 +34,7 @@ def call_args(node: fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Return ``node``'s arguments, as the known op takes them where declared alike to one."""
     adapt = _ADAPT.get(qualified_name(node.target) or "") if _ADAPT else None
     if adapt is None:
-        return tuple(node.args), dict(node.kwargs)
+        return node.args, node.kwargs  # read, never written: no copies
     return adapt(*node.args, **node.kwargs)
 
 

@@ -50,9 +50,9 @@ from kareus.passes.base import GraphPass, PassContext, PassResult
 from kareus.passes.batch_dims import (
     BatchInfo,
     rows_dim,
+    rows_per_sample,
     size_reason,
     split_info,
-    times_batch,
 )
 from kareus.passes.census import census
 from kareus.passes.links import collectives_of, why_nothing_to_hide
@@ -234,7 +234,7 @@ def _find_split(
                 elif _mentions(value.shape, sym):
                     return f"input {inp.name} has the batch merged into another dimension"
             elif isinstance(value, torch.SymInt) and _mentions((value,), sym):
-                times = times_batch(value, sym)
+                times = rows_per_sample(value, sym)
                 if times is None:
                     return (
                         f"it uses {inp.name} = {value.node.expr}, a size derived from the batch "
@@ -254,7 +254,7 @@ def _find_split(
             continue
         value = node.meta.get("example_value")
         joined: int | str | None = rows_dim(value, sym) if isinstance(value, torch.Tensor) else None
-        if isinstance(value, torch.SymInt) and times_batch(value, sym) is not None:
+        if isinstance(value, torch.SymInt) and rows_per_sample(value, sym) is not None:
             joined = "size"  # a size the next block reads (Dynamo computes it once): k x B
         if joined is None and not _batch_free(node, inside, set(batch_inputs) | set(batch_sizes)):
             return f"output {node.name} of the block has no batch dimension to join halves on"
