@@ -29,6 +29,7 @@ from kareus.errors import KareusError
 from kareus.planner.cp_sat import CpSatSearch
 from kareus.planner.dag import Option, change_energy, group_profiles, switches
 from kareus.planner.flow import FlowRelaxation
+from kareus.planner.mip import MipSearch
 from kareus.planner.pareto import TIME_RESOLUTION_S, meets
 from kareus.planner.problem import Problem, Solution, SolveKnobs
 from kareus.planner.relax import Relaxation, Relaxed
@@ -207,7 +208,35 @@ class Composer:
                 best, within_s=bound_s, bound_j=min(relaxed.bound_j, best.energy_j)
             )
             return self._record(found)
+        branch = self.knobs.branch_max_instructions
+        if branch is not None and len(self.it.instructions) <= branch:
+            return self._branch(bound_s, best, relaxed.bound_j)
         return self._cp_sat(bound_s, best, relaxed.bound_j)
+
+    def _branch(self, bound_s: float | None, hint: Solution | None, proven_j: float) -> Solution:
+        """Search with SCIP's branch and bound from ``hint``; ``proven_j`` is proven already.
+
+        See :mod:`kareus.planner.mip`. Its plan is priced here again (the model's times are
+        exact to SCIP's tolerances, so a plan past ``bound_s`` by a hair is left out).
+        """
+        self.searches += 1
+        status, choices, bound_j = MipSearch(self._search, self.knobs).run(bound_s, hint)
+        proven = proven_j if bound_j is None else max(proven_j, bound_j)
+        found = None if choices is None else self._solution(choices, status)
+        if found is not None and not meets(found.time_s, bound_s):
+            found = None
+        if hint is not None and (
+            found is None or (hint.energy_j, hint.time_s) < (found.energy_j, found.time_s)
+        ):
+            found = dataclasses.replace(hint, status="HINT")
+        if found is None:
+            within = f"within {bound_s:.6f} s " if bound_s is not None else ""
+            raise KareusError(
+                f"SCIP found no plan {within}within its node limit (status {status}); "
+                "raise PlannerSettings.solver_time_limit_s"
+            )
+        found = dataclasses.replace(found, within_s=bound_s, bound_j=min(proven, found.energy_j))
+        return self._record(found)
 
     def _relax(self, bound_s: float | None) -> Relaxed | None:
         """Return the relaxation's bound and plan within ``bound_s`` (None: no plan fits).

@@ -77,6 +77,9 @@ class SolveKnobs:
         search_max_instructions: CP-SAT searches only iterations of at most this many
             instructions (None: any); a larger one keeps the relaxation's plan and reports
             its gap, proven or not.
+        branch_max_instructions: iterations of at most this many instructions are
+            searched by SCIP's branch and bound (:mod:`kareus.planner.mip`), larger ones by
+            CP-SAT (None: CP-SAT always).
         dive_max_instructions: the relaxation's dive improves the rounded plan only in
             iterations of at most this many instructions (None: any); a larger one keeps
             the rounded plan and its proven gap.
@@ -97,6 +100,7 @@ class SolveKnobs:
     seed: int = 0
     gap_limit: float = 0.0
     search_max_instructions: int | None = None
+    branch_max_instructions: int | None = None
     dive_max_instructions: int | None = None
     flow_min_instructions: int | None = None
     switch: SwitchCost | None = None

@@ -44,6 +44,17 @@ class PlannerSettings:
             instructions) CP-SAT's five searches took 102 s of the 127 s planning and
             improved one point by 0.04 %. Smaller iterations (the README's main job has 32
             instructions) keep it for the points the relaxation and dive leave loose.
+        branch_max_instructions: iterations of at most this many instructions are searched
+            by SCIP's branch and bound (:mod:`kareus.planner.mip`) instead of CP-SAT, under
+            the same work limit (``solver_time_limit_s``: 500 nodes a unit and 64
+            instructions). Where clock changes decide a solve's gap, CP-SAT's bound stays
+            below the simplex's and proves nothing: at micro-batches of 1, 2 and 3
+            sequences (Llama 3.2 3B, TP 8 x PP 2 x 8, 32 instructions, A100) it left 16 of
+            41, 15 of 44 and 17 of 43 solves unproven within 0.5 %, SCIP 0 of 36, 0 of 38
+            and 0 of 32 (modelled; docs/planning.md has the times). At 64 instructions
+            SCIP's root alone takes seconds and its nodes raised no bound (the Mixtral 8x7B
+            and Qwen3 30B-A3B solves of docs/planning.md: 20-30 s a solve, gaps 0.5-0.9 %
+            either way), so larger iterations keep CP-SAT.
         dive_max_instructions: the relaxation's dive (re-solving with mixed instructions
             fixed, round by round) improves the rounded plan only in iterations of at most
             this many instructions; larger ones keep the rounded plan with its proven gap,
@@ -87,6 +98,7 @@ class PlannerSettings:
     solver_workers: int = 1
     solver_gap_limit: float = 0.005
     search_max_instructions: int | None = 128
+    branch_max_instructions: int | None = 32
     dive_max_instructions: int | None = 256
     flow_min_instructions: int | None = 129
     switch: SwitchCost | None = None
@@ -98,6 +110,7 @@ class PlannerSettings:
             workers=self.solver_workers,
             gap_limit=self.solver_gap_limit,
             search_max_instructions=self.search_max_instructions,
+            branch_max_instructions=self.branch_max_instructions,
             dive_max_instructions=self.dive_max_instructions,
             flow_min_instructions=self.flow_min_instructions,
             switch=self.switch,
