@@ -158,7 +158,8 @@ def traced(spec, names, directory):
             f"{name}: {model} TP 8 x PP {pp} x {micro} micro-batches ({2 * pp * micro} "
             f"instructions), from {saved}: {ev['clocks']} clocks, planning {wall:.1f} s wall "
             "(measured); "
-            f"{ev.get('solves', 0)} solves ({ev.get('cp_sat_solves', 0)} CP-SAT), "
+            f"{ev.get('solves', 0)} solves ({ev.get('cp_sat_solves', 0)} CP-SAT, "
+            f"{ev.get('branch_solves', 0)} SCIP), "
             f"{ev.get('solves_not_proven_optimal', 0)} not proven within the gap limit; "
             f"largest proven gap {100 * max(gaps, default=float('nan')):.2f} %; "
             f"{len(plan.frontier)} frontier points (modelled)",

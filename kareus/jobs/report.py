@@ -184,7 +184,7 @@ def _why_loose(instructions: int, settings: PlannerSettings) -> str:
     """Say which size limit left solves unproven, and the setting that moves it ("" if none)."""
     limits = [
         (settings.dive_max_instructions, "the relaxation's dive", "dive_max_instructions"),
-        (settings.search_max_instructions, "CP-SAT's search", "search_max_instructions"),
+        (settings.search_max_instructions, "the search", "search_max_instructions"),
     ]
     skipped = [
         f"{what} runs on iterations of up to {limit} (`PlannerSettings.{name}`)"
@@ -198,6 +198,13 @@ def _why_loose(instructions: int, settings: PlannerSettings) -> str:
         + " and ".join(skipped)
         + ": raise the limit for tighter plans at the cost of planning time"
     )
+
+
+def _searched(ev: dict[str, Any]) -> str:
+    """Say how many solves each search took further (SCIP's branch and bound, CP-SAT)."""
+    branch, cp_sat = ev.get("branch_solves", 0), ev.get("cp_sat_solves", 0)
+    both = [f"{branch} by SCIP's branch and bound"] if branch else []
+    return f"{cp_sat} searched further by CP-SAT" + "".join(f", {b}" for b in both)
 
 
 def _clocks_planned(clocks: int | None, settings: PlannerSettings) -> list[str]:
@@ -560,7 +567,7 @@ def _cost_section(planned: WorkloadPlan) -> list[str]:
         f"{planned.peak_rss_mib:.0f} MiB",
         f"- evaluations: {ev.get('search', 0)} in the search of a {ev.get('grid', 0)}-setting "
         f"grid, {ev.get('total', 0)} in all; {ev.get('solves', 0)} solves of the composition "
-        f"(linear relaxation; {ev.get('cp_sat_solves', 0)} searched further by CP-SAT; "
+        f"(linear relaxation; {_searched(ev)}; "
         f"{unproven} not proven within {100 * settings.solver_gap_limit:g} % of optimal; "
         "each point's proven gap is in *Frontiers*)"
         + (_why_loose(len(plan.schedule), settings) if unproven else ""),

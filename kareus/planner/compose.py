@@ -114,7 +114,8 @@ class Composer:
             else self.problem
         )
         self.solves: list[Solution] = []  # every solve since the last frontier() began
-        self.searches = 0  # of which CP-SAT searched (the relaxation had not proven them)
+        self.searches = 0  # of which a search went further (the relaxation had not proven them)
+        self.branch_searches = 0  # of those, by SCIP's branch and bound (the rest by CP-SAT)
         self._relaxation: Relaxation | None = None  # built at its first solve, then kept
         self._flow: FlowRelaxation | None = None  # likewise
         self._memo: dict[float | None, Solution] = {}  # each bound's solution, since frontier()
@@ -128,6 +129,7 @@ class Composer:
         """Forget the solves so far (a new frontier begins)."""
         self.solves = []
         self.searches = 0
+        self.branch_searches = 0
         self._memo = {}
 
     def option(self, key: tuple[int, str], profile: str, freq_mhz: float) -> Option | None:
@@ -220,6 +222,7 @@ class Composer:
         exact to SCIP's tolerances, so a plan past ``bound_s`` by a hair is left out).
         """
         self.searches += 1
+        self.branch_searches += 1
         status, choices, bound_j = MipSearch(self._search, self.knobs).run(bound_s, hint)
         proven = proven_j if bound_j is None else max(proven_j, bound_j)
         found = None if choices is None else self._solution(choices, status)

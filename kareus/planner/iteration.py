@@ -428,7 +428,10 @@ def _solve_counts(comps: Iterable[Composer], gap_limit: float) -> dict[str, int]
     return {
         "solves": sum(len(c.solves) for c in comps),
         # solves the relaxation left outside the gap limit, searched by CP-SAT
-        "cp_sat_solves": sum(c.searches for c in comps),
+        "cp_sat_solves": sum(c.searches - c.branch_searches for c in comps),
+        # of them, searched by SCIP's branch and bound (iterations of up to
+        # PlannerSettings.branch_max_instructions)
+        "branch_solves": sum(c.branch_searches for c in comps),
         # not proven within the gap limit (CP-SAT stopped at its work limit)
         "solves_not_proven_optimal": sum(not s.proven(gap_limit) for c in comps for s in c.solves),
     }
