@@ -6,20 +6,9 @@ import random
 import pytest
 
 from kareus.planner.compose import Composer, Problem, SolveKnobs, brute_force
-from kareus.planner.dag import Option, SwitchCost, chain, one_f_one_b
+from kareus.planner.dag import SwitchCost, chain, one_f_one_b
 from kareus.planner.mip import MipSearch
-from kareus.testing import tradeoff_options
-
-
-def _random_options(rng):
-    out = []
-    for p in ("a", "b"):
-        base = rng.uniform(0.8, 1.2)
-        for f in (1410, 1200, 1005):
-            t = base * (1410 / f) ** rng.uniform(0.5, 1.0)
-            e = base * 100 * (f / 1410) ** rng.uniform(0.5, 2.0) * rng.uniform(0.9, 1.1)
-            out.append(Option(f, p, t, e))
-    return out
+from kareus.testing import random_options, tradeoff_options
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -29,7 +18,7 @@ def test_the_search_finds_the_least_energy_and_bounds_it_with_changes_priced(see
     meets the bound, and its bound is not above it."""
     rng = random.Random(seed)
     it = chain(2) if seed % 2 else one_f_one_b(2, 2)
-    options = {k: _random_options(rng) for k in sorted({i.key for i in it.instructions})}
+    options = {k: random_options(rng) for k in sorted({i.key for i in it.instructions})}
     knobs = SolveKnobs(switch=SwitchCost(rng.choice((0.02, 0.1, 0.3))), gap_limit=0.0)
     comp = Composer(Problem(it, options, static_power_w=50, gpus=1), knobs)
     fastest = comp.fastest_choice().time_s

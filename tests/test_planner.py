@@ -42,7 +42,7 @@ from kareus.planner.pareto import (
 from kareus.planner.search import exhaustive, search
 from kareus.planner.select import InfeasiblePlanError, select
 from kareus.planner.settings import Parallelism, PlannerSettings
-from kareus.testing import megatron_partition_set, tradeoff_options
+from kareus.testing import megatron_partition_set, random_options, tradeoff_options
 
 SPEC = gpu("a100-sxm4-40gb")
 
@@ -1296,16 +1296,6 @@ def test_the_bound_with_clock_changes_priced_is_below_every_plan_and_mostly_tigh
     import random
 
     from kareus.planner.relax import Relaxation
-
-    def random_options(rng):
-        out = []
-        for p in ("a", "b"):
-            base = rng.uniform(0.8, 1.2)
-            for f in (1410, 1200, 1005):
-                t = base * (1410 / f) ** rng.uniform(0.5, 1.0)
-                e = base * 100 * (f / 1410) ** rng.uniform(0.5, 2.0) * rng.uniform(0.9, 1.1)
-                out.append(Option(f, p, t, e))
-        return out
 
     tighter = cases = 0
     for seed in range(12):

@@ -22,7 +22,11 @@ from kareus.testing.graph_checks import (
     overlapped_collectives,
     split_blocks,
 )
-from kareus.testing.partition_sets import megatron_partition_set, tradeoff_options
+from kareus.testing.partition_sets import (
+    megatron_partition_set,
+    random_options,
+    tradeoff_options,
+)
 from kareus.testing.ranks import free_port, run_ranks
 from kareus.testing.tiny_models import (
     HF_CONFIG_KINDS,
@@ -76,6 +80,7 @@ __all__ = [
     "overlap_problems",
     "overlapped_collectives",
     "per_sample_verdict",
+    "random_options",
     "run_ranks",
     "sleepy",
     "source_training",

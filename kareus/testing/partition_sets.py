@@ -96,6 +96,25 @@ def tradeoff_options(
     ]
 
 
+def random_options(rng: Any, freqs: Sequence[float] = (1410, 1200, 1005)) -> list[Any]:
+    """Return random options of one key: two profiles, each slower and cheaper at lower clocks.
+
+    ``rng``: a ``random.Random``. Each profile draws its size, how its time grows as the
+    clock falls (by 1 to 1.41 times at 1005 MHz) and how its energy falls (by 0.71 to 0.51
+    times), with a 10 % jitter per option, so hulls and clock choices differ per instance.
+    """
+    from kareus.planner.dag import Option
+
+    out = []
+    for p in ("a", "b"):
+        base = rng.uniform(0.8, 1.2)
+        for f in freqs:
+            t = base * (freqs[0] / f) ** rng.uniform(0.5, 1.0)
+            e = base * 100 * (f / freqs[0]) ** rng.uniform(0.5, 2.0) * rng.uniform(0.9, 1.1)
+            out.append(Option(f, p, t, e))
+    return out
+
+
 def megatron_partition_set(
     *,
     hidden: int,
