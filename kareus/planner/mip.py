@@ -12,8 +12,8 @@ Why SCIP and not CP-SAT's search: CP-SAT's bound on the same model stays below t
 simplex's, so where clock changes decide the gap nothing was ever proven. At micro-batches
 of one sequence (Llama 3.2 3B, TP 8 x PP 2 x 8, 32 instructions, A100, modelled), within
 0.538 s CP-SAT given 20 times its default work ended at a plan of 1862.3 J and a bound of
-1829.4 J (the simplex's: 1842.0 J); SCIP proved a plan of 1852.8 J within 0.5 % in 4 nodes
-(measured 2026-12-08, one core).
+1829.4 J (the simplex's: 1842.0 J); SCIP, from the relaxation's plan as its hint, proved a
+plan of 1852.4 J within 0.5 % in 3 nodes (modelled energies; 8 s on one core, 2026-12-08).
 
 Deterministic: one thread, stopped by its node count and the gap limit; the wall-clock
 limit is only a guard against a hung machine (a search it stops says so in its status).
