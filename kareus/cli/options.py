@@ -216,9 +216,10 @@ def _search_options(p: argparse.ArgumentParser) -> None:
         type=_positive,
         default=None,
         metavar="UNITS",
-        help="CP-SAT's deterministic work per solve and 64 instructions (default 1.0; "
-        "about seconds of one core): less plans sooner with larger proven gaps, the same "
-        "plan on any machine either way",
+        help="a search's work per solve and 64 instructions (default 1.0: CP-SAT's "
+        "deterministic time, about seconds of one core; SCIP's 500 nodes, up to 32 "
+        "instructions): less plans sooner with larger proven gaps, the same plan on any "
+        "machine either way",
     )
     p.add_argument(
         "--gpu-profile",

@@ -68,8 +68,9 @@ class SolveKnobs:
     """How the composer solves (:class:`~kareus.planner.compose.Composer`).
 
     Attributes:
-        time_limit_s: CP-SAT's deterministic work limit per solve and 64 instructions of the
-            iteration (deterministic time units: the result never depends on machine load).
+        time_limit_s: a search's work limit per solve and 64 instructions of the iteration:
+            CP-SAT's deterministic time units, or 500 of SCIP's nodes a unit (the result
+            never depends on machine load).
         workers: CP-SAT search workers, interleaved in one thread when more than one.
         seed: CP-SAT's random seed.
         gap_limit: a solve stops once its plan is proven within this fraction of the least

@@ -30,9 +30,10 @@ class PlannerSettings:
         exhaustive: evaluate every setting instead of searching.
         budget_fraction: search budget as a fraction of each type's grid.
         sweep_points: bounds swept to trace each frontier.
-        solver_time_limit_s: CP-SAT's deterministic work limit per solve and 64
-            instructions (in its deterministic time units, roughly seconds of one core): a
-            limit of work, not of wall-clock time, so plans never depend on machine load.
+        solver_time_limit_s: a search's work limit per solve and 64 instructions:
+            CP-SAT's deterministic time units (roughly seconds of one core), or 500 of
+            SCIP's nodes a unit (``branch_max_instructions``): a limit of work, not of
+            wall-clock time, so plans never depend on machine load.
         solver_workers: CP-SAT workers; more than one are interleaved in one thread (that
             keeps the search deterministic).
         solver_gap_limit: a solve stops once its plan is proven within this fraction of
