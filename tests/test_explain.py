@@ -1,3 +1,4 @@
+import gc
 import re
 
 import pytest
@@ -111,6 +112,12 @@ def test_models_sharing_the_kareus_backend_are_explained_apart():
     assert len(ra) == len(rb) == 1 and ra[0] is not rb[0]
     own = {id(p) for p in b.parameters()}
     assert rb[0].parameters <= own and rb[0].parameters
+    # The shared backend outlives its models: once a model is freed its region claims no
+    # parameter, so a new model whose parameters reuse the freed ids is not given its graphs
+    del ca, a
+    gc.collect()
+    assert not ra[0].parameters
+    assert kareus.explain(cb).regions == rb
 
 
 def test_a_compile_time_plan_of_whole_blocks_is_labelled_the_original_graphs():

@@ -14,6 +14,7 @@ import functools
 import itertools
 import logging
 import pathlib
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -190,7 +191,7 @@ class KareusBackend:
             index=len(self.regions),
             compile_id=str(compile_id),
             device=next((v.device.type for v in example_inputs if isinstance(v, Tensor)), ""),
-            parameters=frozenset(id(v) for v in example_inputs if isinstance(v, nn.Parameter)),
+            parameter_refs=tuple(weakref.ref(v) for v in _parameters(example_inputs)),
             graph_break=frame.break_reason,
         )
         if frame.piece or any(r.compile_id == region.compile_id for r in self.regions):
@@ -473,6 +474,11 @@ class _DefaultBackend:
     def __repr__(self) -> str:
         made = ", ".join(map(repr, self._backends.values()))
         return f"default {made}" if made else "default KareusBackend (unused)"
+
+
+def _parameters(example_inputs: Sequence[Any]) -> list[nn.Parameter]:
+    """Return the parameters among a graph's inputs (the model's, which Dynamo passes in)."""
+    return [v for v in example_inputs if isinstance(v, nn.Parameter)]
 
 
 default_backend = _DefaultBackend()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
+from typing import Any
 
 import torch.fx as fx
 
@@ -53,9 +55,9 @@ class Region:
         inputs: what the compiler supplies the passes (plan, decisions, clock runtime).
         notes: why something was left unchanged (a failed pass, a skipped block...).
         device: the device type its tensors are on ("cuda", "cpu"...; "" without tensors).
-        parameters: ids of the parameters among the graph's inputs (the model's own
-            tensors, which Dynamo passes in): whose graph this is, where one backend
-            compiles several models (``backend="kareus"``).
+        parameter_refs: weak references to the parameters among the graph's inputs (the
+            model's own tensors, which Dynamo passes in): whose graph this is, where one
+            backend compiles several models (``backend="kareus"``); see :attr:`parameters`.
     """
 
     index: int
@@ -65,7 +67,7 @@ class Region:
     history: list[PassRecord] = dataclasses.field(default_factory=list)
     findings: Findings = dataclasses.field(default_factory=Findings)
     notes: list[str] = dataclasses.field(default_factory=list)
-    parameters: frozenset[int] = frozenset()
+    parameter_refs: tuple[weakref.ref[Any], ...] = ()
     inputs: RegionInputs = dataclasses.field(default_factory=RegionInputs)
     codegen: str = ""
     """Which codegen ran the rewritten graphs (``inductor`` or ``python``; "": not lowered)."""
@@ -77,6 +79,15 @@ class Region:
     early_forward_runs: int = 0
     """Forwards run before a compile-time plan existed (the runtime counts them as its
     first instruction's)."""
+
+    @property
+    def parameters(self) -> frozenset[int]:
+        """The ids of this region's parameters that are still alive.
+
+        A freed parameter's id may be a new object's (the shared backend outlives the
+        models it compiled): an id is only its parameter's while that parameter lives.
+        """
+        return frozenset(id(p) for p in (r() for r in self.parameter_refs) if p is not None)
 
     def warn(self, note: str) -> None:
         """Record ``note`` (``explain`` shows it) and warn with it."""
