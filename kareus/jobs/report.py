@@ -202,9 +202,9 @@ def _why_loose(instructions: int, settings: PlannerSettings) -> str:
 
 def _searched(ev: dict[str, Any]) -> str:
     """Say how many solves each search took further (SCIP's branch and bound, CP-SAT)."""
-    branch, cp_sat = ev.get("branch_solves", 0), ev.get("cp_sat_solves", 0)
-    both = [f"{branch} by SCIP's branch and bound"] if branch else []
-    return f"{cp_sat} searched further by CP-SAT" + "".join(f", {b}" for b in both)
+    text = f"{ev.get('cp_sat_solves', 0)} searched further by CP-SAT"
+    branch = ev.get("branch_solves", 0)
+    return text + (f", {branch} by SCIP's branch and bound" if branch else "")
 
 
 def _clocks_planned(clocks: int | None, settings: PlannerSettings) -> list[str]:

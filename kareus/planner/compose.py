@@ -228,18 +228,29 @@ class Composer:
         found = None if choices is None else self._solution(choices, status)
         if found is not None and not meets(found.time_s, bound_s):
             found = None
-        if hint is not None and (
-            found is None or (hint.energy_j, hint.time_s) < (found.energy_j, found.time_s)
-        ):
-            found = dataclasses.replace(hint, status="HINT")
-        if found is None:
+        if found is None and hint is None:
             within = f"within {bound_s:.6f} s " if bound_s is not None else ""
             raise KareusError(
                 f"SCIP found no plan {within}within its node limit (status {status}); "
                 "raise PlannerSettings.solver_time_limit_s"
             )
-        found = dataclasses.replace(found, within_s=bound_s, bound_j=min(proven, found.energy_j))
-        return self._record(found)
+        return self._keep(found, hint, bound_s, proven)
+
+    def _keep(
+        self, found: Solution | None, hint: Solution | None, bound_s: float | None, proven_j: float
+    ) -> Solution:
+        """Record the better of a search's plan and its hint (one of them given).
+
+        ``proven_j`` is the bound proven at ``bound_s``; the hint is kept where the search
+        stopped short of it.
+        """
+        if hint is not None and (
+            found is None or (hint.energy_j, hint.time_s) < (found.energy_j, found.time_s)
+        ):
+            found = dataclasses.replace(hint, status="HINT")
+        assert found is not None
+        bound_j = min(proven_j, found.energy_j)
+        return self._record(dataclasses.replace(found, within_s=bound_s, bound_j=bound_j))
 
     def _relax(self, bound_s: float | None) -> Relaxed | None:
         """Return the relaxation's bound and plan within ``bound_s`` (None: no plan fits).
@@ -314,13 +325,7 @@ class Composer:
                 found = None
             if hint is not None and hint.energy_j - proven <= self.gap_limit * hint.energy_j:
                 break  # the hint is proven good enough: no second search
-        if found is None:
-            if hint is not None:
-                # Out of work before CP-SAT found a plan: the hint is still a valid plan.
-                found = dataclasses.replace(
-                    hint, status="HINT", within_s=bound_s, bound_j=min(proven, hint.energy_j)
-                )
-                return self._record(found)
+        if found is None and hint is None:
             within = f"within {bound_s:.6f} s " if bound_s is not None else ""
             limit = self.knobs.time_limit_s * max(1.0, len(self.it.instructions) / 64)
             raise KareusError(
@@ -328,16 +333,15 @@ class Composer:
                 "deterministic units; raise PlannerSettings.solver_time_limit_s) "
                 f"(status {status})"
             )
-        _log.debug(
-            "CP-SAT's plan %.1f J, from %s (modelled)",
-            found.energy_j,
-            "no hint" if hint is None else f"{hint.energy_j:.1f} J",
-        )
-        if hint is not None and (hint.energy_j, hint.time_s) < (found.energy_j, found.time_s):
-            found = dataclasses.replace(hint, status="HINT")  # the search stopped short of it
-        # OPTIMAL means within gap_limit, not exact
-        found = dataclasses.replace(found, within_s=bound_s, bound_j=min(proven, found.energy_j))
-        return self._record(found)
+        if found is not None:
+            _log.debug(
+                "CP-SAT's plan %.1f J, from %s (modelled)",
+                found.energy_j,
+                "no hint" if hint is None else f"{hint.energy_j:.1f} J",
+            )
+        # (out of work before CP-SAT found a plan: the hint is still a valid plan; OPTIMAL
+        # means within gap_limit, not exact)
+        return self._keep(found, hint, bound_s, proven)
 
     def fastest_choice(self) -> Solution:
         """Every instruction's fastest option (least energy among equals): a feasible start."""
